@@ -1,0 +1,462 @@
+//! The controller: the per-node state machine that keeps one writer.
+//!
+//! ```text
+//!            observe: is_self (lease valid)
+//! Follower ───────────────────────────────▶ FencePending ──fence ok, promotion
+//!    ▲                                         │   ▲        recorded, engine
+//!    │ observe: !is_self, a newer term,        │   │        active, lease still
+//!    │ the lease ran out, or stop              │   │        valid, nothing newer
+//!    │                                         │   └ fence failed / timed out:
+//!    └──────────────── Leader ◀────────────────┘     retry later, never write
+//! ```
+//!
+//! Invariants:
+//! - **S1.** The gate opens only after the [`Fencer`] returned Ok for this
+//!   very term. A failed or timed-out fence leaves the node in
+//!   `FencePending`, gate closed; it retries on the next observation or after
+//!   `retry_interval`.
+//! - **The seed's slow-fence window is closed.** Every await of a promotion
+//!   (previous writer, fence, record) is abandoned as soon as a new
+//!   observation arrives or `stop` is called; the gate is opened under the
+//!   state lock only if no observation is pending, the controller is not
+//!   stopped, and the lease of the term is still valid. The gate's own
+//!   per-write lease check (S4) is the second wall.
+//! - **Demotion is immediate.** `!is_self`, a newer term, or a lease that ran
+//!   out without an observation closes the gate before anything else.
+//! - **Stop** closes the gate, deactivates the engine and resigns, once;
+//!   later calls are no-ops, and `run` after `stop` returns `Stopped`.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{
+    ActiveDevice, Coordinator, Fencer, HaError, Leadership, ReplicaStatus, Writer, WriterEngine,
+};
+
+/// Timing of the controller.
+#[derive(Debug, Clone, Copy)]
+pub struct ControllerConfig {
+    /// How long one fence attempt may take before it counts as failed.
+    pub fence_timeout: Duration,
+    /// How soon a failed promotion step is tried again without a new
+    /// observation.
+    pub retry_interval: Duration,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self {
+            fence_timeout: Duration::from_secs(2),
+            retry_interval: Duration::from_millis(200),
+        }
+    }
+}
+
+/// The controller's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Not the leader; the gate is closed.
+    Follower,
+    /// Leads, but has not yet fenced the previous writer; the gate is closed.
+    FencePending,
+    /// Fenced and promoted: the gate is open.
+    Leader,
+}
+
+impl Role {
+    /// The name used by status and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Follower => "follower",
+            Role::FencePending => "fence_pending",
+            Role::Leader => "leader",
+        }
+    }
+}
+
+/// A snapshot of the controller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// The role.
+    pub role: Role,
+    /// The term of the latest observation acted on.
+    pub term: u64,
+    /// The leader of that observation.
+    pub leader: Option<String>,
+    /// The writer fenced (or being fenced) on the latest promotion.
+    pub prev_writer: Option<Writer>,
+    /// Whether the write gate is open.
+    pub active: bool,
+    /// Failed or timed-out fence attempts since start.
+    pub fence_failures: u64,
+    /// Promotions (gate openings) since start.
+    pub promotions: u64,
+    /// The engine's replicas.
+    pub replicas: Vec<ReplicaStatus>,
+}
+
+struct Inner {
+    role: Role,
+    term: u64,
+    leader: Option<String>,
+    prev_writer: Option<Writer>,
+    stopped: bool,
+    running: bool,
+    fence_failures: u64,
+    promotions: u64,
+}
+
+/// What the run loop does after a reconcile step.
+enum Next {
+    /// Look at the latest observation again at once.
+    Again,
+    /// Wait for a new observation, or until the instant (a retry, or the
+    /// lease deadline to re-check).
+    Wait(Option<Instant>),
+}
+
+/// The reconcile state machine. See the module docs.
+pub struct Controller {
+    coordinator: Arc<dyn Coordinator>,
+    fencer: Arc<dyn Fencer>,
+    engine: Arc<dyn WriterEngine>,
+    device: Arc<ActiveDevice>,
+    config: ControllerConfig,
+    inner: Mutex<Inner>,
+    stop: watch::Sender<bool>,
+}
+
+impl Controller {
+    /// Builds a controller; its device starts passive.
+    pub fn new(
+        engine: Arc<dyn WriterEngine>,
+        coordinator: Arc<dyn Coordinator>,
+        fencer: Arc<dyn Fencer>,
+        config: ControllerConfig,
+    ) -> Self {
+        let device = Arc::new(ActiveDevice::new(
+            Arc::clone(&engine),
+            Arc::clone(&coordinator),
+        ));
+        Self {
+            coordinator,
+            fencer,
+            engine,
+            device,
+            config,
+            inner: Mutex::new(Inner {
+                role: Role::Follower,
+                term: 0,
+                leader: None,
+                prev_writer: None,
+                stopped: false,
+                running: false,
+                fence_failures: 0,
+                promotions: 0,
+            }),
+            stop: watch::channel(false).0,
+        }
+    }
+
+    /// The gated device the data path writes through.
+    pub fn device(&self) -> Arc<ActiveDevice> {
+        Arc::clone(&self.device)
+    }
+
+    /// A snapshot of the controller's state.
+    pub fn status(&self) -> Status {
+        let inner = self.lock();
+        Status {
+            role: inner.role,
+            term: inner.term,
+            leader: inner.leader.clone(),
+            prev_writer: inner.prev_writer.clone(),
+            active: self.device.is_open(),
+            fence_failures: inner.fence_failures,
+            promotions: inner.promotions,
+            replicas: self.engine.replicas(),
+        }
+    }
+
+    /// The live members, from the coordinator.
+    pub async fn members(&self) -> Result<Vec<String>, HaError> {
+        self.coordinator.members().await
+    }
+
+    /// Drives the state machine until [`Controller::stop`] (then `Stopped`)
+    /// or until the coordinator's observation stream ends. The gate is
+    /// closed whenever this returns.
+    pub async fn run(&self) -> Result<(), HaError> {
+        {
+            let mut inner = self.lock();
+            if inner.stopped {
+                return Err(HaError::Stopped);
+            }
+            if inner.running {
+                return Err(HaError::AlreadyRunning);
+            }
+            inner.running = true;
+        }
+        // Reset `running` and close the gate however the loop ends,
+        // cancellation included.
+        struct Exit<'a>(&'a Controller);
+        impl Drop for Exit<'_> {
+            fn drop(&mut self) {
+                self.0.demote(None, "controller loop ended");
+                self.0.lock().running = false;
+            }
+        }
+        let _exit = Exit(self);
+        self.run_loop().await
+    }
+
+    /// Closes the gate, deactivates the engine and resigns. Idempotent.
+    pub async fn stop(&self) -> Result<(), HaError> {
+        let first = {
+            let mut inner = self.lock();
+            let first = !inner.stopped;
+            inner.stopped = true;
+            self.device.close();
+            inner.role = Role::Follower;
+            first
+        };
+        self.engine.deactivate();
+        self.stop.send_replace(true);
+        if first {
+            tracing::info!(
+                node = self.coordinator.node_id(),
+                "controller stopped; resigning"
+            );
+            self.coordinator.resign().await?;
+        }
+        Ok(())
+    }
+
+    async fn run_loop(&self) -> Result<(), HaError> {
+        let mut stop = self.stop.subscribe();
+        let mut observations = self.coordinator.observe();
+        let campaign = self.coordinator.campaign();
+        tokio::pin!(campaign);
+        let mut campaigning = true;
+        loop {
+            if *stop.borrow_and_update() {
+                return Err(HaError::Stopped);
+            }
+            let seen = observations.borrow_and_update().clone();
+            let wake = match self.reconcile(&seen, &mut observations, &mut stop).await? {
+                Next::Again => continue,
+                Next::Wait(wake) => wake,
+            };
+            tokio::select! {
+                changed = observations.changed() => {
+                    if changed.is_err() {
+                        return Err(HaError::Coordinator("observation stream ended".into()));
+                    }
+                }
+                _ = stop.changed() => {}
+                result = &mut campaign, if campaigning => {
+                    campaigning = false;
+                    if let Err(err) = result {
+                        tracing::warn!(%err, "campaign failed");
+                    }
+                }
+                _ = sleep_until_opt(wake), if wake.is_some() => {}
+            }
+        }
+    }
+
+    /// Acts on one observation.
+    async fn reconcile(
+        &self,
+        seen: &Leadership,
+        observations: &mut watch::Receiver<Leadership>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Next, HaError> {
+        if !seen.is_self {
+            self.demote(Some(seen), "not the leader");
+            return Ok(Next::Wait(None));
+        }
+        let lease = self
+            .coordinator
+            .lease()
+            .filter(|lease| lease.covers(seen.term, Instant::now()));
+        let (role, term) = {
+            let inner = self.lock();
+            (inner.role, inner.term)
+        };
+        if role == Role::Leader {
+            match lease {
+                Some(lease) if term == seen.term => return Ok(Next::Wait(Some(lease.deadline))),
+                Some(_) => self.demote(Some(seen), "a newer term began"),
+                None => self.demote(Some(seen), "the lease ran out"),
+            }
+        }
+        if lease.is_none() {
+            self.set_pending(seen);
+            return Ok(self.retry_later());
+        }
+        self.promote(seen, observations, stop).await
+    }
+
+    /// Fence, record, activate, and open the gate for `seen.term` (S1).
+    async fn promote(
+        &self,
+        seen: &Leadership,
+        observations: &mut watch::Receiver<Leadership>,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Next, HaError> {
+        let term = seen.term;
+        self.set_pending(seen);
+
+        let prev = match cancellable(observations, stop, self.coordinator.prev_writer(term)).await?
+        {
+            None => return Ok(Next::Again),
+            Some(Err(err)) => {
+                tracing::warn!(term, %err, "could not read the previous writer");
+                return Ok(self.retry_later());
+            }
+            Some(Ok(prev)) => prev,
+        };
+        self.lock().prev_writer = prev.clone();
+
+        let fence = tokio::time::timeout(
+            self.config.fence_timeout,
+            self.fencer.fence(prev.as_ref(), term),
+        );
+        let failure = match cancellable(observations, stop, fence).await? {
+            None => return Ok(Next::Again),
+            Some(Ok(Ok(()))) => None,
+            Some(Ok(Err(err))) => Some(err),
+            Some(Err(_)) => Some(format!("timed out after {:?}", self.config.fence_timeout)),
+        };
+        if let Some(err) = failure {
+            self.lock().fence_failures += 1;
+            let err = HaError::FenceFailed(err);
+            tracing::warn!(term, prev = ?prev, %err, "staying fence_pending");
+            return Ok(self.retry_later());
+        }
+
+        match cancellable(observations, stop, self.coordinator.record_promotion(term)).await? {
+            None => return Ok(Next::Again),
+            Some(Err(err)) => {
+                tracing::warn!(term, %err, "could not record the promotion");
+                return Ok(self.retry_later());
+            }
+            Some(Ok(())) => {}
+        }
+        if let Err(err) = self.engine.activate(term).await {
+            tracing::warn!(term, %err, "could not activate the engine");
+            return Ok(self.retry_later());
+        }
+        self.open_gate(term, observations)
+    }
+
+    /// The last step of a promotion, under the state lock so that `stop`
+    /// and a pending observation are seen.
+    fn open_gate(
+        &self,
+        term: u64,
+        observations: &watch::Receiver<Leadership>,
+    ) -> Result<Next, HaError> {
+        let mut inner = self.lock();
+        if inner.stopped {
+            self.engine.deactivate();
+            return Err(HaError::Stopped);
+        }
+        if observations.has_changed().unwrap_or(true) {
+            self.engine.deactivate();
+            return Ok(Next::Again);
+        }
+        let lease = self
+            .coordinator
+            .lease()
+            .filter(|lease| lease.covers(term, Instant::now()));
+        let Some(lease) = lease else {
+            self.engine.deactivate();
+            tracing::warn!(term, "lease ran out during promotion");
+            return Ok(self.retry_later());
+        };
+        self.device.open(term);
+        inner.role = Role::Leader;
+        inner.promotions += 1;
+        tracing::info!(
+            node = self.coordinator.node_id(),
+            term,
+            role = Role::Leader.as_str(),
+            prev = ?inner.prev_writer,
+            "promoted: gate open"
+        );
+        Ok(Next::Wait(Some(lease.deadline)))
+    }
+
+    fn set_pending(&self, seen: &Leadership) {
+        let mut inner = self.lock();
+        if inner.role != Role::FencePending || inner.term != seen.term {
+            tracing::info!(
+                node = self.coordinator.node_id(),
+                term = seen.term,
+                role = Role::FencePending.as_str(),
+                "won leadership; fencing before promotion"
+            );
+        }
+        inner.role = Role::FencePending;
+        inner.term = seen.term;
+        inner.leader = seen.leader.clone();
+    }
+
+    /// Closes the gate and becomes a follower.
+    fn demote(&self, seen: Option<&Leadership>, why: &str) {
+        let mut inner = self.lock();
+        self.device.close();
+        self.engine.deactivate();
+        if inner.role != Role::Follower {
+            tracing::info!(
+                node = self.coordinator.node_id(),
+                term = inner.term,
+                role = Role::Follower.as_str(),
+                why,
+                "demoted: gate closed"
+            );
+        }
+        inner.role = Role::Follower;
+        if let Some(seen) = seen {
+            inner.term = seen.term;
+            inner.leader = seen.leader.clone();
+        }
+    }
+
+    fn retry_later(&self) -> Next {
+        Next::Wait(Some(Instant::now() + self.config.retry_interval))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Runs `work` until it finishes (`Some`), a new observation arrives
+/// (`None`), or the controller is stopped (`Stopped`).
+async fn cancellable<T>(
+    observations: &mut watch::Receiver<Leadership>,
+    stop: &mut watch::Receiver<bool>,
+    work: impl std::future::Future<Output = T>,
+) -> Result<Option<T>, HaError> {
+    tokio::select! {
+        result = work => Ok(Some(result)),
+        changed = observations.changed() => match changed {
+            Ok(()) => Ok(None),
+            Err(_) => Err(HaError::Coordinator("observation stream ended".into())),
+        },
+        _ = stop.changed() => Err(HaError::Stopped),
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,517 @@
+//! In-memory fakes of the seams, for tests of the reconcile core.
+//!
+//! - [`FakeCluster`] is one election shared by several [`FakeCoordinator`]s.
+//!   The test chooses who leads and when; leases run on tokio's clock (so a
+//!   paused-time test can advance past them); observations to a node can be
+//!   lost ([`FakeCluster::set_deaf`]). Like a real lease-based election, it
+//!   refuses to elect a new leader while the previous leader's lease is
+//!   still valid — that is the property the gate's deadline check relies on.
+//! - [`FenceScript`] hands out [`FakeFencer`]s that succeed, fail or hang on
+//!   command, and logs every attempt.
+//! - [`MemoryEngine`] is a [`WriterEngine`] over a byte vector that logs the
+//!   term of every write it accepts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{
+    Coordinator, Fencer, HaError, Leadership, Lease, ReplicaState, ReplicaStatus, Writer,
+    WriterEngine,
+};
+use crate::volume::{Device, DeviceError, check_request};
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct FakeNode {
+    tx: watch::Sender<Leadership>,
+    deaf: bool,
+}
+
+#[derive(Default)]
+struct ClusterState {
+    term: u64,
+    leader: Option<String>,
+    /// The last lease granted to each node; it may have run out.
+    leases: HashMap<String, Lease>,
+    promoted: Option<Writer>,
+    nodes: BTreeMap<String, FakeNode>,
+    fail_promotions: bool,
+    fail_prev_writer: bool,
+    resigns: u64,
+}
+
+impl ClusterState {
+    fn observation_for(&self, id: &str, now: Instant) -> Leadership {
+        let is_self = self.leader.as_deref() == Some(id)
+            && self
+                .leases
+                .get(id)
+                .is_some_and(|lease| lease.covers(self.term, now));
+        Leadership {
+            leader: self.leader.clone(),
+            is_self,
+            term: self.term,
+        }
+    }
+
+    fn notify(&self) {
+        let now = Instant::now();
+        for (id, node) in &self.nodes {
+            if !node.deaf {
+                node.tx.send_replace(self.observation_for(id, now));
+            }
+        }
+    }
+
+    fn leader_lease(&self) -> Option<Lease> {
+        self.leader
+            .as_ref()
+            .and_then(|leader| self.leases.get(leader))
+            .copied()
+    }
+}
+
+/// One fake election shared by several coordinators. See the module docs.
+#[derive(Clone)]
+pub struct FakeCluster {
+    state: Arc<Mutex<ClusterState>>,
+    lease: Duration,
+}
+
+impl FakeCluster {
+    /// A cluster whose leases last `lease` from each grant or renewal.
+    pub fn new(lease: Duration) -> Self {
+        Self {
+            state: Arc::default(),
+            lease,
+        }
+    }
+
+    /// Registers node `id` and returns its coordinator.
+    pub fn coordinator(&self, id: &str) -> Arc<FakeCoordinator> {
+        let mut state = lock(&self.state);
+        let now = Instant::now();
+        let (tx, _) = watch::channel(state.observation_for(id, now));
+        state.nodes.insert(
+            id.to_string(),
+            FakeNode {
+                tx: tx.clone(),
+                deaf: false,
+            },
+        );
+        Arc::new(FakeCoordinator {
+            id: id.to_string(),
+            cluster: self.clone(),
+            tx,
+        })
+    }
+
+    /// Elects `id` for a new term, granting it a fresh lease, and notifies
+    /// every node that hears. Refused while the current leader's lease is
+    /// valid. Returns the new term.
+    pub fn elect(&self, id: &str) -> Result<u64, String> {
+        let mut state = lock(&self.state);
+        let now = Instant::now();
+        if let Some(lease) = state.leader_lease() {
+            if now < lease.deadline {
+                return Err(format!(
+                    "the lease of term {} is valid for another {:?}",
+                    lease.term,
+                    lease.deadline - now
+                ));
+            }
+        }
+        if !state.nodes.contains_key(id) {
+            return Err(format!("unknown node {id}"));
+        }
+        state.term += 1;
+        state.leader = Some(id.to_string());
+        let lease = Lease {
+            term: state.term,
+            deadline: now + self.lease,
+        };
+        state.leases.insert(id.to_string(), lease);
+        state.notify();
+        Ok(state.term)
+    }
+
+    /// Extends the current leader's lease by a full lease from now, without
+    /// an observation (as a leader's heartbeats do).
+    pub fn renew(&self) {
+        let mut state = lock(&self.state);
+        let deadline = Instant::now() + self.lease;
+        let term = state.term;
+        if let Some(leader) = state.leader.clone() {
+            if let Some(lease) = state.leases.get_mut(&leader) {
+                if lease.term == term {
+                    lease.deadline = deadline;
+                }
+            }
+        }
+    }
+
+    /// Ends the current leader's lease now. With `notify`, every node that
+    /// hears learns there is no leader; without, the loss goes unobserved
+    /// and only the lease deadline tells.
+    pub fn expire(&self, notify: bool) {
+        let mut state = lock(&self.state);
+        let now = Instant::now();
+        if let Some(leader) = state.leader.clone() {
+            if let Some(lease) = state.leases.get_mut(&leader) {
+                lease.deadline = lease.deadline.min(now);
+            }
+        }
+        if notify {
+            state.leader = None;
+            state.notify();
+        }
+    }
+
+    /// Loses (`true`) or restores (`false`) the observations sent to `id`.
+    /// On restore the node gets the current observation.
+    pub fn set_deaf(&self, id: &str, deaf: bool) {
+        let mut state = lock(&self.state);
+        let now = Instant::now();
+        let observation = state.observation_for(id, now);
+        if let Some(node) = state.nodes.get_mut(id) {
+            node.deaf = deaf;
+            if !deaf {
+                node.tx.send_replace(observation);
+            }
+        }
+    }
+
+    /// Sends every hearing node its current observation again.
+    pub fn republish(&self) {
+        lock(&self.state).notify();
+    }
+
+    /// Makes `record_promotion` fail (`true`) or work again.
+    pub fn set_fail_promotions(&self, fail: bool) {
+        lock(&self.state).fail_promotions = fail;
+    }
+
+    /// Makes `prev_writer` fail (`true`) or work again.
+    pub fn set_fail_prev_writer(&self, fail: bool) {
+        lock(&self.state).fail_prev_writer = fail;
+    }
+
+    /// Closes every node's observation stream, as a coordinator shutting
+    /// down does.
+    pub fn shut_down(&self) {
+        lock(&self.state).nodes.clear();
+    }
+
+    /// The last promoted writer.
+    pub fn promoted(&self) -> Option<Writer> {
+        lock(&self.state).promoted.clone()
+    }
+
+    /// The current leader and term.
+    pub fn leader(&self) -> (Option<String>, u64) {
+        let state = lock(&self.state);
+        (state.leader.clone(), state.term)
+    }
+
+    /// The current leader's lease deadline.
+    pub fn lease_deadline(&self) -> Option<Instant> {
+        lock(&self.state).leader_lease().map(|lease| lease.deadline)
+    }
+
+    /// How many times a leader resigned.
+    pub fn resigns(&self) -> u64 {
+        lock(&self.state).resigns
+    }
+}
+
+/// One node's view of a [`FakeCluster`].
+pub struct FakeCoordinator {
+    id: String,
+    cluster: FakeCluster,
+    tx: watch::Sender<Leadership>,
+}
+
+#[async_trait]
+impl Coordinator for FakeCoordinator {
+    fn node_id(&self) -> &str {
+        &self.id
+    }
+
+    async fn campaign(&self) -> Result<(), HaError> {
+        let mut rx = self.tx.subscribe();
+        loop {
+            if rx.borrow_and_update().is_self && self.lease().is_some() {
+                return Ok(());
+            }
+            rx.changed()
+                .await
+                .map_err(|_| HaError::Coordinator("cluster shut down".into()))?;
+        }
+    }
+
+    async fn resign(&self) -> Result<(), HaError> {
+        let mut state = lock(&self.cluster.state);
+        if state.leader.as_deref() == Some(self.id.as_str()) {
+            let now = Instant::now();
+            if let Some(lease) = state.leases.get_mut(&self.id) {
+                lease.deadline = lease.deadline.min(now);
+            }
+            state.leader = None;
+            state.resigns += 1;
+            state.notify();
+        }
+        Ok(())
+    }
+
+    fn observe(&self) -> watch::Receiver<Leadership> {
+        self.tx.subscribe()
+    }
+
+    async fn members(&self) -> Result<Vec<String>, HaError> {
+        Ok(lock(&self.cluster.state).nodes.keys().cloned().collect())
+    }
+
+    fn lease(&self) -> Option<Lease> {
+        lock(&self.cluster.state).leases.get(&self.id).copied()
+    }
+
+    async fn prev_writer(&self, _term: u64) -> Result<Option<Writer>, HaError> {
+        let state = lock(&self.cluster.state);
+        if state.fail_prev_writer {
+            return Err(HaError::Coordinator("state machine unavailable".into()));
+        }
+        Ok(state.promoted.clone())
+    }
+
+    async fn record_promotion(&self, term: u64) -> Result<(), HaError> {
+        let mut state = lock(&self.cluster.state);
+        if state.fail_promotions {
+            return Err(HaError::Coordinator("promotion could not commit".into()));
+        }
+        let leads = state.leader.as_deref() == Some(self.id.as_str())
+            && state.term == term
+            && state
+                .leases
+                .get(&self.id)
+                .is_some_and(|lease| lease.covers(term, Instant::now()));
+        if !leads {
+            return Err(HaError::NotLeader);
+        }
+        state.promoted = Some(Writer {
+            node: self.id.clone(),
+            term,
+        });
+        Ok(())
+    }
+}
+
+/// What a [`FakeFencer`] does when asked to fence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FenceBehavior {
+    /// Fences and returns Ok.
+    #[default]
+    Succeed,
+    /// Returns an error.
+    Fail,
+    /// Never returns.
+    Hang,
+}
+
+/// One fence attempt, as logged by a [`FenceScript`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FenceRecord {
+    /// The node that fenced.
+    pub node: String,
+    /// The writer it fenced.
+    pub prev: Option<Writer>,
+    /// The term it fenced for.
+    pub term: u64,
+    /// Whether it succeeded.
+    pub ok: bool,
+}
+
+/// Scripts the behaviour of several [`FakeFencer`]s and logs their attempts.
+#[derive(Default)]
+pub struct FenceScript {
+    behavior: Mutex<HashMap<String, FenceBehavior>>,
+    delay: Mutex<Duration>,
+    log: Mutex<Vec<FenceRecord>>,
+}
+
+impl FenceScript {
+    /// A script where every fence succeeds at once.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// A fencer for node `node`.
+    pub fn fencer(self: &Arc<Self>, node: &str) -> Arc<FakeFencer> {
+        Arc::new(FakeFencer {
+            node: node.to_string(),
+            script: Arc::clone(self),
+        })
+    }
+
+    /// Sets what `node`'s fencer does from now on.
+    pub fn set(&self, node: &str, behavior: FenceBehavior) {
+        lock(&self.behavior).insert(node.to_string(), behavior);
+    }
+
+    /// Makes every fence take `delay` before it acts.
+    pub fn set_delay(&self, delay: Duration) {
+        *lock(&self.delay) = delay;
+    }
+
+    /// Every attempt so far.
+    pub fn log(&self) -> Vec<FenceRecord> {
+        lock(&self.log).clone()
+    }
+
+    /// Whether `node` fenced successfully for `term`.
+    pub fn fenced(&self, node: &str, term: u64) -> bool {
+        lock(&self.log)
+            .iter()
+            .any(|r| r.ok && r.node == node && r.term == term)
+    }
+}
+
+/// A fencer whose behaviour a [`FenceScript`] decides.
+pub struct FakeFencer {
+    node: String,
+    script: Arc<FenceScript>,
+}
+
+#[async_trait]
+impl Fencer for FakeFencer {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String> {
+        let delay = *lock(&self.script.delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let behavior = lock(&self.script.behavior)
+            .get(&self.node)
+            .copied()
+            .unwrap_or_default();
+        if behavior == FenceBehavior::Hang {
+            std::future::pending::<()>().await;
+        }
+        let ok = behavior == FenceBehavior::Succeed;
+        lock(&self.script.log).push(FenceRecord {
+            node: self.node.clone(),
+            prev: prev_writer.cloned(),
+            term,
+            ok,
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("{} could not fence for term {term}", self.node))
+        }
+    }
+}
+
+/// A [`WriterEngine`] over memory that logs each accepted write's term.
+pub struct MemoryEngine {
+    data: Mutex<Vec<u8>>,
+    term: Mutex<Option<u64>>,
+    writes: Mutex<Vec<(u64, u64)>>,
+    delay: Mutex<Duration>,
+    fail_activate: AtomicBool,
+}
+
+impl MemoryEngine {
+    /// An engine of `size` zero bytes.
+    pub fn new(size: usize) -> Arc<Self> {
+        Arc::new(Self {
+            data: Mutex::new(vec![0; size]),
+            term: Mutex::new(None),
+            writes: Mutex::default(),
+            delay: Mutex::default(),
+            fail_activate: AtomicBool::new(false),
+        })
+    }
+
+    /// The active term.
+    pub fn term(&self) -> Option<u64> {
+        *lock(&self.term)
+    }
+
+    /// `(term, offset)` of every accepted write.
+    pub fn writes(&self) -> Vec<(u64, u64)> {
+        lock(&self.writes).clone()
+    }
+
+    /// Makes each write take `delay` (to hold writes in flight).
+    pub fn set_delay(&self, delay: Duration) {
+        *lock(&self.delay) = delay;
+    }
+
+    /// Makes `activate` fail (`true`) or work again.
+    pub fn set_fail_activate(&self, fail: bool) {
+        self.fail_activate.store(fail, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl Device for MemoryEngine {
+    async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        let data = lock(&self.data);
+        check_request(offset, len, data.len() as u64)?;
+        Ok(Bytes::copy_from_slice(
+            &data[offset as usize..(offset + len) as usize],
+        ))
+    }
+
+    async fn write_at(&self, offset: u64, bytes: Bytes, _fua: bool) -> Result<(), DeviceError> {
+        let term = self.term().ok_or(DeviceError::Inactive)?;
+        let delay = *lock(&self.delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let mut data = lock(&self.data);
+        check_request(offset, bytes.len() as u64, data.len() as u64)?;
+        data[offset as usize..offset as usize + bytes.len()].copy_from_slice(&bytes);
+        lock(&self.writes).push((term, offset));
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.term().map(|_| ()).ok_or(DeviceError::Inactive)
+    }
+
+    fn size(&self) -> u64 {
+        lock(&self.data).len() as u64
+    }
+}
+
+#[async_trait]
+impl WriterEngine for MemoryEngine {
+    async fn activate(&self, term: u64) -> Result<(), DeviceError> {
+        if self.fail_activate.load(Ordering::SeqCst) {
+            return Err(DeviceError::Io("activation refused".into()));
+        }
+        *lock(&self.term) = Some(term);
+        Ok(())
+    }
+
+    fn deactivate(&self) {
+        *lock(&self.term) = None;
+    }
+
+    fn replicas(&self) -> Vec<ReplicaStatus> {
+        vec![ReplicaStatus {
+            id: "memory".into(),
+            state: ReplicaState::InSync,
+            local: true,
+        }]
+    }
+}

@@ -1,0 +1,101 @@
+//! The write gate in front of the engine.
+//!
+//! [`ActiveDevice`] is the [`Device`] the data path (the NBD server) writes
+//! through. Reads and `size` always pass: a passive node may serve reads.
+//! Writes and flushes pass only while
+//! 1. the controller has opened the gate for a term — after fencing (S1) —
+//!    and not closed it since, **and**
+//! 2. the coordinator's lease for that same term has not run out (S4).
+//!
+//! The second check is made on every request, so a node whose demotion is
+//! late (a lost observation, a stalled controller) still stops writing at the
+//! lease deadline, which no newer leader can precede. Opening and closing is
+//! one atomic store: wait-free while writes are in flight. A write that
+//! passed the gate just before it closed may still complete; it carries the
+//! old term, so the replicas refuse it once the next writer fenced them (S2,
+//! S3).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::{Coordinator, WriterEngine};
+use crate::volume::{Device, DeviceError};
+
+/// The gated device. See the module docs.
+pub struct ActiveDevice {
+    engine: Arc<dyn WriterEngine>,
+    coordinator: Arc<dyn Coordinator>,
+    /// The term the gate is open for; 0 when closed (0 is never a term).
+    open_term: AtomicU64,
+}
+
+impl ActiveDevice {
+    pub(super) fn new(engine: Arc<dyn WriterEngine>, coordinator: Arc<dyn Coordinator>) -> Self {
+        Self {
+            engine,
+            coordinator,
+            open_term: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn open(&self, term: u64) {
+        self.open_term.store(term, Ordering::SeqCst);
+    }
+
+    pub(super) fn close(&self) {
+        self.open_term.store(0, Ordering::SeqCst);
+    }
+
+    /// Whether the controller has the gate open (the lease may still have
+    /// run out; see [`ActiveDevice::writable_until`]).
+    pub fn is_open(&self) -> bool {
+        self.open_term.load(Ordering::SeqCst) != 0
+    }
+
+    /// The term the gate is open for, if it is.
+    pub fn open_term(&self) -> Option<u64> {
+        match self.open_term.load(Ordering::SeqCst) {
+            0 => None,
+            term => Some(term),
+        }
+    }
+
+    /// Until when a write would pass the gate, if one would now.
+    pub fn writable_until(&self) -> Option<Instant> {
+        self.admit().ok().map(|(_, deadline)| deadline)
+    }
+
+    /// The gate's term and lease deadline if a write may pass now.
+    fn admit(&self) -> Result<(u64, Instant), DeviceError> {
+        let term = self.open_term().ok_or(DeviceError::NotLeader)?;
+        match self.coordinator.lease() {
+            Some(lease) if lease.covers(term, Instant::now()) => Ok((term, lease.deadline)),
+            _ => Err(DeviceError::LeaseExpired),
+        }
+    }
+}
+
+#[async_trait]
+impl Device for ActiveDevice {
+    async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        self.engine.read_at(offset, len).await
+    }
+
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
+        self.admit()?;
+        self.engine.write_at(offset, data, fua).await
+    }
+
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.admit()?;
+        self.engine.flush().await
+    }
+
+    fn size(&self) -> u64 {
+        self.engine.size()
+    }
+}

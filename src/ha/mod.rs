@@ -1,0 +1,113 @@
+//! The reconcile core: who may write, and when.
+//!
+//! This module is pure logic over traits; it imports no tonic, openraft or
+//! sled, so every transition can be tested against the in-memory fakes in
+//! [`fake`].
+//!
+//! - [`Coordinator`] elects a leader and reports it ([`Leadership`]). Its
+//!   term is both the lease and the fencing token. It also exposes the live
+//!   [`Lease`] deadline that the gate checks on every write (S4).
+//! - [`Fencer`] shuts the previous writer out before a new one writes (S1).
+//! - [`WriterEngine`] is the data plane the gate fronts: a [`Device`] that can
+//!   be activated with a term.
+//! - [`Controller`] is the state machine `Follower → FencePending → Leader`.
+//! - [`ActiveDevice`] is the write gate.
+//!
+//! The safety argument, in the order a promotion runs:
+//! 1. The gate opens only from the controller, only after the fencer
+//!    reported success for this term (S1), the promotion was recorded, the
+//!    engine was activated with the term, no newer observation arrived
+//!    meanwhile, and the lease for that same term is still valid. A fence that
+//!    is slow while leadership is lost is abandoned: the observation cancels
+//!    it, and the final check refuses to open.
+//! 2. Every write through the gate re-checks that the lease of the gate's
+//!    term has not expired (S4), so a controller that missed its demotion
+//!    still cannot write past the deadline.
+//! 3. Every write carries the term to the replicas (S2), which refuse it once
+//!    a newer writer fenced them (S3), so even a write that passed the gate
+//!    a moment before the deadline cannot land after the next fence.
+
+mod controller;
+mod coordinator;
+pub mod fake;
+mod gate;
+
+use async_trait::async_trait;
+
+pub use controller::{Controller, ControllerConfig, Role, Status};
+pub use coordinator::{Coordinator, Fencer, Leadership, Lease, Writer};
+pub use gate::ActiveDevice;
+
+use crate::volume::{Device, DeviceError};
+
+/// The data plane as the controller drives it: a device whose writes are
+/// stamped with the term it was activated with.
+#[async_trait]
+pub trait WriterEngine: Device {
+    /// Starts stamping writes with `term`, after loading the committed
+    /// in-sync set. Fails if that set cannot be read.
+    async fn activate(&self, term: u64) -> Result<(), DeviceError>;
+    /// Stops writing: every later write fails until the next activation.
+    fn deactivate(&self);
+    /// The state of each replica, for status.
+    fn replicas(&self) -> Vec<ReplicaStatus>;
+}
+
+/// The state of one replica as the engine sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReplicaState {
+    /// A member of the committed in-sync set; holds every acknowledged write.
+    InSync,
+    /// A member of the in-sync set whose last request failed, kept because
+    /// dropping it would leave fewer than `min_in_sync` members; writes are
+    /// not acknowledged until it answers again.
+    Degraded,
+    /// Not in the in-sync set; a resync is bringing it back.
+    Rebuilding,
+    /// Not in the in-sync set and not being rebuilt.
+    Offline,
+}
+
+impl ReplicaState {
+    /// The name used in status output and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplicaState::InSync => "in_sync",
+            ReplicaState::Degraded => "degraded",
+            ReplicaState::Rebuilding => "rebuilding",
+            ReplicaState::Offline => "offline",
+        }
+    }
+}
+
+/// One replica's line in a status report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// The node holding the replica.
+    pub id: String,
+    /// Its state.
+    pub state: ReplicaState,
+    /// Whether it is this node's own replica.
+    pub local: bool,
+}
+
+/// Errors of the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HaError {
+    /// This node is not the active writer.
+    #[error("not the active writer (not leader)")]
+    NotLeader,
+    /// Fence-before-promote could not confirm the old writer is shut out; the
+    /// node stays passive.
+    #[error("fence failed, refusing to promote: {0}")]
+    FenceFailed(String),
+    /// The controller was stopped.
+    #[error("controller stopped")]
+    Stopped,
+    /// `run` was called while another `run` is going on.
+    #[error("controller is already running")]
+    AlreadyRunning,
+    /// The coordinator failed or its observation stream ended.
+    #[error("coordinator: {0}")]
+    Coordinator(String),
+}

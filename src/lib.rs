@@ -1,0 +1,16 @@
+//! replica-ha: a replicated block volume with one fenced writer.
+//!
+//! The crate is laid out as DESIGN.md describes:
+//! - [`volume`]: the [`volume::Device`] seam that the NBD server, the write
+//!   gate and the engine all speak;
+//! - [`replica`]: the data plane — the on-disk replica store that enforces the
+//!   fencing token (S2, S3, S7), the [`replica::Replica`] seam, and the
+//!   mirroring [`replica::Engine`] (S5);
+//! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `Controller` and
+//!   the `ActiveDevice` gate (S1, S4) — pure logic over traits;
+//! - [`proto`]: the generated gRPC types.
+
+pub mod ha;
+pub mod proto;
+pub mod replica;
+pub mod volume;

@@ -1,0 +1,223 @@
+//! The data plane: copies of the volume and the engine that mirrors to them.
+//!
+//! - [`store`]: one node's copy on disk. It enforces the fencing token
+//!   (S2), drains older writes on a fence (S3), records the extents each term
+//!   touched (S6) and makes its metadata durable before it answers (S7).
+//! - [`Replica`]: the seam the engine writes through. [`LocalReplica`] calls a
+//!   store in-process; the gRPC client (issue 4) reaches a peer's store.
+//! - [`InSyncTracker`]: the seam through which the engine shrinks the in-sync
+//!   set. The Raft coordinator commits the change; the engine may acknowledge
+//!   a write that skipped a replica only after that commit (S5).
+//! - [`engine`]: the synchronous mirror.
+
+pub mod engine;
+pub mod store;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+pub use engine::{Engine, EngineConfig};
+pub use store::{ReplicaStore, StoreIdentity};
+
+use crate::volume::RangeError;
+
+/// An extent that a writer of `term` may have written without an
+/// acknowledgement reaching every replica; promotion makes it identical on
+/// all in-sync replicas (S6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DirtyExtent {
+    /// The term of the writer that touched it.
+    pub term: u64,
+    /// The extent's index (byte offset / extent size).
+    pub extent: u64,
+}
+
+/// What a replica answers to `fence(T)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FenceReply {
+    /// The replica's durable fence floor after the fence (≥ T on success).
+    pub floor: u64,
+    /// Every extent still marked dirty, of any term.
+    pub dirty: Vec<DirtyExtent>,
+    /// The extent size the marks are counted in.
+    pub extent_size: u64,
+}
+
+/// Errors of the replica layer: the store, and any transport to it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplicaError {
+    /// The term is below the replica's durable fence floor (S2).
+    #[error("stale term {term}: fence floor is {floor}")]
+    StaleTerm { term: u64, floor: u64 },
+    /// Term 0 is never a valid writer's term.
+    #[error("term 0 is not a valid writer term")]
+    InvalidTerm,
+    /// The request's shape is refused.
+    #[error(transparent)]
+    Range(#[from] RangeError),
+    /// The identity given to open a store is not usable.
+    #[error("invalid replica identity: {0}")]
+    InvalidIdentity(String),
+    /// The store on disk belongs to another cluster, volume or size.
+    #[error("identity mismatch: {0}")]
+    IdentityMismatch(String),
+    /// The replica could not be reached, or did not answer in time.
+    #[error("replica unavailable: {0}")]
+    Unavailable(String),
+    /// The replica's disk or metadata failed.
+    #[error("replica I/O error: {0}")]
+    Io(String),
+}
+
+impl From<std::io::Error> for ReplicaError {
+    fn from(err: std::io::Error) -> Self {
+        ReplicaError::Io(err.to_string())
+    }
+}
+
+impl From<sled::Error> for ReplicaError {
+    fn from(err: sled::Error) -> Self {
+        ReplicaError::Io(format!("metadata: {err}"))
+    }
+}
+
+/// One copy of the volume, as the engine and the fencer see it.
+#[async_trait]
+pub trait Replica: Send + Sync {
+    /// The id of the node that holds this copy.
+    fn id(&self) -> &str;
+    /// Writes `data` at `offset` on behalf of the writer of `term`.
+    async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError>;
+    /// Reads `len` bytes at `offset`.
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError>;
+    /// Makes the writes of `term` durable.
+    async fn flush(&self, term: u64) -> Result<(), ReplicaError>;
+    /// Raises the fence floor to `term` and drains older writes (S3).
+    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
+}
+
+/// A replica in this process: the store without a network hop.
+pub struct LocalReplica {
+    id: String,
+    store: Arc<ReplicaStore>,
+}
+
+impl LocalReplica {
+    /// Wraps `store`, held by node `id`.
+    pub fn new(id: impl Into<String>, store: Arc<ReplicaStore>) -> Self {
+        Self {
+            id: id.into(),
+            store,
+        }
+    }
+
+    /// The store behind this replica.
+    pub fn store(&self) -> &Arc<ReplicaStore> {
+        &self.store
+    }
+}
+
+#[async_trait]
+impl Replica for LocalReplica {
+    fn id(&self) -> &str {
+        &self.id
+    }
+    async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError> {
+        self.store.write(term, offset, data, fua).await
+    }
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        self.store.read(offset, len).await
+    }
+    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+        self.store.flush(term).await
+    }
+    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+        self.store.fence(term).await
+    }
+}
+
+/// The committed in-sync set, and the only way the engine may change it.
+///
+/// Invariant (S5): every member holds every acknowledged write. So a replica
+/// that missed a write must be removed — durably, by a committed change —
+/// *before* that write is acknowledged, and it returns only through a
+/// finished resync.
+#[async_trait]
+pub trait InSyncTracker: Send + Sync {
+    /// The committed in-sync set.
+    async fn in_sync(&self) -> Result<BTreeSet<String>, String>;
+    /// Commits the removal of `replicas` on behalf of the writer of `term`
+    /// and returns the committed set. Fails, changing nothing, when the
+    /// writer of `term` can no longer commit (it was deposed).
+    async fn remove(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String>;
+}
+
+/// An in-sync set kept in memory, for a single process and for tests.
+/// The Raft coordinator provides the durable, committed one.
+pub struct MemoryInSync {
+    set: Mutex<BTreeSet<String>>,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl MemoryInSync {
+    /// Starts with `members` in sync.
+    pub fn new<I, S>(members: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            set: Mutex::new(members.into_iter().map(Into::into).collect()),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Makes every later `remove` fail, as a deposed writer's commit would.
+    pub fn fail_removals(&self, fail: bool) {
+        self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.set
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[async_trait]
+impl InSyncTracker for MemoryInSync {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
+        Ok(self.lock().clone())
+    }
+    async fn remove(
+        &self,
+        _term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("in-sync commit refused".into());
+        }
+        let mut set = self.lock();
+        set.retain(|member| !replicas.contains(member));
+        Ok(set.clone())
+    }
+}

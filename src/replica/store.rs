@@ -1,0 +1,502 @@
+//! One node's copy of the volume on disk.
+//!
+//! A store is a data file (`volume.img`, created sparse at the volume size and
+//! written with positioned I/O on the blocking pool, never on the runtime's
+//! worker threads) and one `sled::Db` (`meta/`) with three trees:
+//! `identity` (cluster id, volume, size, extent size), `fence` (the fence
+//! floor) and `dirty` (the extents each term touched).
+//!
+//! Invariants this file upholds:
+//! - **S2, token on every write.** `write` and `flush` carry the writer's
+//!   term. A term below the fence floor is refused with
+//!   [`ReplicaError::StaleTerm`]; a newer term first raises the floor
+//!   durably, then is applied.
+//! - **S3, fence drains.** The floor sits behind a read/write lock. Every
+//!   write and flush holds a read guard until its I/O has finished — the
+//!   guard is *owned* and moves into the blocking I/O closure, so a cancelled
+//!   request cannot release it while its `pwrite` is still running. `fence`
+//!   and a floor raise take the write guard, so they return only after every
+//!   in-flight request has finished or been refused, and none of an older
+//!   term can start afterwards. The lock is write-preferring, so a stream of
+//!   writes cannot starve a fence.
+//! - **S6, dirty extents.** The first write of a term into an extent records
+//!   `(term, extent)` durably *before* the data is written, so a promotion
+//!   can learn every extent an older writer may have touched without an
+//!   acknowledgement. `clear_dirty_below(T)` drops marks once converged.
+//! - **S7, durable metadata first.** Every floor raise and every new dirty
+//!   mark is flushed to disk (`sled` flush) before the request proceeds.
+//! - **Identity.** Cluster id, volume and size are written on first open;
+//!   opening with another identity fails with a clear error and touches
+//!   nothing.
+
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use tokio::sync::{OwnedRwLockReadGuard, RwLock};
+
+use super::{DirtyExtent, FenceReply, ReplicaError};
+use crate::volume::check_request;
+
+/// Default extent size for dirty tracking: 1 MiB.
+pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
+
+const DATA_FILE: &str = "volume.img";
+const META_DIR: &str = "meta";
+const FLOOR_KEY: &[u8] = b"floor";
+
+/// Which cluster and volume a store belongs to, and its shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreIdentity {
+    /// The cluster's id; a node of another cluster is refused.
+    pub cluster_id: String,
+    /// The volume's name.
+    pub volume: String,
+    /// The volume's size in bytes (a multiple of 512).
+    pub size: u64,
+    /// The granularity of dirty tracking in bytes (a power of two).
+    pub extent_size: u64,
+}
+
+impl StoreIdentity {
+    /// An identity with the default extent size.
+    pub fn new(cluster_id: impl Into<String>, volume: impl Into<String>, size: u64) -> Self {
+        Self {
+            cluster_id: cluster_id.into(),
+            volume: volume.into(),
+            size,
+            extent_size: DEFAULT_EXTENT_SIZE,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ReplicaError> {
+        let bad = |why: String| Err(ReplicaError::InvalidIdentity(why));
+        if self.cluster_id.is_empty() {
+            return bad("the cluster id is empty".into());
+        }
+        if self.volume.is_empty() {
+            return bad("the volume name is empty".into());
+        }
+        if self.size == 0 || self.size % 512 != 0 {
+            return bad(format!(
+                "the volume size {} is not a positive multiple of 512",
+                self.size
+            ));
+        }
+        if !self.extent_size.is_power_of_two() || self.extent_size < 4096 {
+            return bad(format!(
+                "the extent size {} is not a power of two of at least 4096",
+                self.extent_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One copy of the volume, on disk. See the module docs for its invariants.
+pub struct ReplicaStore {
+    dir: PathBuf,
+    identity: StoreIdentity,
+    file: Arc<File>,
+    db: sled::Db,
+    fence_tree: sled::Tree,
+    dirty_tree: sled::Tree,
+    /// The durable fence floor, mirrored in memory. Read guard: a request in
+    /// flight. Write guard: a fence or a floor raise (drains the readers).
+    floor: Arc<RwLock<u64>>,
+    /// Dirty marks known to be durable, so only a term's first write into an
+    /// extent pays for a metadata flush.
+    marked: Mutex<HashSet<DirtyExtent>>,
+}
+
+impl std::fmt::Debug for ReplicaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaStore")
+            .field("dir", &self.dir)
+            .field("identity", &self.identity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReplicaStore {
+    /// Opens the store in `dir`, creating it on first use.
+    ///
+    /// Fails with [`ReplicaError::IdentityMismatch`] when `dir` holds a store
+    /// of another cluster, volume, size or extent size, and with
+    /// [`ReplicaError::Io`] when the directory is in use by another process.
+    pub async fn open(
+        dir: impl AsRef<Path>,
+        identity: StoreIdentity,
+    ) -> Result<Self, ReplicaError> {
+        let dir = dir.as_ref().to_path_buf();
+        tokio::task::spawn_blocking(move || Self::open_blocking(dir, identity))
+            .await
+            .map_err(|err| ReplicaError::Io(format!("open task failed: {err}")))?
+    }
+
+    fn open_blocking(dir: PathBuf, identity: StoreIdentity) -> Result<Self, ReplicaError> {
+        identity.validate()?;
+        std::fs::create_dir_all(&dir)?;
+        let db = sled::Config::new()
+            .path(dir.join(META_DIR))
+            .open()
+            .map_err(|err| ReplicaError::Io(format!("opening {}: {err}", dir.display())))?;
+        let identity_tree = db.open_tree("identity")?;
+        let fence_tree = db.open_tree("fence")?;
+        let dirty_tree = db.open_tree("dirty")?;
+
+        let data_path = dir.join(DATA_FILE);
+        let stored = read_identity(&identity_tree)?;
+        let file = match &stored {
+            Some(stored) => {
+                check_identity(stored, &identity)?;
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&data_path)
+                    .map_err(|err| {
+                        ReplicaError::Io(format!("opening {}: {err}", data_path.display()))
+                    })?;
+                let len = file.metadata()?.len();
+                if len != identity.size {
+                    return Err(ReplicaError::IdentityMismatch(format!(
+                        "{} is {len} bytes, the volume is {} bytes",
+                        data_path.display(),
+                        identity.size
+                    )));
+                }
+                file
+            }
+            None => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&data_path)?;
+                let len = file.metadata()?.len();
+                if len != 0 && len != identity.size {
+                    return Err(ReplicaError::IdentityMismatch(format!(
+                        "{} already exists with {len} bytes and no replica metadata; \
+                         refusing to resize it to {}",
+                        data_path.display(),
+                        identity.size
+                    )));
+                }
+                file.set_len(identity.size)?;
+                file.sync_all()?;
+                write_identity(&identity_tree, &identity)?;
+                db.flush()?;
+                file
+            }
+        };
+        let floor = match fence_tree.get(FLOOR_KEY)? {
+            Some(bytes) => decode_u64(&bytes, "fence floor")?,
+            None => 0,
+        };
+        Ok(Self {
+            dir,
+            identity,
+            file: Arc::new(file),
+            db,
+            fence_tree,
+            dirty_tree,
+            floor: Arc::new(RwLock::new(floor)),
+            marked: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The identity this store was opened with.
+    pub fn identity(&self) -> &StoreIdentity {
+        &self.identity
+    }
+
+    /// The volume size in bytes.
+    pub fn size(&self) -> u64 {
+        self.identity.size
+    }
+
+    /// The directory this store lives in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The current fence floor. Waits for a fence in progress.
+    pub async fn floor(&self) -> u64 {
+        *self.floor.read().await
+    }
+
+    /// Writes `data` at `offset` for the writer of `term` (S2, S3, S6).
+    pub async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError> {
+        check_term(term)?;
+        check_request(offset, data.len() as u64, self.size())?;
+        let admitted = self.admit(term).await?;
+        self.mark_dirty(term, offset, data.len() as u64).await?;
+        let file = Arc::clone(&self.file);
+        run_io(move || {
+            // The guard lives until the I/O is done, even if our caller is
+            // cancelled: a fence cannot overtake this write (S3).
+            let _admitted = admitted;
+            file.write_all_at(&data, offset)?;
+            if fua {
+                file.sync_data()?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Reads `len` bytes at `offset`. Reads carry no term: any replica may
+    /// serve them.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        check_request(offset, len, self.size())?;
+        let file = Arc::clone(&self.file);
+        run_io(move || {
+            // check_request bounds len by MAX_REQUEST, so it fits in usize.
+            let mut buf = vec![0u8; len as usize];
+            file.read_exact_at(&mut buf, offset)?;
+            Ok(Bytes::from(buf))
+        })
+        .await
+    }
+
+    /// Makes every write that finished before this call durable, on behalf
+    /// of the writer of `term` (S2 applies as for writes).
+    pub async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+        check_term(term)?;
+        let admitted = self.admit(term).await?;
+        let file = Arc::clone(&self.file);
+        run_io(move || {
+            let _admitted = admitted;
+            file.sync_data()?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Raises the fence floor to `term` (durably, S7) after every request in
+    /// flight has finished or been refused (S3), and returns the floor and
+    /// the dirty extents. A `term` at or below the floor changes nothing; the
+    /// reply's floor then tells the caller it is not the newest writer.
+    pub async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+        check_term(term)?;
+        let floor = self.raise_floor(term).await?;
+        Ok(FenceReply {
+            floor,
+            dirty: self.dirty_extents()?,
+            extent_size: self.identity.extent_size,
+        })
+    }
+
+    /// Every durable dirty mark, ordered by term then extent.
+    pub fn dirty_extents(&self) -> Result<Vec<DirtyExtent>, ReplicaError> {
+        self.dirty_tree
+            .iter()
+            .keys()
+            .map(|key| decode_dirty(&key?))
+            .collect()
+    }
+
+    /// Drops the dirty marks of every term below `term`, once the extents
+    /// they name have converged (S6). Drains in-flight requests first.
+    pub async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+        let _drained = self.floor.write().await;
+        let end = term.to_be_bytes();
+        let keys: Vec<sled::IVec> = self
+            .dirty_tree
+            .range(..end.as_slice())
+            .keys()
+            .collect::<Result<_, _>>()?;
+        let mut batch = sled::Batch::default();
+        for key in &keys {
+            batch.remove(key);
+        }
+        self.dirty_tree.apply_batch(batch)?;
+        self.db.flush_async().await?;
+        self.lock_marked().retain(|mark| mark.term >= term);
+        Ok(())
+    }
+
+    /// Waits until a request of `term` may proceed and returns the guard it
+    /// must hold while its I/O runs. Raises the floor first when `term` is
+    /// newer (S2).
+    async fn admit(&self, term: u64) -> Result<OwnedRwLockReadGuard<u64>, ReplicaError> {
+        loop {
+            let guard = Arc::clone(&self.floor).read_owned().await;
+            let floor = *guard;
+            if term < floor {
+                return Err(ReplicaError::StaleTerm { term, floor });
+            }
+            if term == floor {
+                return Ok(guard);
+            }
+            drop(guard);
+            self.raise_floor(term).await?;
+        }
+    }
+
+    /// Takes the write guard (draining every request in flight), raises the
+    /// floor to `term` durably if it is newer, and returns the floor.
+    async fn raise_floor(&self, term: u64) -> Result<u64, ReplicaError> {
+        let mut floor = self.floor.write().await;
+        if term > *floor {
+            self.fence_tree.insert(FLOOR_KEY, &term.to_be_bytes())?;
+            self.db.flush_async().await?;
+            *floor = term;
+        }
+        Ok(*floor)
+    }
+
+    /// Records durably that `term` touches the extents of `[offset, offset+len)`.
+    async fn mark_dirty(&self, term: u64, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let size = self.identity.extent_size;
+        let (first, last) = (offset / size, (offset + len - 1) / size);
+        let missing: Vec<DirtyExtent> = {
+            let marked = self.lock_marked();
+            (first..=last)
+                .map(|extent| DirtyExtent { term, extent })
+                .filter(|mark| !marked.contains(mark))
+                .collect()
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut batch = sled::Batch::default();
+        for mark in &missing {
+            batch.insert(encode_dirty(mark).as_slice(), &[]);
+        }
+        self.dirty_tree.apply_batch(batch)?;
+        self.db.flush_async().await?;
+        self.lock_marked().extend(missing);
+        Ok(())
+    }
+
+    fn lock_marked(&self) -> std::sync::MutexGuard<'_, HashSet<DirtyExtent>> {
+        self.marked
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Runs positioned file I/O on the blocking pool.
+async fn run_io<T, F>(io: F) -> Result<T, ReplicaError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> std::io::Result<T> + Send + 'static,
+{
+    tokio::task::spawn_blocking(io)
+        .await
+        .map_err(|err| ReplicaError::Io(format!("I/O task failed: {err}")))?
+        .map_err(ReplicaError::from)
+}
+
+fn check_term(term: u64) -> Result<(), ReplicaError> {
+    if term == 0 {
+        Err(ReplicaError::InvalidTerm)
+    } else {
+        Ok(())
+    }
+}
+
+fn encode_dirty(mark: &DirtyExtent) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&mark.term.to_be_bytes());
+    key[8..].copy_from_slice(&mark.extent.to_be_bytes());
+    key
+}
+
+fn decode_dirty(key: &[u8]) -> Result<DirtyExtent, ReplicaError> {
+    if key.len() != 16 {
+        return Err(ReplicaError::Io(format!(
+            "corrupt dirty mark of {} bytes",
+            key.len()
+        )));
+    }
+    Ok(DirtyExtent {
+        term: decode_u64(&key[..8], "dirty mark")?,
+        extent: decode_u64(&key[8..], "dirty mark")?,
+    })
+}
+
+fn decode_u64(bytes: &[u8], what: &str) -> Result<u64, ReplicaError> {
+    let array: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| ReplicaError::Io(format!("corrupt {what}: {} bytes", bytes.len())))?;
+    Ok(u64::from_be_bytes(array))
+}
+
+fn read_identity(tree: &sled::Tree) -> Result<Option<StoreIdentity>, ReplicaError> {
+    let text = |key: &str| -> Result<Option<String>, ReplicaError> {
+        tree.get(key)?
+            .map(|v| {
+                String::from_utf8(v.to_vec())
+                    .map_err(|_| ReplicaError::Io(format!("corrupt identity field {key}")))
+            })
+            .transpose()
+    };
+    let number = |key: &str| -> Result<Option<u64>, ReplicaError> {
+        tree.get(key)?
+            .map(|v| decode_u64(&v, &format!("identity field {key}")))
+            .transpose()
+    };
+    match (
+        text("cluster_id")?,
+        text("volume")?,
+        number("size")?,
+        number("extent_size")?,
+    ) {
+        (Some(cluster_id), Some(volume), Some(size), Some(extent_size)) => {
+            Ok(Some(StoreIdentity {
+                cluster_id,
+                volume,
+                size,
+                extent_size,
+            }))
+        }
+        (None, None, None, None) => Ok(None),
+        _ => Err(ReplicaError::Io("incomplete identity metadata".into())),
+    }
+}
+
+fn write_identity(tree: &sled::Tree, identity: &StoreIdentity) -> Result<(), ReplicaError> {
+    let mut batch = sled::Batch::default();
+    batch.insert("cluster_id", identity.cluster_id.as_bytes());
+    batch.insert("volume", identity.volume.as_bytes());
+    batch.insert("size", &identity.size.to_be_bytes());
+    batch.insert("extent_size", &identity.extent_size.to_be_bytes());
+    tree.apply_batch(batch)?;
+    Ok(())
+}
+
+fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), ReplicaError> {
+    let mismatch = |field: &str, have: &dyn std::fmt::Display, want: &dyn std::fmt::Display| {
+        Err(ReplicaError::IdentityMismatch(format!(
+            "the data dir holds {field} {have}, the configuration says {want}"
+        )))
+    };
+    if stored.cluster_id != wanted.cluster_id {
+        return mismatch("cluster id", &stored.cluster_id, &wanted.cluster_id);
+    }
+    if stored.volume != wanted.volume {
+        return mismatch("volume", &stored.volume, &wanted.volume);
+    }
+    if stored.size != wanted.size {
+        return mismatch("size", &stored.size, &wanted.size);
+    }
+    if stored.extent_size != wanted.extent_size {
+        return mismatch("extent size", &stored.extent_size, &wanted.extent_size);
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! The block-device seam.
+//!
+//! [`Device`] is the one interface of the data path: the NBD server calls it,
+//! the write gate ([`crate::ha::ActiveDevice`]) implements it in front of the
+//! engine, and the engine ([`crate::replica::Engine`]) implements it over the
+//! replicas. Every layer of the write path speaks it, so each can be tested
+//! alone and stacked without adapters.
+//!
+//! Requests are validated in one place, [`check_request`], so the engine and
+//! every replica agree on what is in range: an offset plus length beyond the
+//! volume, or a request larger than [`MAX_REQUEST`], is refused before any
+//! byte is written.
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+/// The largest single read or write, in bytes (32 MiB). NBD clients split
+/// larger transfers; a bigger request is refused with [`RangeError::TooLarge`].
+pub const MAX_REQUEST: u64 = 32 * 1024 * 1024;
+
+/// A block device: positioned reads and writes over a fixed size.
+///
+/// Implementations must be safe to call concurrently; ordering between
+/// overlapping concurrent writes is the caller's business, as with any disk.
+#[async_trait]
+pub trait Device: Send + Sync {
+    /// Reads `len` bytes at `offset`.
+    async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError>;
+
+    /// Writes `data` at `offset`. With `fua`, the write is durable when this
+    /// returns Ok (force unit access); without it, only after a [`flush`].
+    ///
+    /// [`flush`]: Device::flush
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError>;
+
+    /// Makes every write that returned Ok before this call durable.
+    async fn flush(&self) -> Result<(), DeviceError>;
+
+    /// The size of the device in bytes.
+    fn size(&self) -> u64;
+}
+
+/// Why a request's shape is refused. Shared by every layer so they agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    /// `offset + len` reaches past the end of the volume.
+    #[error("request of {len} bytes at offset {offset} is beyond the volume size {size}")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    /// The request is larger than [`MAX_REQUEST`].
+    #[error("request of {len} bytes exceeds the maximum of {max} bytes")]
+    TooLarge { len: u64, max: u64 },
+}
+
+/// Checks that a request of `len` bytes at `offset` fits a volume of `size`
+/// bytes and the per-request limit.
+pub fn check_request(offset: u64, len: u64, size: u64) -> Result<(), RangeError> {
+    if len > MAX_REQUEST {
+        return Err(RangeError::TooLarge {
+            len,
+            max: MAX_REQUEST,
+        });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(RangeError::OutOfRange { offset, len, size }),
+    }
+}
+
+/// Everything that can go wrong on the data path, as the NBD server sees it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// The write gate is closed: this node is not the active writer.
+    #[error("not the active writer (not leader)")]
+    NotLeader,
+    /// The gate is open but its lease deadline has passed (S4).
+    #[error("the writer's lease has expired")]
+    LeaseExpired,
+    /// The request's shape is refused.
+    #[error(transparent)]
+    Range(#[from] RangeError),
+    /// A replica has seen a newer writer: this writer is fenced (S2).
+    #[error("stale term {term}: a replica's fence floor is {floor}")]
+    StaleTerm { term: u64, floor: u64 },
+    /// Too few replicas acknowledged to meet `min_in_sync` (S5).
+    #[error("only {have} in-sync replicas acknowledged, at least {need} are required")]
+    InsufficientReplicas { have: usize, need: usize },
+    /// The in-sync set could not be shrunk (the write is not acknowledged).
+    #[error("could not commit the in-sync change: {0}")]
+    InSyncCommit(String),
+    /// No replica could serve a read.
+    #[error("no in-sync replica could serve the read: {0}")]
+    NoReadableReplica(String),
+    /// The engine has no active term.
+    #[error("the engine is not active")]
+    Inactive,
+    /// A local I/O error.
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_range_requests_pass() {
+        assert_eq!(check_request(0, 0, 0), Ok(()));
+        assert_eq!(check_request(0, 4096, 4096), Ok(()));
+        assert_eq!(check_request(4096, MAX_REQUEST, 4096 + MAX_REQUEST), Ok(()));
+    }
+
+    #[test]
+    fn out_of_range_and_overflow_are_refused() {
+        assert_eq!(
+            check_request(1, 4096, 4096),
+            Err(RangeError::OutOfRange {
+                offset: 1,
+                len: 4096,
+                size: 4096
+            })
+        );
+        assert!(matches!(
+            check_request(u64::MAX, 1, u64::MAX),
+            Err(RangeError::OutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_first() {
+        assert_eq!(
+            check_request(0, MAX_REQUEST + 1, u64::MAX),
+            Err(RangeError::TooLarge {
+                len: MAX_REQUEST + 1,
+                max: MAX_REQUEST
+            })
+        );
+    }
+}
