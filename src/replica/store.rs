@@ -110,6 +110,9 @@ pub struct ReplicaStore {
     /// Dirty marks known to be durable, so only a term's first write into an
     /// extent pays for a metadata flush.
     marked: Mutex<HashSet<DirtyExtent>>,
+    /// Tests slow the data I/O down to hold requests in flight.
+    #[cfg(test)]
+    io_delay: Mutex<std::time::Duration>,
 }
 
 impl std::fmt::Debug for ReplicaStore {
@@ -206,6 +209,8 @@ impl ReplicaStore {
             dirty_tree,
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
+            #[cfg(test)]
+            io_delay: Mutex::default(),
         })
     }
 
@@ -242,10 +247,14 @@ impl ReplicaStore {
         let admitted = self.admit(term).await?;
         self.mark_dirty(term, offset, data.len() as u64).await?;
         let file = Arc::clone(&self.file);
+        #[cfg(test)]
+        let delay = *self.io_delay.lock().unwrap_or_else(|p| p.into_inner());
         run_io(move || {
             // The guard lives until the I/O is done, even if our caller is
             // cancelled: a fence cannot overtake this write (S3).
             let _admitted = admitted;
+            #[cfg(test)]
+            std::thread::sleep(delay);
             file.write_all_at(&data, offset)?;
             if fua {
                 file.sync_data()?;
@@ -499,4 +508,379 @@ fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), 
         return mismatch("extent size", &stored.extent_size, &wanted.extent_size);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::volume::{MAX_REQUEST, RangeError};
+    use std::time::Duration;
+
+    const SIZE: u64 = 8 * 1024 * 1024;
+
+    fn identity() -> StoreIdentity {
+        StoreIdentity::new("c1", "vol0", SIZE)
+    }
+
+    async fn open(dir: &Path) -> ReplicaStore {
+        ReplicaStore::open(dir, identity()).await.expect("open")
+    }
+
+    fn block(byte: u8, len: usize) -> Bytes {
+        Bytes::from(vec![byte; len])
+    }
+
+    #[tokio::test]
+    async fn write_then_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        assert_eq!(store.size(), SIZE);
+        assert_eq!(store.dir(), dir.path());
+        assert_eq!(store.identity(), &identity());
+        store.write(1, 4096, block(7, 4096), false).await.unwrap();
+        store.write(1, 8192, block(8, 512), true).await.unwrap();
+        store.flush(1).await.unwrap();
+        assert_eq!(store.read(4096, 4096).await.unwrap(), block(7, 4096));
+        assert_eq!(store.read(8192, 512).await.unwrap(), block(8, 512));
+        assert_eq!(store.read(0, 4096).await.unwrap(), block(0, 4096));
+        // An empty write is accepted and touches nothing.
+        store.write(1, 0, Bytes::new(), false).await.unwrap();
+        assert_eq!(store.read(0, 4096).await.unwrap(), block(0, 4096));
+        assert!(format!("{store:?}").contains("ReplicaStore"));
+    }
+
+    #[tokio::test]
+    async fn stale_term_is_refused_and_the_floor_survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path()).await;
+            store.write(5, 0, block(5, 4096), false).await.unwrap();
+            assert_eq!(store.floor().await, 5);
+            assert_eq!(
+                store.write(4, 0, block(4, 4096), false).await,
+                Err(ReplicaError::StaleTerm { term: 4, floor: 5 })
+            );
+            assert_eq!(
+                store.flush(3).await,
+                Err(ReplicaError::StaleTerm { term: 3, floor: 5 })
+            );
+        }
+        let store = open(dir.path()).await;
+        assert_eq!(store.floor().await, 5);
+        assert_eq!(
+            store.write(4, 0, block(4, 4096), false).await,
+            Err(ReplicaError::StaleTerm { term: 4, floor: 5 })
+        );
+        assert_eq!(store.read(0, 4096).await.unwrap(), block(5, 4096));
+    }
+
+    #[tokio::test]
+    async fn a_newer_term_raises_the_floor_durably_before_it_is_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path()).await;
+            store.write(2, 0, block(2, 512), false).await.unwrap();
+            store.flush(3).await.unwrap();
+            assert_eq!(store.floor().await, 3);
+            store.write(9, 512, block(9, 512), false).await.unwrap();
+            assert_eq!(store.floor().await, 9);
+        }
+        assert_eq!(open(dir.path()).await.floor().await, 9);
+    }
+
+    #[tokio::test]
+    async fn fence_raises_the_floor_and_reports_dirty_extents() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        let mib = DEFAULT_EXTENT_SIZE;
+        // Spans extents 0 and 1.
+        store
+            .write(1, mib - 512, block(1, 1024), false)
+            .await
+            .unwrap();
+        store.write(2, 3 * mib, block(2, 512), false).await.unwrap();
+        let reply = store.fence(4).await.unwrap();
+        assert_eq!(reply.floor, 4);
+        assert_eq!(reply.extent_size, mib);
+        assert_eq!(
+            reply.dirty,
+            vec![
+                DirtyExtent { term: 1, extent: 0 },
+                DirtyExtent { term: 1, extent: 1 },
+                DirtyExtent { term: 2, extent: 3 },
+            ]
+        );
+        // A lower fence changes nothing and tells the caller the floor.
+        assert_eq!(store.fence(3).await.unwrap().floor, 4);
+        assert_eq!(
+            store.write(2, 0, block(2, 512), false).await,
+            Err(ReplicaError::StaleTerm { term: 2, floor: 4 })
+        );
+    }
+
+    #[tokio::test]
+    async fn dirty_marks_are_durable_and_cleared_below_a_term() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path()).await;
+            store.write(1, 0, block(1, 512), false).await.unwrap();
+            store.write(1, 0, block(1, 512), false).await.unwrap();
+            store.write(2, 0, block(2, 512), false).await.unwrap();
+            store
+                .write(3, 5 * DEFAULT_EXTENT_SIZE, block(3, 512), false)
+                .await
+                .unwrap();
+        }
+        let store = open(dir.path()).await;
+        assert_eq!(store.dirty_extents().unwrap().len(), 3);
+        store.clear_dirty_below(3).await.unwrap();
+        assert_eq!(
+            store.dirty_extents().unwrap(),
+            vec![DirtyExtent { term: 3, extent: 5 }]
+        );
+        // After a reopen the cleared marks stay gone.
+        drop(store);
+        let store = open(dir.path()).await;
+        assert_eq!(store.dirty_extents().unwrap().len(), 1);
+        // A cleared mark is recorded again when written again in its term.
+        store.write(3, 0, block(3, 512), false).await.unwrap();
+        store.clear_dirty_below(4).await.unwrap();
+        store.write(4, 0, block(4, 512), false).await.unwrap();
+        assert_eq!(
+            store.dirty_extents().unwrap(),
+            vec![DirtyExtent { term: 4, extent: 0 }]
+        );
+    }
+
+    /// S3: a fence must not return while a write of an older term is still
+    /// on its way to the disk. The write is held in its I/O for a while; if
+    /// the fence did not drain it, the data would change after the fence.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fence_drains_in_flight_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        store.write(1, 0, block(0, 4096), false).await.unwrap();
+        *store.io_delay.lock().unwrap() = Duration::from_millis(300);
+        let writer = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.write(1, 0, block(0xee, 4096), false).await })
+        };
+        // Wait until the write holds its admission (a read guard).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while store.floor.try_write().is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "write never admitted"
+            );
+            tokio::task::yield_now().await;
+        }
+        store.fence(2).await.unwrap();
+        let after_fence = store.read(0, 4096).await.unwrap();
+        let written = writer.await.unwrap();
+        assert_eq!(written, Ok(()), "the write was admitted before the fence");
+        assert_eq!(
+            store.read(0, 4096).await.unwrap(),
+            after_fence,
+            "a write of an older term landed after the fence returned"
+        );
+        assert_eq!(after_fence, block(0xee, 4096));
+    }
+
+    /// S3 with cancellation: dropping the request future must not release
+    /// its admission while the I/O is still running.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_write_still_holds_off_the_fence() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        store.write(1, 0, block(0, 4096), false).await.unwrap();
+        *store.io_delay.lock().unwrap() = Duration::from_millis(300);
+        let writer = {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move { store.write(1, 0, block(0xcc, 4096), false).await })
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while store.floor.try_write().is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "write never admitted"
+            );
+            tokio::task::yield_now().await;
+        }
+        // Give the blocking task time to start, then cancel the request.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        writer.abort();
+        let _ = writer.await;
+        store.fence(2).await.unwrap();
+        let after_fence = store.read(0, 4096).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(store.read(0, 4096).await.unwrap(), after_fence);
+    }
+
+    #[tokio::test]
+    async fn identity_mismatch_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()).await);
+        let cases = [
+            (StoreIdentity::new("c2", "vol0", SIZE), "cluster id"),
+            (StoreIdentity::new("c1", "vol1", SIZE), "volume"),
+            (StoreIdentity::new("c1", "vol0", SIZE * 2), "size"),
+            (
+                StoreIdentity {
+                    extent_size: 65536,
+                    ..identity()
+                },
+                "extent size",
+            ),
+        ];
+        for (wrong, field) in cases {
+            let err = ReplicaStore::open(dir.path(), wrong).await.unwrap_err();
+            match err {
+                ReplicaError::IdentityMismatch(msg) => assert!(msg.contains(field), "{msg}"),
+                other => panic!("expected a mismatch of {field}, got {other:?}"),
+            }
+        }
+        // The right identity still opens.
+        drop(open(dir.path()).await);
+    }
+
+    #[tokio::test]
+    async fn invalid_identities_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let cases = [
+            StoreIdentity::new("", "vol0", SIZE),
+            StoreIdentity::new("c1", "", SIZE),
+            StoreIdentity::new("c1", "vol0", 0),
+            StoreIdentity::new("c1", "vol0", 1000),
+            StoreIdentity {
+                extent_size: 3000,
+                ..identity()
+            },
+        ];
+        for bad in cases {
+            assert!(matches!(
+                ReplicaStore::open(dir.path(), bad).await,
+                Err(ReplicaError::InvalidIdentity(_))
+            ));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_foreign_file_or_a_missing_or_resized_data_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(DATA_FILE), b"not a volume").unwrap();
+        assert!(matches!(
+            ReplicaStore::open(dir.path(), identity()).await,
+            Err(ReplicaError::IdentityMismatch(_))
+        ));
+
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()).await);
+        let data = dir.path().join(DATA_FILE);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .set_len(SIZE / 2)
+            .unwrap();
+        assert!(matches!(
+            ReplicaStore::open(dir.path(), identity()).await,
+            Err(ReplicaError::IdentityMismatch(_))
+        ));
+        std::fs::remove_file(&data).unwrap();
+        assert!(matches!(
+            ReplicaStore::open(dir.path(), identity()).await,
+            Err(ReplicaError::Io(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_data_dir_in_use_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = open(dir.path()).await;
+        let err = ReplicaStore::open(dir.path(), identity())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ReplicaError::Io(_)), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_are_refused_and_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        assert_eq!(
+            store.write(0, 0, block(1, 512), false).await,
+            Err(ReplicaError::InvalidTerm)
+        );
+        assert_eq!(store.flush(0).await, Err(ReplicaError::InvalidTerm));
+        assert_eq!(store.fence(0).await, Err(ReplicaError::InvalidTerm));
+        assert_eq!(
+            store.write(1, SIZE - 256, block(1, 512), false).await,
+            Err(ReplicaError::Range(RangeError::OutOfRange {
+                offset: SIZE - 256,
+                len: 512,
+                size: SIZE
+            }))
+        );
+        assert!(matches!(
+            store.read(SIZE, 1).await,
+            Err(ReplicaError::Range(RangeError::OutOfRange { .. }))
+        ));
+        assert!(matches!(
+            store.read(0, MAX_REQUEST + 1).await,
+            Err(ReplicaError::Range(RangeError::TooLarge { .. }))
+        ));
+        // Refused requests neither raised the floor nor marked anything.
+        assert_eq!(store.floor().await, 0);
+        assert!(store.dirty_extents().unwrap().is_empty());
+        assert_eq!(store.read(SIZE - 512, 512).await.unwrap(), block(0, 512));
+    }
+
+    #[tokio::test]
+    async fn oversized_writes_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = StoreIdentity::new("c1", "vol0", 2 * MAX_REQUEST);
+        let store = ReplicaStore::open(dir.path(), big).await.unwrap();
+        let data = Bytes::from(vec![1u8; MAX_REQUEST as usize + 512]);
+        assert!(matches!(
+            store.write(1, 0, data, false).await,
+            Err(ReplicaError::Range(RangeError::TooLarge { .. }))
+        ));
+        assert_eq!(store.read(0, 512).await.unwrap(), block(0, 512));
+        assert_eq!(store.floor().await, 0);
+    }
+
+    #[tokio::test]
+    async fn corrupt_metadata_is_an_error_not_a_panic() {
+        assert!(decode_dirty(&[0u8; 3]).is_err());
+        assert!(decode_u64(&[1, 2], "x").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::open(dir.path().join(META_DIR)).unwrap();
+            let tree = db.open_tree("identity").unwrap();
+            tree.insert("cluster_id", "c1").unwrap();
+            db.flush().unwrap();
+        }
+        assert!(matches!(
+            ReplicaStore::open(dir.path(), identity()).await,
+            Err(ReplicaError::Io(msg)) if msg.contains("incomplete")
+        ));
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()).await);
+        {
+            let db = sled::open(dir.path().join(META_DIR)).unwrap();
+            db.open_tree("fence")
+                .unwrap()
+                .insert(FLOOR_KEY, &[1u8][..])
+                .unwrap();
+            db.open_tree("identity")
+                .unwrap()
+                .insert("volume", &[0xffu8][..])
+                .unwrap();
+            db.flush().unwrap();
+        }
+        assert!(matches!(
+            ReplicaStore::open(dir.path(), identity()).await,
+            Err(ReplicaError::Io(_))
+        ));
+    }
 }
