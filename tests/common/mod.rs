@@ -1,0 +1,147 @@
+//! Shared test support: replicas that fail on command, and a tracker that
+//! logs the order of in-sync commits.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use replica_ha::replica::{
+    FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaStore,
+    StoreIdentity,
+};
+
+/// What a [`FaultyReplica`] does with the next requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Pass every request to the store.
+    None,
+    /// Fail every request as unreachable.
+    Fail,
+    /// Never answer.
+    Hang,
+    /// Fail only writes at this offset.
+    FailWritesAt(u64),
+}
+
+/// A local replica with a switchable fault.
+pub struct FaultyReplica {
+    inner: LocalReplica,
+    fault: Mutex<Fault>,
+}
+
+impl FaultyReplica {
+    pub fn new(id: &str, store: Arc<ReplicaStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: LocalReplica::new(id, store),
+            fault: Mutex::new(Fault::None),
+        })
+    }
+
+    pub fn set(&self, fault: Fault) {
+        *self.fault.lock().unwrap() = fault;
+    }
+
+    pub fn store(&self) -> &Arc<ReplicaStore> {
+        self.inner.store()
+    }
+
+    async fn gate(&self, write_offset: Option<u64>) -> Result<(), ReplicaError> {
+        let fault = *self.fault.lock().unwrap();
+        match fault {
+            Fault::None => Ok(()),
+            Fault::Fail => Err(ReplicaError::Unavailable("injected".into())),
+            Fault::Hang => {
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+            Fault::FailWritesAt(at) if write_offset == Some(at) => {
+                Err(ReplicaError::Unavailable("injected".into()))
+            }
+            Fault::FailWritesAt(_) => Ok(()),
+        }
+    }
+}
+
+#[async_trait]
+impl Replica for FaultyReplica {
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+    async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError> {
+        self.gate(Some(offset)).await?;
+        self.inner.write(term, offset, data, fua).await
+    }
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.read(offset, len).await
+    }
+    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner.flush(term).await
+    }
+    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.fence(term).await
+    }
+}
+
+/// An in-memory tracker that appends "remove:<ids>" to a shared event log
+/// when it commits, so a test can check commits precede acknowledgements.
+pub struct LoggingTracker {
+    pub inner: MemoryInSync,
+    pub events: Arc<Mutex<Vec<String>>>,
+}
+
+impl LoggingTracker {
+    pub fn new(members: &[&str], events: Arc<Mutex<Vec<String>>>) -> Arc<Self> {
+        Arc::new(Self {
+            inner: MemoryInSync::new(members.iter().copied()),
+            events,
+        })
+    }
+}
+
+#[async_trait]
+impl InSyncTracker for LoggingTracker {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
+        self.inner.in_sync().await
+    }
+    async fn remove(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        let result = self.inner.remove(term, replicas).await;
+        if result.is_ok() {
+            let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("remove:{}", ids.join(",")));
+        }
+        result
+    }
+}
+
+pub const SIZE: u64 = 16 * 1024 * 1024;
+
+/// Opens a store for node `id` under `dir`.
+pub async fn store(dir: &std::path::Path, id: &str) -> Arc<ReplicaStore> {
+    Arc::new(
+        ReplicaStore::open(dir.join(id), StoreIdentity::new("test", "vol0", SIZE))
+            .await
+            .expect("open store"),
+    )
+}
+
+pub const SHORT: Duration = Duration::from_millis(200);

@@ -1,0 +1,330 @@
+//! The engine over three real local stores, with injected replica faults.
+//! S5: a write is acknowledged only when every member of the committed
+//! in-sync set has it, the set has at least min_in_sync members, and any
+//! shrink was committed first.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Fault, FaultyReplica, LoggingTracker, SHORT, SIZE, store};
+use replica_ha::ha::{ReplicaState, WriterEngine};
+use replica_ha::replica::{Engine, EngineConfig, InSyncTracker, Replica};
+use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
+
+const IDS: [&str; 3] = ["n1", "n2", "n3"];
+
+struct Rig {
+    _dir: tempfile::TempDir,
+    replicas: Vec<Arc<FaultyReplica>>,
+    tracker: Arc<LoggingTracker>,
+    events: Arc<Mutex<Vec<String>>>,
+    engine: Arc<Engine>,
+}
+
+impl Rig {
+    async fn new(min_in_sync: usize) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut replicas = Vec::new();
+        for id in IDS {
+            replicas.push(FaultyReplica::new(id, store(dir.path(), id).await));
+        }
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let tracker = LoggingTracker::new(&IDS, Arc::clone(&events));
+        let dyn_replicas: Vec<Arc<dyn Replica>> = replicas
+            .iter()
+            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+            .collect();
+        let engine = Engine::new(
+            EngineConfig {
+                local_id: "n1".into(),
+                min_in_sync,
+                replica_timeout: SHORT,
+                size: SIZE,
+            },
+            dyn_replicas,
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap();
+        Rig {
+            _dir: dir,
+            replicas,
+            tracker,
+            events,
+            engine: Arc::new(engine),
+        }
+    }
+
+    async fn on(&self, i: usize, offset: u64, len: u64) -> Bytes {
+        self.replicas[i].store().read(offset, len).await.unwrap()
+    }
+
+    async fn committed(&self) -> BTreeSet<String> {
+        self.tracker.in_sync().await.unwrap()
+    }
+
+    fn states(&self) -> Vec<ReplicaState> {
+        self.engine.replicas().iter().map(|r| r.state).collect()
+    }
+}
+
+fn block(byte: u8) -> Bytes {
+    Bytes::from(vec![byte; 4096])
+}
+
+fn set(ids: &[&str]) -> BTreeSet<String> {
+    ids.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test]
+async fn writes_reach_every_replica_with_the_active_term() {
+    let rig = Rig::new(2).await;
+    assert_eq!(
+        rig.engine.write_at(0, block(1), false).await,
+        Err(DeviceError::Inactive)
+    );
+    assert_eq!(rig.engine.flush().await, Err(DeviceError::Inactive));
+    rig.engine.activate(7).await.unwrap();
+    assert_eq!(rig.engine.term(), Some(7));
+    rig.engine.write_at(4096, block(9), true).await.unwrap();
+    rig.engine.flush().await.unwrap();
+    for i in 0..3 {
+        assert_eq!(rig.on(i, 4096, 4096).await, block(9));
+        assert_eq!(rig.replicas[i].store().floor().await, 7);
+    }
+    assert_eq!(rig.engine.read_at(4096, 4096).await.unwrap(), block(9));
+    assert_eq!(rig.states(), vec![ReplicaState::InSync; 3]);
+    assert!(rig.engine.replicas()[0].local);
+    assert_eq!(rig.engine.size(), SIZE);
+    rig.engine.deactivate();
+    assert_eq!(
+        rig.engine.write_at(0, block(1), false).await,
+        Err(DeviceError::Inactive)
+    );
+}
+
+#[tokio::test]
+async fn a_failed_replica_is_dropped_by_a_commit_before_the_write_is_acknowledged() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.replicas[1].set(Fault::Fail);
+    rig.engine.write_at(0, block(5), false).await.unwrap();
+    rig.events.lock().unwrap().push("ack".into());
+    assert_eq!(*rig.events.lock().unwrap(), vec!["remove:n2", "ack"]);
+    assert_eq!(rig.committed().await, set(&["n1", "n3"]));
+    assert_eq!(
+        rig.states(),
+        vec![
+            ReplicaState::InSync,
+            ReplicaState::Offline,
+            ReplicaState::InSync
+        ]
+    );
+    // Later writes skip n2 without another commit.
+    rig.replicas[1].set(Fault::None);
+    rig.engine.write_at(8192, block(6), false).await.unwrap();
+    assert_eq!(rig.on(1, 8192, 4096).await, block(0));
+    assert_eq!(rig.on(2, 8192, 4096).await, block(6));
+    assert_eq!(rig.events.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn a_replica_that_does_not_answer_counts_as_failed() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.replicas[2].set(Fault::Hang);
+    rig.engine.write_at(0, block(5), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&["n1", "n2"]));
+}
+
+#[tokio::test]
+async fn too_few_replicas_fail_the_write_and_commit_nothing() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.replicas[1].set(Fault::Fail);
+    rig.replicas[2].set(Fault::Hang);
+    assert_eq!(
+        rig.engine.write_at(0, block(5), false).await,
+        Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
+    );
+    assert_eq!(
+        rig.engine.flush().await,
+        Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
+    );
+    assert!(
+        rig.events.lock().unwrap().is_empty(),
+        "nothing may be committed"
+    );
+    assert_eq!(rig.committed().await, set(&IDS));
+    assert_eq!(
+        rig.states(),
+        vec![
+            ReplicaState::InSync,
+            ReplicaState::Degraded,
+            ReplicaState::Degraded
+        ]
+    );
+    // When they answer again, writes are acknowledged on all three.
+    rig.replicas[1].set(Fault::None);
+    rig.replicas[2].set(Fault::None);
+    rig.engine.write_at(0, block(6), false).await.unwrap();
+    for i in 0..3 {
+        assert_eq!(rig.on(i, 0, 4096).await, block(6));
+    }
+}
+
+#[tokio::test]
+async fn a_refused_in_sync_commit_fails_the_write() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.tracker.inner.fail_removals(true);
+    rig.replicas[1].set(Fault::Fail);
+    assert!(matches!(
+        rig.engine.write_at(0, block(5), false).await,
+        Err(DeviceError::InSyncCommit(_))
+    ));
+    assert_eq!(rig.committed().await, set(&IDS));
+}
+
+#[tokio::test]
+async fn a_stale_term_deactivates_the_engine_and_shrinks_nothing() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(3).await.unwrap();
+    rig.replicas[2].store().fence(5).await.unwrap();
+    assert_eq!(
+        rig.engine.write_at(0, block(5), false).await,
+        Err(DeviceError::StaleTerm { term: 3, floor: 5 })
+    );
+    assert_eq!(rig.engine.term(), None);
+    assert!(rig.events.lock().unwrap().is_empty());
+    assert_eq!(rig.committed().await, set(&IDS));
+    assert_eq!(rig.on(2, 0, 4096).await, block(0));
+}
+
+#[tokio::test]
+async fn concurrent_failures_cannot_both_be_acknowledged() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.replicas[1].set(Fault::FailWritesAt(0));
+    rig.replicas[2].set(Fault::FailWritesAt(4096));
+    let (a, b) = tokio::join!(
+        rig.engine.write_at(0, block(1), false),
+        rig.engine.write_at(4096, block(2), false)
+    );
+    assert_eq!(
+        [a.is_ok(), b.is_ok()].iter().filter(|ok| **ok).count(),
+        1,
+        "{a:?} {b:?}"
+    );
+    let committed = rig.committed().await;
+    assert_eq!(committed.len(), 2);
+    // Every acknowledged write is on every committed member.
+    let (offset, data) = if a.is_ok() {
+        (0, block(1))
+    } else {
+        (4096, block(2))
+    };
+    for (i, id) in IDS.iter().enumerate() {
+        if committed.contains(*id) {
+            assert_eq!(rig.on(i, offset, 4096).await, data);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_committed_set_below_min_in_sync_acknowledges_nothing() {
+    let rig = Rig::new(2).await;
+    rig.tracker
+        .inner
+        .remove(1, &set(&["n2", "n3"]))
+        .await
+        .unwrap();
+    rig.engine.activate(2).await.unwrap();
+    assert_eq!(
+        rig.engine.write_at(0, block(1), false).await,
+        Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
+    );
+}
+
+#[tokio::test]
+async fn reads_prefer_the_local_replica_and_fall_back_to_in_sync_peers() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    rig.engine.write_at(0, block(3), false).await.unwrap();
+    // Drop the local replica from the in-sync set.
+    rig.replicas[0].set(Fault::Fail);
+    rig.engine.write_at(4096, block(4), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&["n2", "n3"]));
+    rig.replicas[0].set(Fault::None);
+    assert_eq!(rig.engine.read_at(4096, 4096).await.unwrap(), block(4));
+    // One in-sync peer fails a read: the next one serves it.
+    rig.replicas[1].set(Fault::Fail);
+    assert_eq!(rig.engine.read_at(4096, 4096).await.unwrap(), block(4));
+    rig.replicas[2].set(Fault::Hang);
+    assert!(matches!(
+        rig.engine.read_at(0, 4096).await,
+        Err(DeviceError::NoReadableReplica(_))
+    ));
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_before_any_replica_is_touched() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(1).await.unwrap();
+    assert!(matches!(
+        rig.engine.write_at(SIZE - 512, block(1), false).await,
+        Err(DeviceError::Range(RangeError::OutOfRange { .. }))
+    ));
+    assert!(matches!(
+        rig.engine.read_at(0, MAX_REQUEST + 1).await,
+        Err(DeviceError::Range(RangeError::TooLarge { .. }))
+    ));
+    for i in 0..3 {
+        assert_eq!(rig.on(i, SIZE - 4096, 4096).await, block(0));
+    }
+}
+
+#[tokio::test]
+async fn invalid_configurations_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let a: Arc<dyn Replica> = FaultyReplica::new("a", store(dir.path(), "a").await);
+    let b: Arc<dyn Replica> = FaultyReplica::new("b", store(dir.path(), "b").await);
+    let tracker = Arc::new(replica_ha::replica::MemoryInSync::new(["a", "b"]));
+    let config = |local: &str, min| EngineConfig {
+        local_id: local.into(),
+        min_in_sync: min,
+        replica_timeout: Duration::from_secs(1),
+        size: SIZE,
+    };
+    let cases = [
+        (
+            config("a", 1),
+            vec![Arc::clone(&a), Arc::clone(&a)],
+            "unique",
+        ),
+        (
+            config("z", 1),
+            vec![Arc::clone(&a), Arc::clone(&b)],
+            "local",
+        ),
+        (
+            config("a", 0),
+            vec![Arc::clone(&a), Arc::clone(&b)],
+            "min_in_sync",
+        ),
+        (
+            config("a", 3),
+            vec![Arc::clone(&a), Arc::clone(&b)],
+            "min_in_sync",
+        ),
+    ];
+    for (config, replicas, what) in cases {
+        let err = Engine::new(config, replicas, tracker.clone())
+            .err()
+            .expect(what);
+        assert!(err.to_string().contains(what), "{err}");
+    }
+}
