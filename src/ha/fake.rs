@@ -101,17 +101,12 @@ impl FakeCluster {
         let mut state = lock(&self.state);
         let now = Instant::now();
         let (tx, _) = watch::channel(state.observation_for(id, now));
-        state.nodes.insert(
-            id.to_string(),
-            FakeNode {
-                tx: tx.clone(),
-                deaf: false,
-            },
-        );
+        state
+            .nodes
+            .insert(id.to_string(), FakeNode { tx, deaf: false });
         Arc::new(FakeCoordinator {
             id: id.to_string(),
             cluster: self.clone(),
-            tx,
         })
     }
 
@@ -237,7 +232,17 @@ impl FakeCluster {
 pub struct FakeCoordinator {
     id: String,
     cluster: FakeCluster,
-    tx: watch::Sender<Leadership>,
+}
+
+impl FakeCoordinator {
+    /// A receiver of this node's observations; already closed once the
+    /// cluster has shut down.
+    fn subscribe(&self) -> watch::Receiver<Leadership> {
+        match lock(&self.cluster.state).nodes.get(&self.id) {
+            Some(node) => node.tx.subscribe(),
+            None => watch::channel(Leadership::default()).1,
+        }
+    }
 }
 
 #[async_trait]
@@ -247,7 +252,7 @@ impl Coordinator for FakeCoordinator {
     }
 
     async fn campaign(&self) -> Result<(), HaError> {
-        let mut rx = self.tx.subscribe();
+        let mut rx = self.subscribe();
         loop {
             if rx.borrow_and_update().is_self && self.lease().is_some() {
                 return Ok(());
@@ -273,7 +278,7 @@ impl Coordinator for FakeCoordinator {
     }
 
     fn observe(&self) -> watch::Receiver<Leadership> {
-        self.tx.subscribe()
+        self.subscribe()
     }
 
     async fn members(&self) -> Result<Vec<String>, HaError> {
@@ -425,6 +430,7 @@ pub struct MemoryEngine {
     term: Mutex<Option<u64>>,
     writes: Mutex<Vec<(u64, u64)>>,
     delay: Mutex<Duration>,
+    activate_delay: Mutex<Duration>,
     fail_activate: AtomicBool,
 }
 
@@ -436,6 +442,7 @@ impl MemoryEngine {
             term: Mutex::new(None),
             writes: Mutex::default(),
             delay: Mutex::default(),
+            activate_delay: Mutex::default(),
             fail_activate: AtomicBool::new(false),
         })
     }
@@ -453,6 +460,11 @@ impl MemoryEngine {
     /// Makes each write take `delay` (to hold writes in flight).
     pub fn set_delay(&self, delay: Duration) {
         *lock(&self.delay) = delay;
+    }
+
+    /// Makes each activation take `delay`.
+    pub fn set_activate_delay(&self, delay: Duration) {
+        *lock(&self.activate_delay) = delay;
     }
 
     /// Makes `activate` fail (`true`) or work again.
@@ -496,6 +508,10 @@ impl Device for MemoryEngine {
 #[async_trait]
 impl WriterEngine for MemoryEngine {
     async fn activate(&self, term: u64) -> Result<(), DeviceError> {
+        let delay = *lock(&self.activate_delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         if self.fail_activate.load(Ordering::SeqCst) {
             return Err(DeviceError::Io("activation refused".into()));
         }
