@@ -2,6 +2,8 @@
 //! time: leases, fence timeouts and retries run on a virtual clock, and waits
 //! poll a condition against a virtual deadline.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,6 +63,7 @@ impl Node {
 }
 
 fn setup(ids: &[&str]) -> (FakeCluster, Arc<FenceScript>, Vec<Node>) {
+    common::init_tracing();
     let cluster = FakeCluster::new(LEASE);
     let script = FenceScript::new();
     let nodes = ids
@@ -522,4 +525,42 @@ async fn members_and_campaign_come_from_the_coordinator() {
             .contains("unknown node")
     );
     assert_eq!(Role::FencePending.as_str(), "fence_pending");
+}
+
+#[tokio::test(start_paused = true)]
+async fn stop_during_activation_never_opens_the_gate() {
+    let (cluster, _script, nodes) = setup(&["a"]);
+    let a = nodes.into_iter().next().unwrap();
+    a.engine.set_activate_delay(Duration::from_millis(300));
+    cluster.elect("a").unwrap();
+    until("a fencing", || a.role() == Role::FencePending).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    a.controller.stop().await.unwrap();
+    assert_eq!(a.run.await.unwrap(), Err(HaError::Stopped));
+    assert!(!a.controller.status().active);
+    assert_eq!(a.engine.term(), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_configuration_promotes() {
+    let cluster = FakeCluster::new(LEASE);
+    let script = FenceScript::new();
+    let engine = MemoryEngine::new(4096);
+    let controller = Arc::new(Controller::new(
+        engine,
+        cluster.coordinator("a"),
+        script.fencer("a"),
+        ControllerConfig::default(),
+    ));
+    tokio::spawn({
+        let controller = Arc::clone(&controller);
+        async move { controller.run().await }
+    });
+    cluster.elect("a").unwrap();
+    until("a leads", || controller.status().role == Role::Leader).await;
+    let names: Vec<_> = [Role::Follower, Role::FencePending, Role::Leader]
+        .iter()
+        .map(|r| r.as_str())
+        .collect();
+    assert_eq!(names, ["follower", "fence_pending", "leader"]);
 }

@@ -5,6 +5,20 @@
 
 mod common;
 
+#[test]
+fn replica_states_have_stable_names() {
+    let names: Vec<_> = [
+        ReplicaState::InSync,
+        ReplicaState::Degraded,
+        ReplicaState::Rebuilding,
+        ReplicaState::Offline,
+    ]
+    .iter()
+    .map(|s| s.as_str())
+    .collect();
+    assert_eq!(names, ["in_sync", "degraded", "rebuilding", "offline"]);
+}
+
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +41,7 @@ struct Rig {
 
 impl Rig {
     async fn new(min_in_sync: usize) -> Self {
+        common::init_tracing();
         let dir = tempfile::tempdir().unwrap();
         let mut replicas = Vec::new();
         for id in IDS {

@@ -263,7 +263,7 @@ impl Controller {
                         tracing::warn!(%err, "campaign failed");
                     }
                 }
-                _ = sleep_until_opt(wake), if wake.is_some() => {}
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
             }
         }
     }
@@ -451,12 +451,5 @@ async fn cancellable<T>(
             Err(_) => Err(HaError::Coordinator("observation stream ended".into())),
         },
         _ = stop.changed() => Err(HaError::Stopped),
-    }
-}
-
-async fn sleep_until_opt(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
     }
 }

@@ -221,3 +221,31 @@ impl InSyncTracker for MemoryInSync {
         Ok(set.clone())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_and_metadata_errors_become_replica_io_errors() {
+        let io = std::io::Error::other("disk on fire");
+        assert_eq!(
+            ReplicaError::from(io),
+            ReplicaError::Io("disk on fire".into())
+        );
+        let sled = sled::Error::Unsupported("nope".into());
+        assert!(
+            matches!(ReplicaError::from(sled), ReplicaError::Io(m) if m.starts_with("metadata"))
+        );
+    }
+
+    #[tokio::test]
+    async fn memory_in_sync_removes_and_refuses_on_command() {
+        let set = MemoryInSync::new(["a", "b", "c"]);
+        let removed: BTreeSet<String> = ["b".to_string()].into();
+        assert_eq!(set.remove(1, &removed).await.unwrap().len(), 2);
+        set.fail_removals(true);
+        assert!(set.remove(1, &removed).await.is_err());
+        assert_eq!(set.in_sync().await.unwrap().len(), 2);
+    }
+}

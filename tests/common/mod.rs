@@ -144,4 +144,13 @@ pub async fn store(dir: &std::path::Path, id: &str) -> Arc<ReplicaStore> {
     )
 }
 
+/// Sends the library's logs to the test's captured output (shown when a
+/// test fails).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::DEBUG)
+        .try_init();
+}
+
 pub const SHORT: Duration = Duration::from_millis(200);
