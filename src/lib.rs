@@ -11,6 +11,8 @@
 //! - [`proto`]: the generated gRPC types.
 
 pub mod ha;
+pub mod net;
 pub mod proto;
+pub mod raft;
 pub mod replica;
 pub mod volume;

@@ -1,0 +1,35 @@
+//! The one place where gRPC servers and client channels are built.
+//!
+//! Every node-to-node and admin connection goes through [`channel`] and every
+//! listener through [`server`], so moving all traffic to mutual TLS later is
+//! a change here only.
+
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint, Server};
+
+/// The largest gRPC message a node sends or accepts: a 32 MiB replica write
+/// or a snapshot, plus framing.
+pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+
+/// How long a new connection may take to establish.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A lazily connecting channel to `addr` (`HOST:PORT`). Fails only on an
+/// address that cannot be parsed.
+pub fn channel(addr: &str) -> Result<Channel, String> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|err| format!("bad address {addr:?}: {err}"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(5));
+    Ok(endpoint.connect_lazy())
+}
+
+/// A server builder with the project's transport settings.
+pub fn server() -> Server {
+    Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(5)))
+}

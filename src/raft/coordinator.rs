@@ -1,0 +1,438 @@
+//! [`RaftCoordinator`]: the core's `Coordinator` and `InSyncTracker` over
+//! openraft.
+//!
+//! A watcher task follows openraft's metrics (published after every event
+//! the Raft core handles, heartbeat acknowledgements included). From each it
+//! derives this node's [`Lease`] — see the parent module for why
+//! `last_quorum_acked + election_timeout_min − margin` — and publishes a
+//! [`Leadership`] whose `is_self` is true only while that lease is valid. A
+//! timer at the lease deadline makes `is_self` fall to false even when
+//! openraft reports nothing (a leader cut off from its quorum).
+//!
+//! Promotions and in-sync changes are Raft entries that must be committed
+//! *in the caller's term*: a write that openraft commits under another term,
+//! or that the state machine refuses, is reported as a failure.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use openraft::ServerState;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::network::Peers;
+use super::state_machine::Applied;
+use super::{NodeId, Raft, Request, Response, StateMachine, WriterRecord};
+use crate::ha::{Coordinator, HaError, Leadership, Lease, Writer};
+use crate::proto::raft::TransferRequest;
+use crate::replica::InSyncTracker;
+
+/// Raft's timing. The defaults fail over in well under a second on
+/// loopback.
+#[derive(Debug, Clone, Copy)]
+pub struct RaftTiming {
+    /// How often a leader sends heartbeats.
+    pub heartbeat: Duration,
+    /// The shortest election timeout.
+    pub election_min: Duration,
+    /// The longest election timeout (also the followers' vote lease).
+    pub election_max: Duration,
+    /// Taken off the lease to cover the delay of reading openraft's clock.
+    pub lease_margin: Duration,
+}
+
+impl Default for RaftTiming {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_millis(50),
+            election_min: Duration::from_millis(300),
+            election_max: Duration::from_millis(500),
+            lease_margin: Duration::from_millis(50),
+        }
+    }
+}
+
+impl RaftTiming {
+    /// The openraft configuration for this timing. Elections start disabled:
+    /// the node enables them after its start-up window.
+    pub fn raft_config(&self, cluster_id: &str) -> Result<openraft::Config, String> {
+        let config = openraft::Config {
+            cluster_name: cluster_id.to_string(),
+            heartbeat_interval: self.heartbeat.as_millis() as u64,
+            election_timeout_min: self.election_min.as_millis() as u64,
+            election_timeout_max: self.election_max.as_millis() as u64,
+            enable_elect: false,
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(500),
+            max_in_snapshot_log_to_keep: 100,
+            ..Default::default()
+        };
+        config.validate().map_err(|err| err.to_string())
+    }
+
+    /// How long a lease lasts past the last quorum acknowledgement.
+    pub fn lease(&self) -> Duration {
+        self.election_min.saturating_sub(self.lease_margin)
+    }
+}
+
+/// A snapshot of what the coordinator knows, for status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaftStatus {
+    /// openraft's server state.
+    pub state: ServerState,
+    /// The current term.
+    pub term: u64,
+    /// The known leader.
+    pub leader: Option<NodeId>,
+    /// This node's lease, if it leads.
+    pub lease: Option<Lease>,
+    /// The applied control state.
+    pub applied: Applied,
+}
+
+/// The Raft-backed coordinator. See the module docs.
+pub struct RaftCoordinator {
+    id: NodeId,
+    id_text: String,
+    raft: Raft,
+    state_machine: StateMachine,
+    peers: Arc<Peers>,
+    timing: RaftTiming,
+    lease: Arc<Mutex<Option<Lease>>>,
+    observations: watch::Receiver<Leadership>,
+    watcher: JoinHandle<()>,
+}
+
+impl Drop for RaftCoordinator {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl RaftCoordinator {
+    /// Starts following `raft`'s metrics.
+    pub fn start(
+        raft: Raft,
+        state_machine: StateMachine,
+        peers: Arc<Peers>,
+        timing: RaftTiming,
+    ) -> Arc<Self> {
+        let id = peers.self_id();
+        let lease = Arc::new(Mutex::new(None));
+        let (tx, observations) = watch::channel(Leadership::default());
+        let watcher = tokio::spawn(watch_leadership(
+            raft.clone(),
+            id,
+            timing,
+            Arc::clone(&lease),
+            tx,
+        ));
+        Arc::new(Self {
+            id,
+            id_text: id.to_string(),
+            raft,
+            state_machine,
+            peers,
+            timing,
+            lease,
+            observations,
+            watcher,
+        })
+    }
+
+    /// The openraft instance.
+    pub fn raft(&self) -> &Raft {
+        &self.raft
+    }
+
+    /// What the coordinator knows now.
+    pub fn status(&self) -> RaftStatus {
+        let metrics = self.raft.metrics().borrow().clone();
+        RaftStatus {
+            state: metrics.state,
+            term: metrics.current_term,
+            leader: metrics.current_leader,
+            lease: *lock(&self.lease),
+            applied: self.state_machine.current(),
+        }
+    }
+
+    /// The live members as node ids: this node and the peers heard from
+    /// within one lease.
+    pub fn live_members(&self) -> Vec<NodeId> {
+        let since = Instant::now()
+            .checked_sub(self.timing.lease())
+            .unwrap_or_else(Instant::now);
+        let mut members = self.peers.heard_since(since);
+        members.push(self.id);
+        members.sort_unstable();
+        members.dedup();
+        members
+    }
+
+    /// Proposes `request` and waits until it is committed and applied. Fails
+    /// unless it was committed in `term` and applied.
+    pub async fn commit(&self, term: u64, request: Request) -> Result<Response, HaError> {
+        let written = self
+            .raft
+            .client_write(request)
+            .await
+            .map_err(|err| HaError::Coordinator(err.to_string()))?;
+        if written.log_id.leader_id.term != term {
+            return Err(HaError::Coordinator(format!(
+                "committed in term {}, not {term}",
+                written.log_id.leader_id.term
+            )));
+        }
+        if let Some(refused) = written.data.refused.clone() {
+            return Err(HaError::Coordinator(refused));
+        }
+        Ok(written.data)
+    }
+
+    /// Hands leadership to `to` and waits until it leads (or fails).
+    pub async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics.current_leader != Some(self.id) {
+            return Err(HaError::NotLeader);
+        }
+        if to == self.id {
+            return Ok(());
+        }
+        let mut client = self.peers.client(to).map_err(HaError::Coordinator)?;
+        self.peers.begin_transfer(to);
+        self.raft.runtime_config().heartbeat(false);
+        let request = TransferRequest {
+            cluster_id: self.peers.cluster_id().to_string(),
+            from: self.id,
+            term: metrics.current_term,
+        };
+        let mut grpc = tonic::Request::new(request);
+        grpc.set_timeout(self.timing.election_max);
+        let outcome = match client.transfer_leader(grpc).await {
+            Err(status) => Err(HaError::Coordinator(format!(
+                "node {to} declined: {}",
+                status.message()
+            ))),
+            Ok(_) => self.wait_for_leader(to).await,
+        };
+        self.peers.end_transfer();
+        self.raft.runtime_config().heartbeat(true);
+        outcome
+    }
+
+    async fn wait_for_leader(&self, to: NodeId) -> Result<(), HaError> {
+        let mut metrics = self.raft.metrics();
+        let deadline = Instant::now() + self.timing.election_max * 6;
+        loop {
+            let leader = metrics.borrow_and_update().current_leader;
+            if leader == Some(to) {
+                return Ok(());
+            }
+            tokio::select! {
+                changed = metrics.changed() => {
+                    changed.map_err(|_| HaError::Coordinator("raft stopped".into()))?;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(HaError::Coordinator(format!(
+                        "node {to} did not take over in time (leader now {leader:?})"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// The most caught-up peer, to hand leadership to.
+    fn best_successor(&self) -> Option<NodeId> {
+        let metrics = self.raft.metrics().borrow().clone();
+        let replication = metrics.replication?;
+        replication
+            .into_iter()
+            .filter(|(id, _)| *id != self.id)
+            .max_by_key(|(_, matched)| matched.map(|m| m.index))
+            .map(|(id, _)| id)
+    }
+
+    /// Waits until the state machine has applied an entry of `term` (the
+    /// leader's first entry), so the control state is current for `term`.
+    async fn applied_through(&self, term: u64) -> Result<Applied, HaError> {
+        let mut applied = self.state_machine.subscribe();
+        let deadline = Instant::now() + self.timing.election_max * 4;
+        loop {
+            let current = applied.borrow_and_update().clone();
+            if current
+                .last_applied
+                .is_some_and(|id| id.leader_id.term >= term)
+            {
+                return Ok(current);
+            }
+            tokio::select! {
+                changed = applied.changed() => {
+                    changed.map_err(|_| HaError::Coordinator("state machine closed".into()))?;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(HaError::Coordinator(format!(
+                        "no entry of term {term} applied yet"
+                    )));
+                }
+            }
+        }
+    }
+}
+
+/// Follows openraft's metrics and publishes this node's lease and
+/// leadership. Ends, closing the observation stream, when Raft stops.
+async fn watch_leadership(
+    raft: Raft,
+    id: NodeId,
+    timing: RaftTiming,
+    lease_cell: Arc<Mutex<Option<Lease>>>,
+    tx: watch::Sender<Leadership>,
+) {
+    let mut metrics = raft.metrics();
+    loop {
+        let now = Instant::now();
+        let (lease, leadership) = {
+            let m = metrics.borrow_and_update();
+            let lease = match (m.state, m.current_leader, m.millis_since_quorum_ack) {
+                (ServerState::Leader, Some(leader), Some(ms)) if leader == id => now
+                    .checked_sub(Duration::from_millis(ms))
+                    .map(|acked| Lease {
+                        term: m.current_term,
+                        deadline: acked + timing.lease(),
+                    }),
+                _ => None,
+            };
+            let leadership = Leadership {
+                leader: m.current_leader.map(|l| l.to_string()),
+                is_self: lease.is_some_and(|l| l.covers(m.current_term, now)),
+                term: m.current_term,
+            };
+            (lease, leadership)
+        };
+        *lock(&lease_cell) = lease;
+        tx.send_if_modified(|current| {
+            let changed = *current != leadership;
+            if changed {
+                tracing::info!(node = id, term = leadership.term, leader = ?leadership.leader, is_self = leadership.is_self, "leadership");
+                *current = leadership.clone();
+            }
+            changed
+        });
+        let wake = lease.filter(|l| l.deadline > now).map(|l| l.deadline);
+        tokio::select! {
+            changed = metrics.changed() => if changed.is_err() { break },
+            _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
+        }
+    }
+    *lock(&lease_cell) = None;
+    tx.send_replace(Leadership::default());
+}
+
+#[async_trait]
+impl Coordinator for RaftCoordinator {
+    fn node_id(&self) -> &str {
+        &self.id_text
+    }
+
+    async fn campaign(&self) -> Result<(), HaError> {
+        let mut rx = self.observations.clone();
+        loop {
+            if rx.borrow_and_update().is_self {
+                return Ok(());
+            }
+            rx.changed()
+                .await
+                .map_err(|_| HaError::Coordinator("raft stopped".into()))?;
+        }
+    }
+
+    async fn resign(&self) -> Result<(), HaError> {
+        if self.raft.metrics().borrow().current_leader != Some(self.id) {
+            return Ok(());
+        }
+        match self.best_successor() {
+            Some(to) => self.transfer_to(to).await,
+            None => Ok(()),
+        }
+    }
+
+    fn observe(&self) -> watch::Receiver<Leadership> {
+        self.observations.clone()
+    }
+
+    async fn members(&self) -> Result<Vec<String>, HaError> {
+        Ok(self
+            .live_members()
+            .into_iter()
+            .map(|id| id.to_string())
+            .collect())
+    }
+
+    fn lease(&self) -> Option<Lease> {
+        *lock(&self.lease)
+    }
+
+    async fn prev_writer(&self, term: u64) -> Result<Option<Writer>, HaError> {
+        let applied = self.applied_through(term).await?;
+        Ok(applied.control.writer.map(|w| Writer {
+            node: w.node.to_string(),
+            term: w.term,
+        }))
+    }
+
+    async fn record_promotion(&self, term: u64) -> Result<(), HaError> {
+        if !self
+            .lease()
+            .is_some_and(|lease| lease.covers(term, Instant::now()))
+        {
+            return Err(HaError::NotLeader);
+        }
+        self.commit(
+            term,
+            Request::Promote(WriterRecord {
+                node: self.id,
+                term,
+            }),
+        )
+        .await
+        .map(|_| ())
+    }
+}
+
+fn parse_ids(ids: &BTreeSet<String>) -> Result<BTreeSet<NodeId>, String> {
+    ids.iter()
+        .map(|id| id.parse().map_err(|_| format!("bad replica id {id:?}")))
+        .collect()
+}
+
+fn format_ids(ids: &BTreeSet<NodeId>) -> BTreeSet<String> {
+    ids.iter().map(|id| id.to_string()).collect()
+}
+
+#[async_trait]
+impl InSyncTracker for RaftCoordinator {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
+        Ok(format_ids(&self.state_machine.current().control.in_sync))
+    }
+
+    async fn remove(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        let remove = parse_ids(replicas)?;
+        let response = self
+            .commit(term, Request::ShrinkInSync { term, remove })
+            .await
+            .map_err(|err| err.to_string())?;
+        Ok(format_ids(&response.in_sync))
+    }
+}

@@ -1,0 +1,203 @@
+//! The Raft log, vote and commit index in sled.
+//!
+//! Trees of the node's Raft Db: `log` (big-endian index → JSON entry) and
+//! `log_meta` (`vote`, `committed`, `purged`). S7: `save_vote` returns only
+//! after the vote is flushed to disk, and `append` signals openraft's IO
+//! callback only after the entries are flushed — a vote or an entry that was
+//! acknowledged to a peer survives a crash. Purge removes applied entries
+//! below a snapshot, so the log stays bounded.
+
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
+use openraft::{Entry, LogId, StorageError, StorageIOError, Vote};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{NodeId, TypeConfig};
+
+const VOTE: &str = "vote";
+const COMMITTED: &str = "committed";
+const PURGED: &str = "purged";
+
+/// The sled-backed log store; clones share the same trees.
+#[derive(Clone)]
+pub struct LogStore {
+    db: sled::Db,
+    log: sled::Tree,
+    meta: sled::Tree,
+}
+
+type Result<T> = std::result::Result<T, StorageError<NodeId>>;
+
+impl LogStore {
+    /// Opens the log trees of `db`.
+    pub fn open(db: &sled::Db) -> std::result::Result<Self, sled::Error> {
+        Ok(Self {
+            db: db.clone(),
+            log: db.open_tree("log")?,
+            meta: db.open_tree("log_meta")?,
+        })
+    }
+
+    fn get_meta<T: DeserializeOwned>(&self, key: &str) -> std::result::Result<Option<T>, String> {
+        match self.meta.get(key).map_err(|e| e.to_string())? {
+            None => Ok(None),
+            Some(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| format!("corrupt {key}: {e}")),
+        }
+    }
+
+    fn put_meta<T: Serialize>(&self, key: &str, value: &T) -> std::result::Result<(), String> {
+        let bytes = serde_json::to_vec(value).map_err(|e| e.to_string())?;
+        self.meta.insert(key, bytes).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    async fn flush(&self) -> std::result::Result<(), String> {
+        self.db
+            .flush_async()
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    fn last_entry_id(&self) -> std::result::Result<Option<LogId<NodeId>>, String> {
+        match self.log.last().map_err(|e| e.to_string())? {
+            None => Ok(None),
+            Some((_, bytes)) => {
+                let entry: Entry<TypeConfig> =
+                    serde_json::from_slice(&bytes).map_err(|e| format!("corrupt entry: {e}"))?;
+                Ok(Some(entry.log_id))
+            }
+        }
+    }
+}
+
+fn key(index: u64) -> [u8; 8] {
+    index.to_be_bytes()
+}
+
+fn read_err(err: impl ToString) -> StorageError<NodeId> {
+    StorageIOError::read_logs(&std::io::Error::other(err.to_string())).into()
+}
+
+fn write_err(err: impl ToString) -> StorageError<NodeId> {
+    StorageIOError::write_logs(&std::io::Error::other(err.to_string())).into()
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<TypeConfig>>> {
+        let start = match range.start_bound() {
+            Bound::Included(i) => Bound::Included(key(*i)),
+            Bound::Excluded(i) => Bound::Excluded(key(*i)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(i) => Bound::Included(key(*i)),
+            Bound::Excluded(i) => Bound::Excluded(key(*i)),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        self.log
+            .range::<[u8; 8], _>((start, end))
+            .values()
+            .map(|value| {
+                let bytes = value.map_err(read_err)?;
+                serde_json::from_slice(&bytes).map_err(read_err)
+            })
+            .collect()
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>> {
+        let purged: Option<LogId<NodeId>> = self.get_meta(PURGED).map_err(read_err)?;
+        let last = self.last_entry_id().map_err(read_err)?.or(purged);
+        Ok(LogState {
+            last_purged_log_id: purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<()> {
+        let fail = |e: String| StorageIOError::write_vote(&std::io::Error::other(e));
+        self.put_meta(VOTE, vote).map_err(fail)?;
+        self.flush().await.map_err(fail)?;
+        Ok(())
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>> {
+        self.get_meta(VOTE)
+            .map_err(|e| StorageIOError::read_vote(&std::io::Error::other(e)).into())
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId<NodeId>>) -> Result<()> {
+        self.put_meta(COMMITTED, &committed).map_err(write_err)?;
+        self.flush().await.map_err(write_err)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>> {
+        Ok(self
+            .get_meta::<Option<LogId<NodeId>>>(COMMITTED)
+            .map_err(read_err)?
+            .flatten())
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> Result<()>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        let mut batch = sled::Batch::default();
+        for entry in entries {
+            let bytes = serde_json::to_vec(&entry).map_err(write_err)?;
+            batch.insert(&key(entry.log_id.index), bytes);
+        }
+        self.log.apply_batch(batch).map_err(write_err)?;
+        let flushed = self.flush().await;
+        callback.log_io_completed(flushed.clone().map_err(std::io::Error::other));
+        flushed.map_err(write_err)
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<()> {
+        let keys: Vec<sled::IVec> = self
+            .log
+            .range(key(log_id.index)..)
+            .keys()
+            .collect::<std::result::Result<_, _>>()
+            .map_err(write_err)?;
+        let mut batch = sled::Batch::default();
+        for k in keys {
+            batch.remove(k);
+        }
+        self.log.apply_batch(batch).map_err(write_err)?;
+        self.flush().await.map_err(write_err)
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<()> {
+        self.put_meta(PURGED, &log_id).map_err(write_err)?;
+        let keys: Vec<sled::IVec> = self
+            .log
+            .range(..=key(log_id.index))
+            .keys()
+            .collect::<std::result::Result<_, _>>()
+            .map_err(write_err)?;
+        let mut batch = sled::Batch::default();
+        for k in keys {
+            batch.remove(k);
+        }
+        self.log.apply_batch(batch).map_err(write_err)?;
+        self.flush().await.map_err(write_err)
+    }
+}

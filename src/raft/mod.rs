@@ -1,0 +1,243 @@
+//! Embedded Raft: how the nodes elect their writer among themselves.
+//!
+//! The nodes run one openraft group over gRPC. Raft is touched only on
+//! elections, promotions and in-sync changes: **no data write goes through
+//! it**. Its state machine holds control data only ([`ControlState`]): the
+//! cluster's identity and volume config, the last promoted writer and the
+//! in-sync set.
+//!
+//! ## Why the term is a fencing token
+//! openraft runs in standard leader-id mode (the `single-term-leader`
+//! feature): a term has at most one leader, so the leader's term names one
+//! writer and is a valid fencing token for the replicas (S2).
+//!
+//! ## The lease (S4)
+//! openraft never steps a leader cut off from its quorum down by itself, so
+//! [`RaftCoordinator`] derives the lease from openraft's clock: the time at
+//! which a quorum last acknowledged this leader (measured at the *send* time
+//! of the acknowledged heartbeat), plus `election_timeout_min`, minus a
+//! margin. Why `_min` and not `_max`: a follower refuses to vote for
+//! `election_timeout_max` after it last heard from the leader, but a follower
+//! may itself become the candidate after only `election_timeout_min` of
+//! silence — and the one node every new majority shares with the acking
+//! quorum may be that candidate. No new leader can therefore exist before
+//! `last_quorum_acked + election_timeout_min`. The margin covers the delay
+//! between openraft's measurement and our reading of it.
+//!
+//! A node forgets when it last heard a leader when it restarts, so a node
+//! neither votes nor campaigns during its first `election_timeout_max`
+//! (see [`network`]).
+//!
+//! ## Layout
+//! - [`log_store`]: the sled log (entries, vote, committed, purged); every
+//!   append and vote is flushed before it is acknowledged (S7).
+//! - [`state_machine`]: the control state and snapshots, in the same sled Db.
+//! - [`network`]: the tonic client and server for Raft's RPCs.
+//! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
+//!   `InSyncTracker` of the core.
+
+pub mod coordinator;
+pub mod log_store;
+pub mod network;
+pub mod state_machine;
+
+use std::collections::BTreeSet;
+use std::io::Cursor;
+
+use serde::{Deserialize, Serialize};
+
+pub use coordinator::{RaftCoordinator, RaftTiming};
+pub use log_store::LogStore;
+pub use state_machine::StateMachine;
+
+/// A node's id in the Raft group.
+pub type NodeId = u64;
+
+openraft::declare_raft_types!(
+    /// The openraft type configuration of replica-ha.
+    pub TypeConfig:
+        D = Request,
+        R = Response,
+        NodeId = NodeId,
+        Node = openraft::EmptyNode,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = openraft::TokioRuntime,
+);
+
+/// The openraft instance of a node.
+pub type Raft = openraft::Raft<TypeConfig>;
+
+/// The cluster's volume, as fixed by the first leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeConfig {
+    /// The cluster's id.
+    pub cluster_id: String,
+    /// The volume's name.
+    pub volume: String,
+    /// The volume's size in bytes.
+    pub size: u64,
+    /// The fewest in-sync replicas a write may be acknowledged on.
+    pub min_in_sync: usize,
+}
+
+/// A promoted writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriterRecord {
+    /// Its node id.
+    pub node: NodeId,
+    /// The term it writes with.
+    pub term: u64,
+}
+
+/// A change to the control state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Fixes the cluster's volume config and the first in-sync set (every
+    /// replica). Only the first is applied; a later one that differs fails.
+    Init {
+        /// The config.
+        volume: VolumeConfig,
+        /// Every replica's node id.
+        replicas: BTreeSet<NodeId>,
+    },
+    /// Records `node` as the writer of `term`. Refused if a newer writer is
+    /// already recorded.
+    Promote(WriterRecord),
+    /// Removes replicas from the in-sync set on behalf of the writer of
+    /// `term`. Refused for a writer older than the recorded one.
+    ShrinkInSync {
+        /// The writer's term.
+        term: u64,
+        /// The replicas to remove.
+        remove: BTreeSet<NodeId>,
+    },
+}
+
+/// What applying a [`Request`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Response {
+    /// Whether the request was applied.
+    pub applied: bool,
+    /// Why not, if it was not.
+    pub refused: Option<String>,
+    /// The in-sync set after the request.
+    pub in_sync: BTreeSet<NodeId>,
+}
+
+/// The replicated control data. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ControlState {
+    /// The volume config, once the first leader has fixed it.
+    pub volume: Option<VolumeConfig>,
+    /// The last promoted writer.
+    pub writer: Option<WriterRecord>,
+    /// The replicas that hold every acknowledged write.
+    pub in_sync: BTreeSet<NodeId>,
+}
+
+impl ControlState {
+    /// Applies `request`; pure, so every node computes the same result.
+    pub fn apply(&mut self, request: &Request) -> Response {
+        let refused = match request {
+            Request::Init { volume, replicas } => match &self.volume {
+                None => {
+                    self.volume = Some(volume.clone());
+                    self.in_sync = replicas.clone();
+                    None
+                }
+                Some(existing) if existing == volume => None,
+                Some(existing) => {
+                    Some(format!("the cluster is already configured as {existing:?}"))
+                }
+            },
+            Request::Promote(writer) => match self.writer {
+                Some(current) if current.term > writer.term => Some(format!(
+                    "writer {} of term {} is newer than term {}",
+                    current.node, current.term, writer.term
+                )),
+                _ => {
+                    self.writer = Some(*writer);
+                    None
+                }
+            },
+            Request::ShrinkInSync { term, remove } => match self.writer {
+                Some(current) if current.term > *term => Some(format!(
+                    "writer of term {term} was superseded by term {}",
+                    current.term
+                )),
+                _ => {
+                    self.in_sync.retain(|id| !remove.contains(id));
+                    None
+                }
+            },
+        };
+        Response {
+            applied: refused.is_none(),
+            refused,
+            in_sync: self.in_sync.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume(size: u64) -> VolumeConfig {
+        VolumeConfig {
+            cluster_id: "c".into(),
+            volume: "v".into(),
+            size,
+            min_in_sync: 2,
+        }
+    }
+
+    #[test]
+    fn the_first_init_wins_and_a_different_one_is_refused() {
+        let mut state = ControlState::default();
+        let init = Request::Init {
+            volume: volume(4096),
+            replicas: [1, 2, 3].into(),
+        };
+        assert!(state.apply(&init).applied);
+        assert!(state.apply(&init).applied, "the same init is idempotent");
+        let other = Request::Init {
+            volume: volume(8192),
+            replicas: [1, 2, 3].into(),
+        };
+        let response = state.apply(&other);
+        assert!(!response.applied);
+        assert_eq!(state.volume, Some(volume(4096)));
+    }
+
+    #[test]
+    fn promotions_and_shrinks_from_an_older_writer_are_refused() {
+        let mut state = ControlState::default();
+        state.apply(&Request::Init {
+            volume: volume(4096),
+            replicas: [1, 2, 3].into(),
+        });
+        assert!(
+            state
+                .apply(&Request::Promote(WriterRecord { node: 1, term: 5 }))
+                .applied
+        );
+        assert!(
+            !state
+                .apply(&Request::Promote(WriterRecord { node: 2, term: 4 }))
+                .applied
+        );
+        let stale = Request::ShrinkInSync {
+            term: 4,
+            remove: [3].into(),
+        };
+        assert!(!state.apply(&stale).applied);
+        assert_eq!(state.in_sync, [1, 2, 3].into());
+        let shrink = Request::ShrinkInSync {
+            term: 5,
+            remove: [3].into(),
+        };
+        assert_eq!(state.apply(&shrink).in_sync, [1, 2].into());
+    }
+}

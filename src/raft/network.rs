@@ -1,0 +1,391 @@
+//! Raft's RPCs over gRPC: the client openraft calls, and the server that
+//! hands requests to the local openraft instance.
+//!
+//! - openraft's messages travel as JSON in a [`RaftMessage`] that names the
+//!   cluster and the sender; a message of another cluster is refused
+//!   (`FAILED_PRECONDITION`), an undecodable one too (`INVALID_ARGUMENT`).
+//! - One lazily connected channel per peer, built by [`crate::net`]; each
+//!   call carries openraft's hard deadline. Any transport failure is
+//!   reported as `Unreachable`, so openraft backs off instead of spinning.
+//! - **Start-up window.** openraft keeps "when did I last hear the leader"
+//!   in memory only; a restarted node would vote at once and could elect a
+//!   new leader while the old one's lease still runs. So for its first
+//!   `election_timeout_max` a node refuses votes (and the coordinator keeps
+//!   elections off).
+//! - **Transfer.** openraft 0.9 has no leader transfer, so we build one: the
+//!   leader stops heartbeats and asks the target to campaign; the target
+//!   waits `election_timeout_max` (every follower's lease on the old leader
+//!   has then run out) and starts an election. Meanwhile the old leader
+//!   refuses votes from any other node, so only the target can win.
+//! - **Liveness.** Every successful exchange with a peer, in either
+//!   direction, is recorded; `members` lists the peers heard from within a
+//!   lease.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
+
+use super::{NodeId, Raft, TypeConfig};
+use crate::proto::raft::raft_client::RaftClient;
+use crate::proto::raft::raft_server;
+use crate::proto::raft::{RaftMessage, TransferReply, TransferRequest};
+
+/// What the client and the server of one node share.
+pub struct Peers {
+    cluster_id: String,
+    self_id: NodeId,
+    addresses: BTreeMap<NodeId, String>,
+    channels: Mutex<HashMap<NodeId, Channel>>,
+    heard: Mutex<HashMap<NodeId, Instant>>,
+    /// Votes are refused until then (the start-up window).
+    votes_from: Instant,
+    /// While a transfer to this node runs, votes from others are refused.
+    transfer: Mutex<Option<(NodeId, Instant)>>,
+    election_timeout_max: Duration,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Peers {
+    /// `addresses` maps every peer (not this node) to `HOST:PORT`.
+    pub fn new(
+        cluster_id: String,
+        self_id: NodeId,
+        addresses: BTreeMap<NodeId, String>,
+        election_timeout_max: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            cluster_id,
+            self_id,
+            addresses,
+            channels: Mutex::default(),
+            heard: Mutex::default(),
+            votes_from: Instant::now() + election_timeout_max,
+            transfer: Mutex::default(),
+            election_timeout_max,
+        })
+    }
+
+    /// The cluster id every message must carry.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// This node's id.
+    pub fn self_id(&self) -> NodeId {
+        self.self_id
+    }
+
+    /// The peers (without this node).
+    pub fn peer_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.addresses.keys().copied()
+    }
+
+    /// The peers heard from since `since`.
+    pub fn heard_since(&self, since: Instant) -> Vec<NodeId> {
+        lock(&self.heard)
+            .iter()
+            .filter(|(_, at)| **at >= since)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn touch(&self, peer: NodeId) {
+        lock(&self.heard).insert(peer, Instant::now());
+    }
+
+    /// A client for `peer`, on its cached channel.
+    pub fn client(&self, peer: NodeId) -> Result<RaftClient<Channel>, String> {
+        let mut channels = lock(&self.channels);
+        let channel = match channels.get(&peer) {
+            Some(channel) => channel.clone(),
+            None => {
+                let addr = self
+                    .addresses
+                    .get(&peer)
+                    .ok_or_else(|| format!("node {peer} is not a configured peer"))?;
+                let channel = crate::net::channel(addr)?;
+                channels.insert(peer, channel.clone());
+                channel
+            }
+        };
+        Ok(RaftClient::new(channel)
+            .max_decoding_message_size(crate::net::MAX_MESSAGE)
+            .max_encoding_message_size(crate::net::MAX_MESSAGE))
+    }
+
+    /// Marks a transfer to `target` as running for a few election timeouts.
+    pub fn begin_transfer(&self, target: NodeId) {
+        let until = Instant::now() + self.election_timeout_max * 4;
+        *lock(&self.transfer) = Some((target, until));
+    }
+
+    /// Ends a transfer early.
+    pub fn end_transfer(&self) {
+        *lock(&self.transfer) = None;
+    }
+
+    /// Why a vote from `candidate` must be refused now, if it must.
+    fn refuse_vote(&self, candidate: NodeId) -> Option<String> {
+        let now = Instant::now();
+        if now < self.votes_from {
+            return Some("starting up: not voting yet".into());
+        }
+        match *lock(&self.transfer) {
+            Some((target, until)) if now < until && candidate != target => {
+                Some(format!("leadership is being transferred to node {target}"))
+            }
+            _ => None,
+        }
+    }
+
+    fn envelope<T: Serialize>(&self, payload: &T) -> Result<RaftMessage, String> {
+        Ok(RaftMessage {
+            cluster_id: self.cluster_id.clone(),
+            from: self.self_id,
+            payload: serde_json::to_vec(payload)
+                .map_err(|e| format!("encode: {e}"))?
+                .into(),
+        })
+    }
+
+    /// Checks the envelope of an incoming message and records its sender.
+    fn admit(&self, message: &RaftMessage) -> Result<(), Status> {
+        if message.cluster_id != self.cluster_id {
+            return Err(Status::failed_precondition(format!(
+                "message of cluster {:?}, this node belongs to {:?}",
+                message.cluster_id, self.cluster_id
+            )));
+        }
+        if !self.addresses.contains_key(&message.from) {
+            return Err(Status::permission_denied(format!(
+                "node {} is not a member of this cluster",
+                message.from
+            )));
+        }
+        self.touch(message.from);
+        Ok(())
+    }
+}
+
+fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
+    serde_json::from_slice(payload)
+        .map_err(|e| Status::invalid_argument(format!("malformed Raft message: {e}")))
+}
+
+/// openraft's network factory: one [`PeerClient`] per target.
+#[derive(Clone)]
+pub struct Network {
+    peers: Arc<Peers>,
+}
+
+impl Network {
+    /// A factory over `peers`.
+    pub fn new(peers: Arc<Peers>) -> Self {
+        Self { peers }
+    }
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, _node: &openraft::EmptyNode) -> PeerClient {
+        PeerClient {
+            target,
+            peers: Arc::clone(&self.peers),
+        }
+    }
+}
+
+/// The client side of Raft's RPCs to one peer.
+pub struct PeerClient {
+    target: NodeId,
+    peers: Arc<Peers>,
+}
+
+#[derive(Clone, Copy)]
+enum Rpc {
+    Append,
+    Vote,
+    Snapshot,
+}
+
+type RpcResult<T, E> = Result<T, RPCError<NodeId, openraft::EmptyNode, RaftError<NodeId, E>>>;
+
+impl PeerClient {
+    async fn call<Req, Resp, E>(&self, rpc: Rpc, request: &Req, ttl: Duration) -> RpcResult<Resp, E>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let unreachable = |why: String| RPCError::Unreachable(Unreachable::new(&NetErr(why)));
+        let message = self
+            .peers
+            .envelope(request)
+            .map_err(|e| RPCError::Network(NetworkError::new(&NetErr(e))))?;
+        let mut client = self.peers.client(self.target).map_err(unreachable)?;
+        let mut grpc = GrpcRequest::new(message);
+        grpc.set_timeout(ttl);
+        let reply = match rpc {
+            Rpc::Append => client.append_entries(grpc).await,
+            Rpc::Vote => client.vote(grpc).await,
+            Rpc::Snapshot => client.install_snapshot(grpc).await,
+        }
+        .map_err(|status| unreachable(format!("{}: {}", status.code(), status.message())))?
+        .into_inner();
+        self.peers.touch(self.target);
+        let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&reply.payload)
+            .map_err(|e| unreachable(format!("malformed reply: {e}")))?;
+        result.map_err(|err| RPCError::RemoteError(RemoteError::new(self.target, err)))
+    }
+}
+
+#[derive(Debug)]
+struct NetErr(String);
+
+impl std::fmt::Display for NetErr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NetErr {}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
+        self.call(Rpc::Append, &rpc, option.hard_ttl()).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
+        self.call(Rpc::Snapshot, &rpc, option.hard_ttl()).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
+        self.call(Rpc::Vote, &rpc, option.hard_ttl()).await
+    }
+}
+
+/// The server side: hands Raft's RPCs to the local openraft instance.
+pub struct RaftService {
+    raft: Raft,
+    peers: Arc<Peers>,
+}
+
+impl RaftService {
+    /// A service for `raft`.
+    pub fn new(raft: Raft, peers: Arc<Peers>) -> Self {
+        Self { raft, peers }
+    }
+
+    /// The tonic server of this service.
+    pub fn into_server(self) -> raft_server::RaftServer<Self> {
+        raft_server::RaftServer::new(self)
+            .max_decoding_message_size(crate::net::MAX_MESSAGE)
+            .max_encoding_message_size(crate::net::MAX_MESSAGE)
+    }
+
+    fn reply<T: Serialize>(&self, result: &T) -> Result<GrpcResponse<RaftMessage>, Status> {
+        self.peers
+            .envelope(result)
+            .map(GrpcResponse::new)
+            .map_err(Status::internal)
+    }
+}
+
+#[tonic::async_trait]
+impl raft_server::Raft for RaftService {
+    async fn append_entries(
+        &self,
+        request: GrpcRequest<RaftMessage>,
+    ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let message = request.into_inner();
+        self.peers.admit(&message)?;
+        let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
+        self.reply(&self.raft.append_entries(rpc).await)
+    }
+
+    async fn vote(
+        &self,
+        request: GrpcRequest<RaftMessage>,
+    ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let message = request.into_inner();
+        self.peers.admit(&message)?;
+        let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
+        if let Some(why) = self.peers.refuse_vote(message.from) {
+            return Err(Status::unavailable(why));
+        }
+        self.reply(&self.raft.vote(rpc).await)
+    }
+
+    async fn install_snapshot(
+        &self,
+        request: GrpcRequest<RaftMessage>,
+    ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let message = request.into_inner();
+        self.peers.admit(&message)?;
+        let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
+        self.reply(&self.raft.install_snapshot(rpc).await)
+    }
+
+    async fn transfer_leader(
+        &self,
+        request: GrpcRequest<TransferRequest>,
+    ) -> Result<GrpcResponse<TransferReply>, Status> {
+        let request = request.into_inner();
+        self.peers.admit(&RaftMessage {
+            cluster_id: request.cluster_id.clone(),
+            from: request.from,
+            payload: Default::default(),
+        })?;
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics.current_leader != Some(request.from) || metrics.current_term != request.term {
+            return Err(Status::failed_precondition(format!(
+                "node {} does not lead term {} here (leader {:?}, term {})",
+                request.from, request.term, metrics.current_leader, metrics.current_term
+            )));
+        }
+        let raft = self.raft.clone();
+        let wait = self.peers.election_timeout_max + Duration::from_millis(20);
+        tracing::info!(
+            from = request.from,
+            term = request.term,
+            "leadership offered; campaigning after {wait:?}"
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            if let Err(err) = raft.trigger().elect().await {
+                tracing::warn!(%err, "could not start the transfer election");
+            }
+        });
+        Ok(GrpcResponse::new(TransferReply {}))
+    }
+}
