@@ -10,8 +10,10 @@
 //!   the `ActiveDevice` gate (S1, S4) — pure logic over traits;
 //! - [`proto`]: the generated gRPC types.
 
+pub mod admin;
 pub mod ha;
 pub mod net;
+pub mod node;
 pub mod proto;
 pub mod raft;
 pub mod replica;

@@ -1,13 +1,17 @@
-//! The `replica-ha` command line.
+//! The `replica-ha` command line: run a node, ask a node for its status,
+//! hand leadership over, inspect a replica offline.
 //!
-//! Today it offers `inspect`, an offline look at a replica's data directory
-//! (identity, fence floor, dirty extents). The node process, `status` and
-//! `transfer` arrive with the Raft and admin work (see README, Status).
+//! Exit codes: 0 success, 1 a runtime failure (a node unreachable, a failed
+//! transfer), 2 a usage or configuration error.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use replica_ha::node::{self, NodeConfig, Overrides};
+use replica_ha::proto::admin::admin_client::AdminClient;
+use replica_ha::proto::admin::{StatusReply, StatusRequest, TransferRequest};
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
 #[derive(Parser)]
@@ -23,6 +27,30 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a node. All nodes of a cluster start with the same peer list; the
+    /// cluster forms by itself (no init step). Flags override the config
+    /// file. SIGTERM resigns leadership and stops cleanly.
+    Node(NodeArgs),
+    /// Show a node's view: Raft state, term, leader, lease, live members,
+    /// the last promoted writer and the in-sync set.
+    Status {
+        /// The node's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:7001")]
+        addr: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Hand leadership to another node (graceful switchover). Ask the current
+    /// leader; the command returns once the named node leads.
+    Transfer {
+        /// The current leader's gRPC address.
+        #[arg(long)]
+        addr: String,
+        /// The node id to hand leadership to.
+        #[arg(long)]
+        to: u64,
+    },
     /// Show a replica data directory offline: identity, fence floor and the
     /// extents each writer's term may have left dirty. The node that owns
     /// the directory must be stopped (the metadata is locked while it runs).
@@ -42,10 +70,60 @@ enum Command {
     },
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+#[derive(Args)]
+struct NodeArgs {
+    /// The TOML config file (see README, Configuration).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// This node's id (a positive integer).
+    #[arg(long)]
+    id: Option<u64>,
+    /// The cluster id; every node of the cluster uses the same.
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// gRPC listen address, HOST:PORT.
+    #[arg(long)]
+    listen: Option<String>,
+    /// A cluster member, ID=HOST:PORT; repeat for each (this node too).
+    #[arg(long = "peer")]
+    peers: Vec<String>,
+    /// Where the node keeps its replica and Raft state.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// NBD listen address, HOST:PORT.
+    #[arg(long)]
+    nbd: Option<String>,
+    /// HTTP (metrics, health) listen address, HOST:PORT.
+    #[arg(long)]
+    http: Option<String>,
+    /// Volume size: bytes or with a KiB/MiB/GiB/TiB suffix.
+    #[arg(long)]
+    size: Option<String>,
+    /// The fewest in-sync replicas a write is acknowledged on.
+    #[arg(long)]
+    min_in_sync: Option<usize>,
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("replica-ha: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(dispatch(cli))
+}
+
+async fn dispatch(cli: Cli) -> ExitCode {
     match cli.command {
+        Command::Node(args) => run_node(args).await,
+        Command::Status { addr, json } => status(&addr, json).await,
+        Command::Transfer { addr, to } => transfer(&addr, to).await,
         Command::Inspect {
             data_dir,
             cluster_id,
@@ -83,6 +161,160 @@ async fn inspect(dir: PathBuf, identity: StoreIdentity) -> ExitCode {
         }
         Err(err) => {
             eprintln!("replica-ha: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_node(args: NodeArgs) -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,openraft=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let overrides = Overrides {
+        id: args.id,
+        cluster_id: args.cluster_id,
+        listen: args.listen,
+        data_dir: args.data_dir,
+        nbd: args.nbd,
+        http: args.http,
+        peers: args.peers,
+        size: args.size,
+        min_in_sync: args.min_in_sync,
+    };
+    let config = match NodeConfig::load(args.config.as_deref(), overrides) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("replica-ha: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    match node::run(config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("replica-ha: {err}");
+            ExitCode::from(err.exit_code())
+        }
+    }
+}
+
+async fn admin_client(addr: &str) -> Result<AdminClient<tonic::transport::Channel>, String> {
+    let channel = replica_ha::net::channel(addr)?;
+    Ok(AdminClient::new(channel))
+}
+
+async fn status(addr: &str, json: bool) -> ExitCode {
+    let reply = async {
+        let mut client = admin_client(addr).await?;
+        let mut request = tonic::Request::new(StatusRequest {});
+        request.set_timeout(Duration::from_secs(3));
+        client
+            .status(request)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| s.message().to_string())
+    }
+    .await;
+    match reply {
+        Ok(reply) if json => {
+            println!("{}", status_json(&reply));
+            ExitCode::SUCCESS
+        }
+        Ok(reply) => {
+            print_status_table(&reply);
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("replica-ha: cannot reach {addr}: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn status_json(reply: &StatusReply) -> String {
+    let optional = |id: u64| {
+        if id == 0 {
+            serde_json::Value::Null
+        } else {
+            id.into()
+        }
+    };
+    serde_json::json!({
+        "node_id": reply.node_id,
+        "cluster_id": reply.cluster_id,
+        "raft_state": reply.raft_state,
+        "term": reply.term,
+        "leader": optional(reply.leader),
+        "is_self": reply.is_self,
+        "lease_remaining_ms": reply.lease_remaining_ms,
+        "members": reply.members,
+        "prev_writer": optional(reply.prev_writer),
+        "prev_writer_term": reply.prev_writer_term,
+        "in_sync": reply.in_sync,
+        "volume_size": reply.volume_size,
+        "min_in_sync": reply.min_in_sync,
+        "last_applied": reply.last_applied,
+    })
+    .to_string()
+}
+
+fn print_status_table(reply: &StatusReply) {
+    let or_none = |id: u64| {
+        if id == 0 {
+            "-".to_string()
+        } else {
+            id.to_string()
+        }
+    };
+    let rows = [
+        ("node", reply.node_id.to_string()),
+        ("cluster", reply.cluster_id.clone()),
+        ("raft state", reply.raft_state.clone()),
+        ("term", reply.term.to_string()),
+        ("leader", or_none(reply.leader)),
+        (
+            "holds lease",
+            format!("{} ({} ms left)", reply.is_self, reply.lease_remaining_ms),
+        ),
+        ("live members", format!("{:?}", reply.members)),
+        (
+            "prev writer",
+            format!(
+                "{} (term {})",
+                or_none(reply.prev_writer),
+                reply.prev_writer_term
+            ),
+        ),
+        ("in sync", reply.in_sync.join(", ")),
+        ("volume size", reply.volume_size.to_string()),
+        ("min in sync", reply.min_in_sync.to_string()),
+    ];
+    for (name, value) in rows {
+        println!("{name:<14} {value}");
+    }
+}
+
+async fn transfer(addr: &str, to: u64) -> ExitCode {
+    let outcome = async {
+        let mut client = admin_client(addr).await?;
+        let mut request = tonic::Request::new(TransferRequest { to });
+        request.set_timeout(Duration::from_secs(10));
+        client
+            .transfer_leader(request)
+            .await
+            .map_err(|s| s.message().to_string())
+    }
+    .await;
+    match outcome {
+        Ok(_) => {
+            println!("node {to} now leads");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("replica-ha: transfer to {to} failed: {err}");
             ExitCode::FAILURE
         }
     }

@@ -32,7 +32,7 @@ use crate::replica::InSyncTracker;
 
 /// Raft's timing. The defaults fail over in well under a second on
 /// loopback.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RaftTiming {
     /// How often a leader sends heartbeats.
     pub heartbeat: Duration,
@@ -150,6 +150,11 @@ impl RaftCoordinator {
     /// The openraft instance.
     pub fn raft(&self) -> &Raft {
         &self.raft
+    }
+
+    /// The state machine (its applied control state).
+    pub fn state_machine(&self) -> &StateMachine {
+        &self.state_machine
     }
 
     /// What the coordinator knows now.

@@ -26,7 +26,11 @@
 //!
 //! A node forgets when it last heard a leader when it restarts, so a node
 //! neither votes nor campaigns during its first `election_timeout_max`
-//! (see [`network`]).
+//! (see [`network`]). A node whose persisted vote made it leader is
+//! restored by openraft as leader of that same term at start-up; that is
+//! safe (the term still has one leader) and its lease again needs fresh
+//! quorum acknowledgements, but it means a full restart need not raise the
+//! term: terms never go back, they do not always go up.
 //!
 //! ## Layout
 //! - [`log_store`]: the sled log (entries, vote, committed, purged); every

@@ -130,6 +130,11 @@ impl Peers {
             .max_encoding_message_size(crate::net::MAX_MESSAGE))
     }
 
+    /// Drops the cached channel to `peer` after a transport failure.
+    fn forget_channel(&self, peer: NodeId) {
+        lock(&self.channels).remove(&peer);
+    }
+
     /// Marks a transfer to `target` as running for a few election timeouts.
     pub fn begin_transfer(&self, target: NodeId) {
         let until = Instant::now() + self.election_timeout_max * 4;
@@ -248,7 +253,11 @@ impl PeerClient {
             Rpc::Vote => client.vote(grpc).await,
             Rpc::Snapshot => client.install_snapshot(grpc).await,
         }
-        .map_err(|status| unreachable(format!("{}: {}", status.code(), status.message())))?
+        .map_err(|status| {
+            // A channel whose connection failed is rebuilt on the next call.
+            self.peers.forget_channel(self.target);
+            unreachable(format!("{}: {}", status.code(), status.message()))
+        })?
         .into_inner();
         self.peers.touch(self.target);
         let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&reply.payload)

@@ -8,6 +8,9 @@
 //! until the entries of its own term are applied before it trusts the
 //! recorded writer and in-sync set.
 
+// openraft's storage traits fix the error type; its size is not ours to choose.
+#![allow(clippy::result_large_err)]
+
 use std::io::Cursor;
 use std::sync::Arc;
 

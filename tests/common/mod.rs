@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+pub mod proxy;
+
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,0 +1,420 @@
+//! A node's configuration: a TOML file, with command-line flags on top.
+//!
+//! ```toml
+//! id = 1
+//! cluster_id = "local"
+//! listen = "127.0.0.1:7001"
+//! data_dir = "cluster/data/node1"
+//! peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002", "3=127.0.0.1:7003"]
+//! size = "1GiB"
+//! min_in_sync = 2
+//! ```
+//!
+//! Every node of a cluster starts with the same peer list (its own entry
+//! included). Validation refuses, with one line naming the problem: a
+//! duplicate id, an id missing from the peers, `min_in_sync` of 0 or larger
+//! than the cluster, an address that does not parse, a size that is not a
+//! positive multiple of 512. The data dir of another cluster is refused when
+//! the node opens it.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::raft::{NodeId, RaftTiming};
+
+/// A configuration error: the node refuses to start (exit code 2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn fail<T>(message: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(message.into()))
+}
+
+/// The configuration file, as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// This node's id (a positive integer).
+    pub id: Option<NodeId>,
+    /// The cluster's id; every node of a cluster uses the same.
+    pub cluster_id: Option<String>,
+    /// The volume's name.
+    pub volume: Option<String>,
+    /// gRPC listen address (Raft, replica and admin services).
+    pub listen: Option<String>,
+    /// Where this node keeps its replica and its Raft state.
+    pub data_dir: Option<PathBuf>,
+    /// NBD listen address.
+    pub nbd: Option<String>,
+    /// HTTP (metrics, health) listen address.
+    pub http: Option<String>,
+    /// Every node, `ID=HOST:PORT`.
+    pub peers: Option<Vec<String>>,
+    /// The volume size: bytes, or with a KiB/MiB/GiB/TiB suffix.
+    pub size: Option<toml::Value>,
+    /// The fewest in-sync replicas a write is acknowledged on.
+    pub min_in_sync: Option<usize>,
+    /// Raft timing, in milliseconds.
+    pub raft: Option<RaftFile>,
+}
+
+/// Raft timing as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RaftFile {
+    /// Heartbeat interval.
+    pub heartbeat_ms: Option<u64>,
+    /// Shortest election timeout.
+    pub election_min_ms: Option<u64>,
+    /// Longest election timeout.
+    pub election_max_ms: Option<u64>,
+    /// Lease safety margin.
+    pub lease_margin_ms: Option<u64>,
+}
+
+/// Flags that override the file.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub id: Option<NodeId>,
+    pub cluster_id: Option<String>,
+    pub listen: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub nbd: Option<String>,
+    pub http: Option<String>,
+    /// `ID=HOST:PORT`; replaces the file's entry for that id, or adds one.
+    pub peers: Vec<String>,
+    pub size: Option<String>,
+    pub min_in_sync: Option<usize>,
+}
+
+/// A validated node configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    pub cluster_id: String,
+    pub volume: String,
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    pub nbd: Option<SocketAddr>,
+    pub http: Option<SocketAddr>,
+    /// Every node, this one included.
+    pub peers: BTreeMap<NodeId, SocketAddr>,
+    pub size: u64,
+    pub min_in_sync: usize,
+    pub timing: RaftTiming,
+}
+
+impl NodeConfig {
+    /// Reads `path` (if given), applies `overrides` and validates.
+    pub fn load(path: Option<&Path>, overrides: Overrides) -> Result<Self, ConfigError> {
+        let file = match path {
+            None => ConfigFile::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str(&text).map_err(|e| {
+                    ConfigError(format!("{}: {}", path.display(), e.message().trim()))
+                })?
+            }
+        };
+        Self::build(file, overrides)
+    }
+
+    /// Merges and validates.
+    pub fn build(file: ConfigFile, flags: Overrides) -> Result<Self, ConfigError> {
+        let Some(id) = flags.id.or(file.id) else {
+            return fail("no node id: set `id` in the config or pass --id");
+        };
+        if id == 0 {
+            return fail("node id 0 is not allowed; ids are positive integers");
+        }
+        let cluster_id = flags
+            .cluster_id
+            .or(file.cluster_id)
+            .unwrap_or_else(|| "replica-ha".into());
+        if cluster_id.is_empty() {
+            return fail("cluster_id is empty");
+        }
+        let listen = parse_addr(
+            "listen",
+            &flags.listen.or(file.listen).ok_or_else(|| {
+                ConfigError("no listen address: set `listen` or pass --listen".into())
+            })?,
+        )?;
+        let data_dir = flags
+            .data_dir
+            .or(file.data_dir)
+            .ok_or_else(|| ConfigError("no data dir: set `data_dir` or pass --data-dir".into()))?;
+        let nbd = flags
+            .nbd
+            .or(file.nbd)
+            .map(|a| parse_addr("nbd", &a))
+            .transpose()?;
+        let http = flags
+            .http
+            .or(file.http)
+            .map(|a| parse_addr("http", &a))
+            .transpose()?;
+
+        let mut peers = BTreeMap::new();
+        for entry in file.peers.unwrap_or_default() {
+            let (peer, addr) = parse_peer(&entry)?;
+            if peers.insert(peer, addr).is_some() {
+                return fail(format!(
+                    "duplicate peer id {peer} in the config's peer list"
+                ));
+            }
+        }
+        let mut overridden = BTreeMap::new();
+        for entry in flags.peers {
+            let (peer, addr) = parse_peer(&entry)?;
+            if overridden.insert(peer, addr).is_some() {
+                return fail(format!("duplicate peer id {peer} in --peer flags"));
+            }
+        }
+        peers.extend(overridden);
+        if !peers.contains_key(&id) {
+            return fail(format!(
+                "this node's id {id} is not in the peer list ({})",
+                peers
+                    .keys()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+
+        let size = match (flags.size, file.size) {
+            (Some(text), _) => parse_size(&text)?,
+            (None, Some(toml::Value::Integer(n))) if n > 0 => n as u64,
+            (None, Some(toml::Value::String(text))) => parse_size(&text)?,
+            (None, Some(other)) => return fail(format!("size {other} is not a size")),
+            (None, None) => 1024 * 1024 * 1024,
+        };
+        if size == 0 || size % 512 != 0 {
+            return fail(format!(
+                "size {size} is not a positive multiple of 512 bytes"
+            ));
+        }
+        let min_in_sync = flags
+            .min_in_sync
+            .or(file.min_in_sync)
+            .unwrap_or(peers.len() / 2 + 1);
+        if min_in_sync == 0 || min_in_sync > peers.len() {
+            return fail(format!(
+                "min_in_sync {min_in_sync} must be between 1 and the number of nodes ({})",
+                peers.len()
+            ));
+        }
+
+        let raft = file.raft.unwrap_or_default();
+        let defaults = RaftTiming::default();
+        let ms = |value: Option<u64>, default: Duration| {
+            value.map(Duration::from_millis).unwrap_or(default)
+        };
+        let timing = RaftTiming {
+            heartbeat: ms(raft.heartbeat_ms, defaults.heartbeat),
+            election_min: ms(raft.election_min_ms, defaults.election_min),
+            election_max: ms(raft.election_max_ms, defaults.election_max),
+            lease_margin: ms(raft.lease_margin_ms, defaults.lease_margin),
+        };
+        if timing.lease_margin >= timing.election_min {
+            return fail("raft.lease_margin_ms must be below raft.election_min_ms");
+        }
+        timing
+            .raft_config(&cluster_id)
+            .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
+
+        Ok(NodeConfig {
+            id,
+            cluster_id,
+            volume: file.volume.unwrap_or_else(|| "vol0".into()),
+            listen,
+            data_dir,
+            nbd,
+            http,
+            peers,
+            size,
+            min_in_sync,
+            timing,
+        })
+    }
+}
+
+fn parse_addr(what: &str, text: &str) -> Result<SocketAddr, ConfigError> {
+    text.parse().map_err(|_| {
+        ConfigError(format!(
+            "{what} address {text:?} is not HOST:PORT (an IP address and a port)"
+        ))
+    })
+}
+
+fn parse_peer(entry: &str) -> Result<(NodeId, SocketAddr), ConfigError> {
+    let Some((id, addr)) = entry.split_once('=') else {
+        return fail(format!("peer {entry:?} is not ID=HOST:PORT"));
+    };
+    let id: NodeId = id
+        .trim()
+        .parse()
+        .map_err(|_| ConfigError(format!("peer id {id:?} is not a positive integer")))?;
+    if id == 0 {
+        return fail("peer id 0 is not allowed; ids are positive integers");
+    }
+    Ok((id, parse_addr(&format!("peer {id}"), addr.trim())?))
+}
+
+/// Parses `1073741824`, `1GiB`, `512MiB`, `64KiB`, `1TiB` (also `G`, `M`,
+/// `K`, `T`).
+pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| ConfigError(format!("size {text:?} does not start with a number")))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        "T" | "TiB" => 40,
+        other => {
+            return fail(format!(
+                "size unit {other:?} is not one of B, KiB, MiB, GiB, TiB"
+            ));
+        }
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| ConfigError(format!("size {text:?} is too large")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn three() -> Vec<String> {
+        vec![
+            "1=127.0.0.1:7001".into(),
+            "2=127.0.0.1:7002".into(),
+            "3=127.0.0.1:7003".into(),
+        ]
+    }
+
+    fn flags(id: NodeId) -> Overrides {
+        Overrides {
+            id: Some(id),
+            listen: Some("127.0.0.1:7001".into()),
+            data_dir: Some("/tmp/x".into()),
+            peers: three(),
+            ..Default::default()
+        }
+    }
+
+    fn error(file: &str, overrides: Overrides) -> String {
+        let file: ConfigFile = toml::from_str(file).unwrap();
+        NodeConfig::build(file, overrides).unwrap_err().0
+    }
+
+    #[test]
+    fn a_full_file_parses_with_defaults() {
+        let file: ConfigFile = toml::from_str(
+            r#"
+            id = 2
+            cluster_id = "c"
+            listen = "127.0.0.1:7002"
+            data_dir = "d"
+            peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002", "3=127.0.0.1:7003"]
+            size = "64MiB"
+            [raft]
+            heartbeat_ms = 20
+            "#,
+        )
+        .unwrap();
+        let config = NodeConfig::build(file, Overrides::default()).unwrap();
+        assert_eq!(config.id, 2);
+        assert_eq!(config.size, 64 << 20);
+        assert_eq!(config.min_in_sync, 2);
+        assert_eq!(config.peers.len(), 3);
+        assert_eq!(config.timing.heartbeat, Duration::from_millis(20));
+        assert_eq!(config.volume, "vol0");
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let file: ConfigFile = toml::from_str(
+            r#"
+            id = 1
+            listen = "127.0.0.1:7001"
+            data_dir = "d"
+            peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002"]
+            size = 4096
+            "#,
+        )
+        .unwrap();
+        let config = NodeConfig::build(
+            file,
+            Overrides {
+                peers: vec!["2=127.0.0.1:9999".into(), "3=127.0.0.1:7003".into()],
+                size: Some("1M".into()),
+                min_in_sync: Some(3),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(config.peers[&2].port(), 9999);
+        assert_eq!(config.peers.len(), 3);
+        assert_eq!(config.size, 1 << 20);
+        assert_eq!(config.min_in_sync, 3);
+    }
+
+    #[test]
+    fn each_mistake_gets_a_clear_message() {
+        let dup = Overrides {
+            peers: vec!["1=127.0.0.1:1".into(), "1=127.0.0.1:2".into()],
+            ..flags(1)
+        };
+        assert!(error("", dup).contains("duplicate peer id 1"));
+        assert!(error("", flags(4)).contains("id 4 is not in the peer list"));
+        let big = Overrides {
+            min_in_sync: Some(4),
+            ..flags(1)
+        };
+        assert!(error("", big).contains("min_in_sync 4"));
+        let bad = Overrides {
+            peers: vec!["1=localhost".into()],
+            ..flags(1)
+        };
+        assert!(error("", bad).contains("not HOST:PORT"));
+        let bad_listen = Overrides {
+            listen: Some("nowhere".into()),
+            ..flags(1)
+        };
+        assert!(error("", bad_listen).contains("listen address"));
+        assert!(error("", Overrides::default()).contains("no node id"));
+        assert!(error("", flags(0)).contains("id 0"));
+        let odd = Overrides {
+            size: Some("1000".into()),
+            ..flags(1)
+        };
+        assert!(error("", odd).contains("multiple of 512"));
+        assert!(error("size = true", flags(1)).contains("not a size"));
+        assert!(error("peers = [\"x\"]", flags(1)).contains("not ID=HOST:PORT"));
+        assert!(error("[raft]\nlease_margin_ms = 900", flags(1)).contains("lease_margin"));
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert!(parse_size("GiB").is_err());
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        assert!(toml::from_str::<ConfigFile>("bogus = 1").is_err());
+    }
+}

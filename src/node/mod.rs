@@ -1,0 +1,318 @@
+//! The node process: wiring, start-up and shutdown.
+//!
+//! Start-up, in order:
+//! 1. Open the data dir. Its Raft Db records the cluster id and node id on
+//!    first use; a data dir of another cluster or node is refused (exit 2).
+//! 2. Start openraft over the sled stores, the coordinator, and the gRPC
+//!    server (Raft and admin services) on `listen`.
+//! 3. Bootstrap without a manual step: a node whose Raft state is empty
+//!    initializes the membership with the full peer list. Every node does
+//!    so with the same list, so the entries agree; a node with any Raft
+//!    state never initializes again.
+//! 4. Elections stay off for `election_timeout_max` (the start-up window,
+//!    see [`crate::raft`]), then the node may campaign.
+//! 5. The first leader fixes the volume config (size, `min_in_sync`) in the
+//!    Raft state; a node whose own config disagrees with it stops (exit 2).
+//!
+//! Shutdown on SIGTERM or SIGINT: resign (hand leadership to a caught-up
+//! peer), stop Raft and the server, flush the Db, exit 0.
+
+pub mod config;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::{ConfigError, NodeConfig, Overrides};
+
+use crate::admin::AdminService;
+use crate::ha::Coordinator;
+use crate::raft::network::{Network, Peers, RaftService};
+use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
+
+/// Why a node stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration or the data dir is wrong (exit code 2).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The node could not start or failed while running (exit code 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl NodeError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            NodeError::Config(_) => 2,
+            NodeError::Failed(_) => 1,
+        }
+    }
+}
+
+fn failed(what: impl std::fmt::Display) -> NodeError {
+    NodeError::Failed(what.to_string())
+}
+
+/// A running node.
+pub struct Node {
+    config: NodeConfig,
+    db: sled::Db,
+    raft: Raft,
+    coordinator: Arc<RaftCoordinator>,
+    stop_server: watch::Sender<bool>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Node {
+    /// Starts a node; see the module docs for the steps.
+    pub async fn start(config: NodeConfig) -> Result<Self, NodeError> {
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|e| failed(format!("cannot create {}: {e}", config.data_dir.display())))?;
+        let db_path = config.data_dir.join("raft");
+        let db = sled::open(&db_path).map_err(|e| {
+            failed(format!(
+                "cannot open {} (is another node using this data dir?): {e}",
+                db_path.display()
+            ))
+        })?;
+        check_data_dir_identity(&db, &config)?;
+
+        let log_store = LogStore::open(&db).map_err(failed)?;
+        let state_machine = StateMachine::open(&db).map_err(failed)?;
+        let addresses: BTreeMap<_, _> = config
+            .peers
+            .iter()
+            .filter(|(id, _)| **id != config.id)
+            .map(|(id, addr)| (*id, addr.to_string()))
+            .collect();
+        let peers = Peers::new(
+            config.cluster_id.clone(),
+            config.id,
+            addresses,
+            config.timing.election_max,
+        );
+        let raft_config = config
+            .timing
+            .raft_config(&config.cluster_id)
+            .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
+        let raft = Raft::new(
+            config.id,
+            Arc::new(raft_config),
+            Network::new(Arc::clone(&peers)),
+            log_store,
+            state_machine.clone(),
+        )
+        .await
+        .map_err(|e| failed(format!("raft: {e}")))?;
+        let coordinator = RaftCoordinator::start(
+            raft.clone(),
+            state_machine.clone(),
+            Arc::clone(&peers),
+            config.timing,
+        );
+
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| failed(format!("cannot listen on {}: {e}", config.listen)))?;
+        let (stop_server, mut stopped) = watch::channel(false);
+        let admin = AdminService::new(Arc::clone(&coordinator), config.clone());
+        let server = tokio::spawn(
+            crate::net::server()
+                .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
+                .add_service(admin.into_server())
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    },
+                ),
+        );
+
+        if !raft.is_initialized().await.map_err(failed)? {
+            let members: BTreeSet<_> = config.peers.keys().copied().collect();
+            match raft.initialize(members).await {
+                Ok(()) => tracing::info!(node = config.id, "bootstrapped the cluster membership"),
+                Err(err) => {
+                    tracing::info!(node = config.id, %err, "membership already initialized")
+                }
+            }
+        }
+
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn({
+            let raft = raft.clone();
+            let window = config.timing.election_max;
+            async move {
+                tokio::time::sleep(window).await;
+                raft.runtime_config().elect(true);
+            }
+        }));
+        tasks.push(tokio::spawn(fix_volume_config(
+            Arc::clone(&coordinator),
+            volume_config(&config),
+            config.peers.keys().copied().collect(),
+        )));
+        tracing::info!(node = config.id, listen = %config.listen, "node started");
+        Ok(Self {
+            config,
+            db,
+            raft,
+            coordinator,
+            stop_server,
+            server,
+            tasks,
+        })
+    }
+
+    /// The coordinator.
+    pub fn coordinator(&self) -> &Arc<RaftCoordinator> {
+        &self.coordinator
+    }
+
+    /// Runs until SIGTERM/SIGINT (Ok) or until the cluster's volume config
+    /// turns out to differ from this node's (a config error).
+    pub async fn run_until_signal(&self) -> Result<(), NodeError> {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| failed(format!("cannot watch SIGTERM: {e}")))?;
+        tokio::select! {
+            _ = term.recv() => Ok(()),
+            _ = tokio::signal::ctrl_c() => Ok(()),
+            conflict = self.volume_conflict() => Err(NodeError::Config(conflict)),
+        }
+    }
+
+    /// Resolves when the cluster's recorded volume config differs from this
+    /// node's.
+    async fn volume_conflict(&self) -> ConfigError {
+        let mine = volume_config(&self.config);
+        let mut applied = self.coordinator.state_machine().subscribe();
+        loop {
+            if let Some(theirs) = applied.borrow_and_update().control.volume.clone() {
+                if theirs != mine {
+                    return ConfigError(format!(
+                        "this node is configured with {mine:?} but the cluster was created with {theirs:?}"
+                    ));
+                }
+            }
+            if applied.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// Resigns, stops Raft and the server, and flushes the Db.
+    pub async fn shutdown(self) {
+        let resign = self.coordinator.resign();
+        if tokio::time::timeout(self.config.timing.election_max * 4, resign)
+            .await
+            .is_err()
+        {
+            tracing::warn!("resigning timed out");
+        }
+        for task in &self.tasks {
+            task.abort();
+        }
+        if let Err(err) = self.raft.shutdown().await {
+            tracing::warn!(%err, "raft shutdown");
+        }
+        self.stop_server.send_replace(true);
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.server).await;
+        if let Err(err) = self.db.flush_async().await {
+            tracing::warn!(%err, "flushing the Raft Db");
+        }
+        tracing::info!(node = self.config.id, "node stopped");
+    }
+}
+
+/// Starts a node and runs it until a signal; then shuts it down.
+pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
+    let node = Node::start(config).await?;
+    let outcome = node.run_until_signal().await;
+    node.shutdown().await;
+    outcome
+}
+
+fn volume_config(config: &NodeConfig) -> VolumeConfig {
+    VolumeConfig {
+        cluster_id: config.cluster_id.clone(),
+        volume: config.volume.clone(),
+        size: config.size,
+        min_in_sync: config.min_in_sync,
+    }
+}
+
+/// Refuses a data dir that belongs to another cluster or node.
+fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), NodeError> {
+    let tree = db.open_tree("node").map_err(failed)?;
+    let cluster = tree.get("cluster_id").map_err(failed)?;
+    let node = tree.get("node_id").map_err(failed)?;
+    match (cluster, node) {
+        (None, None) => {
+            tree.insert("cluster_id", config.cluster_id.as_bytes())
+                .map_err(failed)?;
+            tree.insert("node_id", &config.id.to_be_bytes())
+                .map_err(failed)?;
+            db.flush().map_err(failed)?;
+            Ok(())
+        }
+        (Some(cluster), Some(node)) => {
+            let cluster = String::from_utf8_lossy(&cluster).to_string();
+            let node = <[u8; 8]>::try_from(node.as_ref())
+                .map(u64::from_be_bytes)
+                .map_err(|_| failed("corrupt node id in the data dir"))?;
+            if cluster != config.cluster_id || node != config.id {
+                return Err(ConfigError(format!(
+                    "data dir {} belongs to cluster {cluster:?} node {node}, not cluster {:?} node {}",
+                    config.data_dir.display(),
+                    config.cluster_id,
+                    config.id
+                ))
+                .into());
+            }
+            Ok(())
+        }
+        _ => Err(failed("incomplete node identity in the data dir")),
+    }
+}
+
+/// Whenever this node leads and the cluster has no volume config yet,
+/// commits this node's.
+async fn fix_volume_config(
+    coordinator: Arc<RaftCoordinator>,
+    volume: VolumeConfig,
+    replicas: BTreeSet<u64>,
+) {
+    let mut observations = coordinator.observe();
+    loop {
+        let seen = observations.borrow_and_update().clone();
+        let unset = coordinator
+            .state_machine()
+            .current()
+            .control
+            .volume
+            .is_none();
+        if seen.is_self && unset {
+            let request = Request::Init {
+                volume: volume.clone(),
+                replicas: replicas.clone(),
+            };
+            match coordinator.commit(seen.term, request).await {
+                Ok(_) => tracing::info!(?volume, "volume config fixed"),
+                Err(err) => tracing::warn!(%err, "could not fix the volume config yet"),
+            }
+        }
+        if !unset {
+            return;
+        }
+        tokio::select! {
+            changed = observations.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}

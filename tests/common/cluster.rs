@@ -1,0 +1,242 @@
+//! A cluster of real `replica-ha node` processes on loopback, for
+//! integration tests. Every node logs to `<dir>/nodeN.log`; on drop every
+//! process is killed.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use replica_ha::proto::admin::admin_client::AdminClient;
+use replica_ha::proto::admin::{StatusReply, StatusRequest};
+use tokio::time::Instant;
+
+use super::proxy::Proxy;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_replica-ha");
+
+/// A free loopback port (bound and released; good enough on a test box).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub ids: Vec<u64>,
+    pub addrs: BTreeMap<u64, SocketAddr>,
+    /// `proxies[(from, to)]`, when the cluster routes through proxies.
+    pub proxies: BTreeMap<(u64, u64), Proxy>,
+    children: BTreeMap<u64, Child>,
+    pub cluster_id: String,
+    pub extra_args: Vec<String>,
+}
+
+impl Cluster {
+    /// `n` nodes that dial each other directly.
+    pub async fn start(n: u64) -> Cluster {
+        let mut cluster = Cluster::new(n);
+        for id in cluster.ids.clone() {
+            cluster.spawn(id);
+        }
+        cluster
+    }
+
+    /// `n` nodes where every node dials every peer through its own proxy.
+    pub async fn start_with_proxies(n: u64) -> Cluster {
+        let mut cluster = Cluster::new(n);
+        for from in cluster.ids.clone() {
+            for to in cluster.ids.clone() {
+                if from != to {
+                    let proxy = Proxy::start(cluster.addrs[&to]).await;
+                    cluster.proxies.insert((from, to), proxy);
+                }
+            }
+        }
+        for id in cluster.ids.clone() {
+            cluster.spawn(id);
+        }
+        cluster
+    }
+
+    pub fn new(n: u64) -> Cluster {
+        let ids: Vec<u64> = (1..=n).collect();
+        let addrs = ids
+            .iter()
+            .map(|id| (*id, SocketAddr::from(([127, 0, 0, 1], free_port()))))
+            .collect();
+        Cluster {
+            dir: tempfile::tempdir().unwrap(),
+            ids,
+            addrs,
+            proxies: BTreeMap::new(),
+            children: BTreeMap::new(),
+            cluster_id: "test-cluster".into(),
+            extra_args: vec!["--size".into(), "16MiB".into()],
+        }
+    }
+
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}"))
+    }
+
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.log"))
+    }
+
+    pub fn log(&self, id: u64) -> String {
+        std::fs::read_to_string(self.log_path(id)).unwrap_or_default()
+    }
+
+    /// The arguments node `id` starts with.
+    pub fn args(&self, id: u64) -> Vec<String> {
+        let mut args = vec![
+            "node".to_string(),
+            "--id".into(),
+            id.to_string(),
+            "--cluster-id".into(),
+            self.cluster_id.clone(),
+            "--listen".into(),
+            self.addrs[&id].to_string(),
+            "--data-dir".into(),
+            self.data_dir(id).display().to_string(),
+        ];
+        for peer in &self.ids {
+            let addr = match self.proxies.get(&(id, *peer)) {
+                Some(proxy) => proxy.addr,
+                None => self.addrs[peer],
+            };
+            args.push("--peer".into());
+            args.push(format!("{peer}={addr}"));
+        }
+        args.extend(self.extra_args.iter().cloned());
+        args
+    }
+
+    /// Starts (or restarts) node `id`, appending to its log.
+    pub fn spawn(&mut self, id: u64) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(id))
+            .unwrap();
+        let child = Command::new(BIN)
+            .args(self.args(id))
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn node");
+        self.children.insert(id, child);
+    }
+
+    fn signal(&self, id: u64, signal: &str) {
+        if let Some(child) = self.children.get(&id) {
+            let status = Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status()
+                .unwrap();
+            assert!(status.success(), "kill {signal} {id}");
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self, id: u64) {
+        if let Some(mut child) = self.children.remove(&id) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM; waits (bounded) for the exit and returns its status.
+    pub fn terminate(&mut self, id: u64) -> ExitStatus {
+        self.signal(id, "-TERM");
+        let mut child = self.children.remove(&id).expect("running");
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("node {id} did not exit after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pause(&self, id: u64) {
+        self.signal(id, "-STOP");
+    }
+
+    pub fn resume(&self, id: u64) {
+        self.signal(id, "-CONT");
+    }
+
+    /// Cuts node `id` off from every peer, both ways (proxied clusters).
+    pub fn isolate(&self, id: u64, cut: bool) {
+        for ((from, to), proxy) in &self.proxies {
+            if *from == id || *to == id {
+                proxy.set_blocked(cut);
+            }
+        }
+    }
+
+    /// Node `id`'s status, if it answers within 500 ms.
+    pub async fn status(&self, id: u64) -> Option<StatusReply> {
+        let channel = replica_ha::net::channel(&self.addrs[&id].to_string()).ok()?;
+        let mut client = AdminClient::new(channel);
+        let mut request = tonic::Request::new(StatusRequest {});
+        request.set_timeout(Duration::from_millis(500));
+        let call = client.status(request);
+        match tokio::time::timeout(Duration::from_millis(700), call).await {
+            Ok(Ok(reply)) => Some(reply.into_inner()),
+            _ => None,
+        }
+    }
+
+    /// Waits until exactly one of `among` holds a lease and every other
+    /// answering node in `among` names it leader in the same term.
+    pub async fn wait_for_leader(&self, among: &[u64], within: Duration) -> (u64, u64) {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut replies = Vec::new();
+            for id in among {
+                if let Some(reply) = self.status(*id).await {
+                    replies.push(reply);
+                }
+            }
+            let leaders: Vec<_> = replies.iter().filter(|r| r.is_self).collect();
+            if let [leader] = leaders.as_slice() {
+                let agreed = replies
+                    .iter()
+                    .all(|r| r.leader == leader.node_id && r.term == leader.term);
+                if agreed && replies.len() == among.len() {
+                    return (leader.node_id, leader.term);
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no agreed leader among {among:?} within {within:?}: {replies:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, mut child) in std::mem::take(&mut self.children) {
+            let _ = Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

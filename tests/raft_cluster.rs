@@ -1,0 +1,256 @@
+//! The embedded Raft coordinator across real `replica-ha node` processes on
+//! 127.0.0.1: election, failover after SIGKILL, a partitioned leader giving
+//! up its lease before anyone else takes one, transfer, full restart, and
+//! configuration errors.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::cluster::{BIN, Cluster, free_port};
+use tokio::time::Instant;
+
+const ELECTION: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_elect_exactly_one_leader_and_agree_on_its_term() {
+    let cluster = Cluster::start(3).await;
+    let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    assert!(term >= 1);
+    for id in [1, 2, 3] {
+        let status = cluster.status(id).await.expect("status");
+        assert_eq!(status.leader, leader, "node {id}");
+        assert_eq!(status.term, term, "node {id}");
+        assert_eq!(status.is_self, id == leader, "node {id}");
+        assert_eq!(status.cluster_id, "test-cluster");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_leader_elects_another_with_a_greater_term_and_the_old_one_rejoins() {
+    let mut cluster = Cluster::start(3).await;
+    let (old, old_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    cluster.kill(old);
+    let rest: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
+    let (new, new_term) = cluster.wait_for_leader(&rest, ELECTION).await;
+    assert_ne!(new, old);
+    assert!(new_term > old_term, "{new_term} > {old_term}");
+
+    cluster.spawn(old);
+    let deadline = Instant::now() + ELECTION;
+    loop {
+        if let Some(status) = cluster.status(old).await {
+            if status.leader != 0 && !status.is_self && status.term >= new_term {
+                assert_eq!(status.raft_state, "follower");
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "node {old} did not rejoin");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// S4 across processes: a leader cut off from both peers reports it is no
+/// longer leader before either peer reports itself leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
+    let cluster = Cluster::start_with_proxies(3).await;
+    let (old, _) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
+    cluster.isolate(old, true);
+    let cut = Instant::now();
+
+    let mut old_gave_up = None;
+    let mut new_took_over = None;
+    let deadline = cut + ELECTION;
+    while new_took_over.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "no new leader after the partition"
+        );
+        // Ask the old leader first, so a sample never favours the check.
+        let old_status = cluster
+            .status(old)
+            .await
+            .expect("old leader answers its admin port");
+        if !old_status.is_self && old_gave_up.is_none() {
+            old_gave_up = Some(Instant::now());
+        }
+        for id in &others {
+            if cluster.status(*id).await.is_some_and(|s| s.is_self) {
+                new_took_over = Some(Instant::now());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let gave_up = old_gave_up.expect("the old leader never reported losing its lease");
+    let took_over = new_took_over.unwrap();
+    assert!(
+        gave_up < took_over,
+        "old leader gave up {:?} after the cut, new leader took over {:?} after",
+        gave_up - cut,
+        took_over - cut
+    );
+    eprintln!(
+        "lease dropped {:?} after the cut; new leader {:?} after",
+        gave_up - cut,
+        took_over - cut
+    );
+
+    cluster.isolate(old, false);
+    cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leadership_transfers_to_a_named_node() {
+    let cluster = Cluster::start(3).await;
+    let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    let target = if leader == 3 { 2 } else { 3 };
+    let out = Command::new(BIN)
+        .args([
+            "transfer",
+            "--addr",
+            &cluster.addrs[&leader].to_string(),
+            "--to",
+            &target.to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (now, new_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    assert_eq!(now, target);
+    assert!(new_term > term);
+
+    // Asking a follower to transfer is refused with a clear error.
+    let follower = [1, 2, 3].into_iter().find(|id| *id != target).unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "transfer",
+            "--addr",
+            &cluster.addrs[&follower].to_string(),
+            "--to",
+            &follower.to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not the active writer"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_restart_keeps_the_cluster_and_terms_keep_rising() {
+    let mut cluster = Cluster::start(3).await;
+    let (_, first_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    for id in [1, 2, 3] {
+        assert!(cluster.log(id).contains("node started"));
+    }
+    let bootstraps: usize = [1, 2, 3]
+        .iter()
+        .map(|id| {
+            cluster
+                .log(*id)
+                .matches("bootstrapped the cluster membership")
+                .count()
+        })
+        .sum();
+    assert!(bootstraps >= 1);
+
+    for id in [1, 2, 3] {
+        let status = cluster.terminate(id);
+        assert!(
+            status.success(),
+            "node {id} exit status {status:?} after SIGTERM"
+        );
+    }
+    for id in [1, 2, 3] {
+        cluster.spawn(id);
+    }
+    // Terms never go back. (openraft restores a node whose persisted vote
+    // made it leader as leader of that same term, so the term need not
+    // rise when the last leader comes back first.)
+    let (_, second_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    assert!(second_term >= first_term, "{second_term} >= {first_term}");
+    let after: usize = [1, 2, 3]
+        .iter()
+        .map(|id| {
+            cluster
+                .log(*id)
+                .matches("bootstrapped the cluster membership")
+                .count()
+        })
+        .sum();
+    assert_eq!(after, bootstraps, "a restart must not bootstrap again");
+    for id in [1, 2, 3] {
+        let status = cluster.status(id).await.unwrap();
+        assert_eq!(status.cluster_id, "test-cluster");
+        assert_eq!(status.volume_size, 16 << 20);
+        assert_eq!(status.in_sync, vec!["1", "2", "3"]);
+    }
+}
+
+fn node_error(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(BIN).arg("node").args(args).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+#[test]
+fn configuration_errors_exit_2_with_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d").display().to_string();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let base = |extra: &[&str]| {
+        let mut args = vec!["--id", "1", "--listen", &listen, "--data-dir", &data];
+        args.extend_from_slice(extra);
+        args.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            base(&["--peer", "1=127.0.0.1:1", "--peer", "1=127.0.0.1:2"]),
+            "duplicate peer id 1",
+        ),
+        (
+            base(&["--peer", "2=127.0.0.1:2", "--peer", "3=127.0.0.1:3"]),
+            "id 1 is not in the peer list",
+        ),
+        (
+            base(&["--peer", "1=127.0.0.1:1", "--min-in-sync", "2"]),
+            "min_in_sync 2 must be between 1 and the number of nodes (1)",
+        ),
+        (base(&["--peer", "1=not-an-address"]), "not HOST:PORT"),
+    ];
+    for (args, expected) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = node_error(&args);
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    }
+    let config = dir.path().join("bad.toml");
+    std::fs::write(&config, "id = 1\nbogus = 3\n").unwrap();
+    let (code, stderr) = node_error(&["--config", config.to_str().unwrap()]);
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("bogus"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_dir_of_another_cluster_is_refused() {
+    let mut cluster = Cluster::start(1).await;
+    cluster.wait_for_leader(&[1], ELECTION).await;
+    assert!(cluster.terminate(1).success());
+    cluster.cluster_id = "another-cluster".into();
+    let out = Command::new(BIN).args(cluster.args(1)).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("belongs to cluster \"test-cluster\""),
+        "{stderr}"
+    );
+}
