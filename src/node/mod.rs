@@ -10,7 +10,8 @@
 //!    so with the same list, so the entries agree; a node with any Raft
 //!    state never initializes again.
 //! 4. Elections stay off for `election_timeout_max` (the start-up window,
-//!    see [`crate::raft`]), then the node may campaign.
+//!    see [`crate::raft`]); then the failure detector
+//!    ([`crate::raft::detector`]) campaigns whenever the leader goes quiet.
 //! 5. The first leader fixes the volume config (size, `min_in_sync`) in the
 //!    Raft state; a node whose own config disagrees with it stops (exit 2).
 //!
@@ -146,11 +147,11 @@ impl Node {
 
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn({
-            let raft = raft.clone();
-            let window = config.timing.election_max;
+            let (raft, peers, timing) = (raft.clone(), Arc::clone(&peers), config.timing);
             async move {
-                tokio::time::sleep(window).await;
-                raft.runtime_config().elect(true);
+                // The start-up window: no campaign before it has passed.
+                tokio::time::sleep(timing.election_max).await;
+                crate::raft::detector::run(raft, peers, timing).await;
             }
         }));
         tasks.push(tokio::spawn(fix_volume_config(

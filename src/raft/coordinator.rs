@@ -49,15 +49,15 @@ impl Default for RaftTiming {
         Self {
             heartbeat: Duration::from_millis(50),
             election_min: Duration::from_millis(300),
-            election_max: Duration::from_millis(500),
+            election_max: Duration::from_millis(450),
             lease_margin: Duration::from_millis(50),
         }
     }
 }
 
 impl RaftTiming {
-    /// The openraft configuration for this timing. Elections start disabled:
-    /// the node enables them after its start-up window.
+    /// The openraft configuration for this timing. openraft's own election
+    /// timer stays off: [`super::detector`] starts elections.
     pub fn raft_config(&self, cluster_id: &str) -> Result<openraft::Config, String> {
         let config = openraft::Config {
             cluster_name: cluster_id.to_string(),

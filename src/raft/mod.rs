@@ -37,10 +37,12 @@
 //!   append and vote is flushed before it is acknowledged (S7).
 //! - [`state_machine`]: the control state and snapshots, in the same sled Db.
 //! - [`network`]: the tonic client and server for Raft's RPCs.
+//! - [`detector`]: the failure detector that starts elections.
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
 //!   `InSyncTracker` of the core.
 
 pub mod coordinator;
+pub mod detector;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;

@@ -53,6 +53,8 @@ pub struct Peers {
     heard: Mutex<HashMap<NodeId, Instant>>,
     /// Votes are refused until then (the start-up window).
     votes_from: Instant,
+    /// When a leader was last heard (append entries) or a vote granted.
+    leader_contact: Mutex<Instant>,
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
@@ -77,6 +79,7 @@ impl Peers {
             channels: Mutex::default(),
             heard: Mutex::default(),
             votes_from: Instant::now() + election_timeout_max,
+            leader_contact: Mutex::new(Instant::now()),
             transfer: Mutex::default(),
             election_timeout_max,
         })
@@ -128,6 +131,15 @@ impl Peers {
         Ok(RaftClient::new(channel)
             .max_decoding_message_size(crate::net::MAX_MESSAGE)
             .max_encoding_message_size(crate::net::MAX_MESSAGE))
+    }
+
+    /// When a leader was last heard from, or a vote last granted.
+    pub fn last_leader_contact(&self) -> Instant {
+        *lock(&self.leader_contact)
+    }
+
+    fn leader_heard(&self) {
+        *lock(&self.leader_contact) = Instant::now();
     }
 
     /// Drops the cached channel to `peer` after a transport failure.
@@ -339,7 +351,11 @@ impl raft_server::Raft for RaftService {
         let message = request.into_inner();
         self.peers.admit(&message)?;
         let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
-        self.reply(&self.raft.append_entries(rpc).await)
+        let result = self.raft.append_entries(rpc).await;
+        if matches!(result, Ok(AppendEntriesResponse::Success)) {
+            self.peers.leader_heard();
+        }
+        self.reply(&result)
     }
 
     async fn vote(
@@ -352,7 +368,11 @@ impl raft_server::Raft for RaftService {
         if let Some(why) = self.peers.refuse_vote(message.from) {
             return Err(Status::unavailable(why));
         }
-        self.reply(&self.raft.vote(rpc).await)
+        let result = self.raft.vote(rpc).await;
+        if result.as_ref().is_ok_and(|vote| vote.vote_granted) {
+            self.peers.leader_heard();
+        }
+        self.reply(&result)
     }
 
     async fn install_snapshot(

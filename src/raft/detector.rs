@@ -1,0 +1,96 @@
+//! The failure detector that starts elections.
+//!
+//! openraft's own election timer is left off. Its candidates time out at a
+//! random point in `[election_min, election_max)` after the last heartbeat,
+//! while every follower refuses votes until `election_max` after it — so the
+//! first attempt is nearly always refused, and failover takes two rounds.
+//!
+//! Instead a follower campaigns once it has heard no leader (and granted no
+//! vote) for `election_max` plus a random jitter of up to `election_min / 3`:
+//! by then the other followers' vote leases have run out, and the jitter
+//! makes two candidates in the same round unlikely. A candidate that does not
+//! win tries again after two heartbeat intervals plus a fresh jitter (there
+//! is no leader lease left to wait out); a node that grants a vote resets
+//! its clock, so it does not disturb the candidate it voted for.
+//!
+//! Safety does not depend on this timing: no node campaigns sooner than
+//! openraft's timer would have (`election_max` ≥ `election_min`), which is
+//! what the lease bound in [`super`] assumes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::ServerState;
+use tokio::time::Instant;
+
+use super::network::Peers;
+use super::{Raft, RaftTiming};
+
+/// A small xorshift generator: jitter needs no cryptographic quality.
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
+    fn below(&mut self, bound: Duration) -> Duration {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        let millis = bound.as_millis().max(1) as u64;
+        Duration::from_millis(self.0 % millis)
+    }
+}
+
+/// Runs until Raft stops: campaigns when the leader has been quiet too long.
+pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
+    let seed = peers.self_id().wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+    let mut jitter = Jitter::new(seed);
+    let spread = timing.election_min / 3;
+    let mut quiet_for = timing.election_max + jitter.below(spread);
+    let mut last_attempt = Instant::now();
+    let mut metrics = raft.metrics();
+    loop {
+        tokio::time::sleep(timing.heartbeat / 2).await;
+        if metrics.has_changed().is_err() {
+            return;
+        }
+        if metrics.borrow_and_update().state == ServerState::Leader {
+            continue;
+        }
+        let now = Instant::now();
+        let heard = peers.last_leader_contact().max(last_attempt);
+        if now.duration_since(heard) < quiet_for {
+            continue;
+        }
+        tracing::info!(node = peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
+        if raft.trigger().elect().await.is_err() {
+            return;
+        }
+        last_attempt = Instant::now();
+        // After our own attempt there is no leader's lease left to wait
+        // out; retry soon, with fresh jitter against another split vote.
+        quiet_for = timing.heartbeat * 2 + jitter.below(spread);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_below_its_bound_and_varies() {
+        let mut jitter = Jitter::new(42);
+        let draws: Vec<Duration> = (0..100)
+            .map(|_| jitter.below(Duration::from_millis(100)))
+            .collect();
+        assert!(draws.iter().all(|d| *d < Duration::from_millis(100)));
+        assert!(draws.iter().any(|d| *d != draws[0]));
+        assert_eq!(Jitter::new(0).below(Duration::ZERO), Duration::ZERO);
+    }
+}
