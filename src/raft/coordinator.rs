@@ -211,23 +211,41 @@ impl RaftCoordinator {
         if to == self.id {
             return Ok(());
         }
-        let mut client = self.peers.client(to).map_err(HaError::Coordinator)?;
         self.peers.begin_transfer(to);
         self.raft.runtime_config().heartbeat(false);
         let request = TransferRequest {
             cluster_id: self.peers.cluster_id().to_string(),
             from: self.id,
             term: metrics.current_term,
+            target: to,
         };
-        let mut grpc = tonic::Request::new(request);
-        grpc.set_timeout(self.timing.election_max);
-        let outcome = match client.transfer_leader(grpc).await {
-            Err(status) => Err(HaError::Coordinator(format!(
-                "node {to} declined: {}",
-                status.message()
-            ))),
-            Ok(_) => self.wait_for_leader(to).await,
-        };
+        // Tell every peer, the target last: non-targets must hold off
+        // before the target's election can start.
+        let mut peers: Vec<NodeId> = self.peers.peer_ids().filter(|p| *p != to).collect();
+        peers.push(to);
+        let mut outcome = Ok(());
+        for peer in peers {
+            let mut grpc = tonic::Request::new(request.clone());
+            grpc.set_timeout(self.timing.election_max);
+            let sent = match self.peers.client(peer) {
+                Ok(mut client) => client
+                    .transfer_leader(grpc)
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| s.message().to_string()),
+                Err(err) => Err(err),
+            };
+            if let Err(err) = sent {
+                if peer == to {
+                    outcome = Err(HaError::Coordinator(format!("node {to} declined: {err}")));
+                } else {
+                    tracing::warn!(peer, %err, "could not announce the transfer");
+                }
+            }
+        }
+        if outcome.is_ok() {
+            outcome = self.wait_for_leader(to).await;
+        }
         self.peers.end_transfer();
         self.raft.runtime_config().heartbeat(true);
         outcome

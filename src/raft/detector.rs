@@ -13,6 +13,11 @@
 //! is no leader lease left to wait out); a node that grants a vote resets
 //! its clock, so it does not disturb the candidate it voted for.
 //!
+//! A candidate whose vote a peer refused because the peer's log is ahead
+//! holds off for `election_max`. openraft does not make the peer adopt the
+//! candidate's higher term in that case, so without holding off the two can
+//! leapfrog terms for seconds, each refusing the other.
+//!
 //! Safety does not depend on this timing: no node campaigns sooner than
 //! openraft's timer would have (`election_max` ≥ `election_min`), which is
 //! what the lease bound in [`super`] assumes.
@@ -64,6 +69,17 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             continue;
         }
         let now = Instant::now();
+        if peers.transfer_elsewhere() {
+            // Leadership is being handed to another node: let it.
+            continue;
+        }
+        if peers
+            .last_behind()
+            .is_some_and(|at| now.duration_since(at) < timing.election_max)
+        {
+            // A peer's log is ahead of ours: let it win instead.
+            continue;
+        }
         let heard = peers.last_leader_contact().max(last_attempt);
         if now.duration_since(heard) < quiet_for {
             continue;

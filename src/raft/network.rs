@@ -55,6 +55,8 @@ pub struct Peers {
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
     leader_contact: Mutex<Instant>,
+    /// When a peer last refused our vote because its log is ahead of ours.
+    behind_since: Mutex<Option<Instant>>,
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
@@ -80,6 +82,7 @@ impl Peers {
             heard: Mutex::default(),
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
+            behind_since: Mutex::new(None),
             transfer: Mutex::default(),
             election_timeout_max,
         })
@@ -138,6 +141,11 @@ impl Peers {
         *lock(&self.leader_contact)
     }
 
+    /// When a peer last refused our vote because its log is ahead.
+    pub fn last_behind(&self) -> Option<Instant> {
+        *lock(&self.behind_since)
+    }
+
     fn leader_heard(&self) {
         *lock(&self.leader_contact) = Instant::now();
     }
@@ -145,6 +153,12 @@ impl Peers {
     /// Drops the cached channel to `peer` after a transport failure.
     fn forget_channel(&self, peer: NodeId) {
         lock(&self.channels).remove(&peer);
+    }
+
+    /// Whether a transfer to another node is running: this node then
+    /// neither campaigns nor votes for anyone but the target.
+    pub fn transfer_elsewhere(&self) -> bool {
+        matches!(*lock(&self.transfer), Some((target, until)) if target != self.self_id && Instant::now() < until)
     }
 
     /// Marks a transfer to `target` as running for a few election timeouts.
@@ -311,7 +325,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::Vote, &rpc, option.hard_ttl()).await
+        let response: VoteResponse<NodeId> = self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
+        // A refusal because the peer's log is ahead: this node cannot win;
+        // the detector holds off so the up-to-date node can.
+        if !response.vote_granted && response.last_log_id > rpc.last_log_id {
+            *lock(&self.peers.behind_since) = Some(Instant::now());
+        }
+        Ok(response)
     }
 }
 
@@ -402,19 +422,28 @@ impl raft_server::Raft for RaftService {
                 request.from, request.term, metrics.current_leader, metrics.current_term
             )));
         }
-        let raft = self.raft.clone();
-        let wait = self.peers.election_timeout_max + Duration::from_millis(20);
-        tracing::info!(
-            from = request.from,
-            term = request.term,
-            "leadership offered; campaigning after {wait:?}"
-        );
-        tokio::spawn(async move {
-            tokio::time::sleep(wait).await;
-            if let Err(err) = raft.trigger().elect().await {
-                tracing::warn!(%err, "could not start the transfer election");
-            }
-        });
+        self.peers.begin_transfer(request.target);
+        if request.target == self.peers.self_id {
+            let raft = self.raft.clone();
+            let wait = self.peers.election_timeout_max + Duration::from_millis(20);
+            tracing::info!(
+                from = request.from,
+                term = request.term,
+                "leadership offered; campaigning after {wait:?}"
+            );
+            tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                if let Err(err) = raft.trigger().elect().await {
+                    tracing::warn!(%err, "could not start the transfer election");
+                }
+            });
+        } else {
+            tracing::info!(
+                from = request.from,
+                target = request.target,
+                "leadership moving; holding off"
+            );
+        }
         Ok(GrpcResponse::new(TransferReply {}))
     }
 }
