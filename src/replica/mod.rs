@@ -9,8 +9,14 @@
 //!   set. The Raft coordinator commits the change; the engine may acknowledge
 //!   a write that skipped a replica only after that commit (S5).
 //! - [`engine`]: the synchronous mirror.
+//! - [`service`] and [`remote`]: a store served over gRPC, and the
+//!   [`Replica`] client that reaches it (S2 and S3 hold over the wire).
+//! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
 
 pub mod engine;
+pub mod fencer;
+pub mod remote;
+pub mod service;
 pub mod store;
 
 use std::collections::BTreeSet;
@@ -103,6 +109,8 @@ pub trait Replica: Send + Sync {
     async fn flush(&self, term: u64) -> Result<(), ReplicaError>;
     /// Raises the fence floor to `term` and drains older writes (S3).
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
+    /// Drops the dirty marks of terms below `term` (after convergence, S6).
+    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError>;
 }
 
 /// A replica in this process: the store without a network hop.
@@ -148,6 +156,9 @@ impl Replica for LocalReplica {
     }
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
         self.store.fence(term).await
+    }
+    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+        self.store.clear_dirty_below(term).await
     }
 }
 

@@ -96,6 +96,10 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.fence(term).await
     }
+    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner.clear_dirty_below(term).await
+    }
 }
 
 /// An in-memory tracker that appends "remove:<ids>" to a shared event log

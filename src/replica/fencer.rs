@@ -1,0 +1,197 @@
+//! The token fencer: fence-before-promote by raising every replica's fence
+//! floor to the new term, then reconcile before the new writer writes.
+//!
+//! `fence(prev, T)` succeeds only when, in this order:
+//! 1. **S1.** The replicas that durably took floor `T` (the *fenced* set)
+//!    number at least `N − min_in_sync + 1` — so the old writer can no longer
+//!    gather `min_in_sync` acknowledgements — and include a member of the
+//!    committed in-sync set, so the new writer starts from a copy that holds
+//!    every acknowledged write. Each fenced replica has also drained every
+//!    write of an older term (S3). A replica whose floor is already above
+//!    `T` means a newer writer exists: the fence fails.
+//! 2. **S5.** In-sync members that were not reached are removed from the set
+//!    by a committed Raft change (they may miss this writer's writes).
+//! 3. **S6.** Every extent an older term marked dirty on a reached in-sync
+//!    replica is copied from one in-sync source (the local replica when it
+//!    is one) to the other reached in-sync replicas, written with term `T`,
+//!    then flushed; then the marks below `T` are cleared. Any in-sync copy
+//!    holds every acknowledged write, so whichever source is chosen, the
+//!    result is "the last acknowledged write, or a later unacknowledged one"
+//!    — and afterwards every in-sync replica reads the same.
+//!
+//! The previous writer needs no message: once the floors are raised, the
+//! replicas refuse it. (A best-effort "step down" call to it is left to the
+//! node wiring.)
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::join_all;
+
+use super::{FenceReply, InSyncTracker, Replica, ReplicaError};
+use crate::ha::{Fencer, Writer};
+
+/// Fences by term and reconciles. See the module docs.
+pub struct TokenFencer {
+    local_id: String,
+    replicas: Vec<Arc<dyn Replica>>,
+    tracker: Arc<dyn InSyncTracker>,
+    min_in_sync: usize,
+    size: u64,
+    timeout: Duration,
+}
+
+impl TokenFencer {
+    /// A fencer over every replica of the volume (the local one included).
+    pub fn new(
+        local_id: impl Into<String>,
+        replicas: Vec<Arc<dyn Replica>>,
+        tracker: Arc<dyn InSyncTracker>,
+        min_in_sync: usize,
+        size: u64,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            local_id: local_id.into(),
+            replicas,
+            tracker,
+            min_in_sync,
+            size,
+            timeout,
+        }
+    }
+
+    /// Sends `Fence(term)` to every replica and keeps those that took it.
+    async fn fence_all(&self, term: u64) -> Result<BTreeMap<String, FenceReply>, String> {
+        let calls = self.replicas.iter().map(|replica| async move {
+            let reply = tokio::time::timeout(self.timeout, replica.fence(term))
+                .await
+                .unwrap_or_else(|_| Err(ReplicaError::Unavailable("fence timed out".into())));
+            (replica.id().to_string(), reply)
+        });
+        let mut fenced = BTreeMap::new();
+        for (id, reply) in join_all(calls).await {
+            match reply {
+                Ok(reply) if reply.floor == term => {
+                    fenced.insert(id, reply);
+                }
+                Ok(reply) => {
+                    return Err(format!(
+                        "replica {id} has seen term {} > {term}: a newer writer exists",
+                        reply.floor
+                    ));
+                }
+                Err(err) => tracing::warn!(replica = %id, term, %err, "fence not taken"),
+            }
+        }
+        Ok(fenced)
+    }
+
+    fn replica(&self, id: &str) -> Option<&Arc<dyn Replica>> {
+        self.replicas.iter().find(|r| r.id() == id)
+    }
+
+    /// Makes the older terms' dirty extents identical on `members` (S6).
+    async fn converge(
+        &self,
+        term: u64,
+        members: &BTreeSet<String>,
+        fenced: &BTreeMap<String, FenceReply>,
+    ) -> Result<usize, String> {
+        let source_id = if members.contains(&self.local_id) {
+            self.local_id.clone()
+        } else {
+            members.iter().next().cloned().ok_or("no in-sync replica")?
+        };
+        let source = self.replica(&source_id).ok_or("unknown source replica")?;
+        let mut extents = BTreeSet::new();
+        let mut extent_size = 0;
+        for id in members {
+            if let Some(reply) = fenced.get(id) {
+                extent_size = reply.extent_size;
+                extents.extend(
+                    reply
+                        .dirty
+                        .iter()
+                        .filter(|m| m.term < term)
+                        .map(|m| m.extent),
+                );
+            }
+        }
+        let targets: Vec<&Arc<dyn Replica>> = members
+            .iter()
+            .filter(|id| **id != source_id)
+            .filter_map(|id| self.replica(id))
+            .collect();
+        for extent in &extents {
+            let offset = extent * extent_size;
+            if offset >= self.size {
+                continue;
+            }
+            let len = extent_size.min(self.size - offset);
+            let data = source
+                .read(offset, len)
+                .await
+                .map_err(|e| format!("reading extent {extent} from {source_id}: {e}"))?;
+            for target in &targets {
+                target
+                    .write(term, offset, data.clone(), false)
+                    .await
+                    .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))?;
+            }
+        }
+        for id in members {
+            let replica = self.replica(id).ok_or("unknown replica")?;
+            replica
+                .flush(term)
+                .await
+                .map_err(|e| format!("flushing {id}: {e}"))?;
+            replica
+                .clear_dirty_below(term)
+                .await
+                .map_err(|e| format!("clearing marks on {id}: {e}"))?;
+        }
+        Ok(extents.len())
+    }
+}
+
+#[async_trait]
+impl Fencer for TokenFencer {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String> {
+        let committed = self.tracker.in_sync().await?;
+        let fenced = self.fence_all(term).await?;
+        let need = self.replicas.len().saturating_sub(self.min_in_sync) + 1;
+        if fenced.len() < need {
+            return Err(format!(
+                "only {} of {} replicas took term {term}; {need} are needed to shut out the old writer",
+                fenced.len(),
+                self.replicas.len()
+            ));
+        }
+        if !fenced.keys().any(|id| committed.contains(id)) {
+            return Err(format!(
+                "no fenced replica is in the in-sync set {committed:?}; waiting for one"
+            ));
+        }
+        let unreached: BTreeSet<String> = committed
+            .iter()
+            .filter(|id| !fenced.contains_key(*id))
+            .cloned()
+            .collect();
+        let members = if unreached.is_empty() {
+            committed
+        } else {
+            tracing::warn!(
+                term,
+                ?unreached,
+                "dropping unreached replicas from the in-sync set"
+            );
+            self.tracker.remove(term, &unreached).await?
+        };
+        let converged = self.converge(term, &members, &fenced).await?;
+        tracing::info!(term, prev = ?prev_writer, fenced = ?fenced.keys().collect::<Vec<_>>(), converged, "fenced and reconciled");
+        Ok(())
+    }
+}

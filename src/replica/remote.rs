@@ -1,0 +1,167 @@
+//! A peer's replica, reached over gRPC: the [`Replica`] the engine and the
+//! fencer use for every copy but their own.
+//!
+//! Every call carries a deadline. A call that times out, or fails in
+//! transport, is an error for that request (`Unavailable`): the engine then
+//! drops the replica through a committed in-sync change before it
+//! acknowledges anything that skipped it (S5). A timeout is never taken for
+//! a success.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tonic::transport::Channel;
+
+use super::service::error_of;
+use super::{DirtyExtent, FenceReply, Replica, ReplicaError};
+use crate::proto::replica as pb;
+use crate::proto::replica::replica_client::ReplicaClient;
+use crate::volume::MAX_REQUEST;
+
+/// A replica on another node.
+pub struct RemoteReplica {
+    id: String,
+    client: ReplicaClient<Channel>,
+    volume: pb::VolumeRef,
+    timeout: Duration,
+}
+
+impl RemoteReplica {
+    /// A replica of node `id` at `addr` (`HOST:PORT`), for `cluster_id`'s
+    /// `volume`, whose calls time out after `timeout`.
+    pub fn new(
+        id: impl Into<String>,
+        addr: &str,
+        cluster_id: &str,
+        volume: &str,
+        timeout: Duration,
+    ) -> Result<Self, String> {
+        let client = ReplicaClient::new(crate::net::channel(addr)?)
+            .max_decoding_message_size(crate::net::MAX_MESSAGE)
+            .max_encoding_message_size(crate::net::MAX_MESSAGE);
+        Ok(Self {
+            id: id.into(),
+            client,
+            volume: pb::VolumeRef {
+                cluster_id: cluster_id.to_string(),
+                volume: volume.to_string(),
+            },
+            timeout,
+        })
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(self.timeout);
+        request
+    }
+
+    fn volume(&self) -> Option<pb::VolumeRef> {
+        Some(self.volume.clone())
+    }
+}
+
+#[async_trait]
+impl Replica for RemoteReplica {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError> {
+        let request = self.request(pb::WriteRequest {
+            volume: self.volume(),
+            term,
+            offset,
+            data,
+            fua,
+        });
+        self.client
+            .clone()
+            .write(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| error_of(&status, term))
+    }
+
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        let length = u32::try_from(len.min(MAX_REQUEST + 1)).unwrap_or(u32::MAX);
+        let request = self.request(pb::ReadRequest {
+            volume: self.volume(),
+            offset,
+            length,
+        });
+        let reply = self
+            .client
+            .clone()
+            .read(request)
+            .await
+            .map_err(|status| error_of(&status, 0))?
+            .into_inner();
+        if reply.data.len() as u64 != len {
+            return Err(ReplicaError::Unavailable(format!(
+                "read of {len} bytes returned {}",
+                reply.data.len()
+            )));
+        }
+        Ok(reply.data)
+    }
+
+    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+        let request = self.request(pb::FlushRequest {
+            volume: self.volume(),
+            term,
+        });
+        self.client
+            .clone()
+            .flush(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| error_of(&status, term))
+    }
+
+    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+        let request = self.request(pb::FenceRequest {
+            volume: self.volume(),
+            term,
+        });
+        let reply = self
+            .client
+            .clone()
+            .fence(request)
+            .await
+            .map_err(|status| error_of(&status, term))?
+            .into_inner();
+        Ok(FenceReply {
+            floor: reply.floor,
+            dirty: reply
+                .dirty
+                .into_iter()
+                .map(|d| DirtyExtent {
+                    term: d.term,
+                    extent: d.extent,
+                })
+                .collect(),
+            extent_size: reply.extent_size,
+        })
+    }
+
+    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+        let request = self.request(pb::ClearDirtyRequest {
+            volume: self.volume(),
+            term,
+        });
+        self.client
+            .clone()
+            .clear_dirty(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| error_of(&status, term))
+    }
+}

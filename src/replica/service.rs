@@ -1,0 +1,193 @@
+//! The replica gRPC service: a node's store, served to the writer.
+//!
+//! Every request names the cluster and the volume; a request for another
+//! one is refused (`PERMISSION_DENIED`) before the store is touched. The
+//! store enforces the fencing token exactly as in-process (S2, S3), so the
+//! wire adds no path around it. Errors map to gRPC codes in one place,
+//! [`status_of`], and back in one place, [`error_of`]:
+//!
+//! | replica error | gRPC code |
+//! |---|---|
+//! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` |
+//! | term 0, request too large | `INVALID_ARGUMENT` |
+//! | out of range | `OUT_OF_RANGE` |
+//! | identity mismatch | `FAILED_PRECONDITION` |
+//! | unavailable | `UNAVAILABLE` |
+//! | disk or metadata I/O | `INTERNAL` |
+
+use std::sync::Arc;
+
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Request, Response, Status};
+
+use super::{DirtyExtent, ReplicaError, ReplicaStore};
+use crate::proto::replica as pb;
+use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
+use crate::volume::RangeError;
+
+/// The metadata key that carries a replica's fence floor on a stale-term
+/// refusal.
+pub const FLOOR_KEY: &str = "x-fence-floor";
+
+/// Maps a replica error to a gRPC status (see the module table).
+pub fn status_of(err: &ReplicaError) -> Status {
+    let message = err.to_string();
+    match err {
+        ReplicaError::StaleTerm { floor, .. } => {
+            let mut status = Status::failed_precondition(message);
+            if let Ok(value) = MetadataValue::try_from(floor.to_string()) {
+                status.metadata_mut().insert(FLOOR_KEY, value);
+            }
+            status
+        }
+        ReplicaError::InvalidTerm | ReplicaError::Range(RangeError::TooLarge { .. }) => {
+            Status::invalid_argument(message)
+        }
+        ReplicaError::Range(RangeError::OutOfRange { .. }) => Status::out_of_range(message),
+        ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
+            Status::failed_precondition(message)
+        }
+        ReplicaError::Unavailable(_) => Status::unavailable(message),
+        ReplicaError::Io(_) => Status::internal(message),
+    }
+}
+
+/// Maps a gRPC status from a replica back to a replica error. Anything that
+/// is not a refusal the replica made on purpose counts as the replica being
+/// unavailable for this request.
+pub fn error_of(status: &Status, term: u64) -> ReplicaError {
+    let floor = status
+        .metadata()
+        .get(FLOOR_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    match (status.code(), floor) {
+        (Code::FailedPrecondition, Some(floor)) => ReplicaError::StaleTerm { term, floor },
+        (Code::InvalidArgument, _) | (Code::OutOfRange, _) => {
+            ReplicaError::Io(format!("refused: {}", status.message()))
+        }
+        (Code::FailedPrecondition, None) | (Code::PermissionDenied, _) => {
+            ReplicaError::IdentityMismatch(status.message().to_string())
+        }
+        _ => ReplicaError::Unavailable(format!("{}: {}", status.code(), status.message())),
+    }
+}
+
+/// Serves one store.
+pub struct ReplicaService {
+    store: Arc<ReplicaStore>,
+}
+
+impl ReplicaService {
+    /// A service over `store`.
+    pub fn new(store: Arc<ReplicaStore>) -> Self {
+        Self { store }
+    }
+
+    /// The tonic server, with message limits that fit the largest request.
+    pub fn into_server(self) -> ReplicaServer<Self> {
+        ReplicaServer::new(self)
+            .max_decoding_message_size(crate::net::MAX_MESSAGE)
+            .max_encoding_message_size(crate::net::MAX_MESSAGE)
+    }
+
+    fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {
+        let identity = self.store.identity();
+        match volume {
+            Some(v) if v.cluster_id == identity.cluster_id && v.volume == identity.volume => Ok(()),
+            Some(v) => Err(Status::permission_denied(format!(
+                "request for cluster {:?} volume {:?}; this replica holds cluster {:?} volume {:?}",
+                v.cluster_id, v.volume, identity.cluster_id, identity.volume
+            ))),
+            None => Err(Status::invalid_argument("request names no volume")),
+        }
+    }
+}
+
+fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
+    pb::DirtyExtent {
+        term: mark.term,
+        extent: mark.extent,
+    }
+}
+
+#[tonic::async_trait]
+impl ReplicaRpc for ReplicaService {
+    async fn write(
+        &self,
+        request: Request<pb::WriteRequest>,
+    ) -> Result<Response<pb::WriteReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store
+            .write(r.term, r.offset, r.data, r.fua)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::WriteReply {}))
+    }
+
+    async fn read(
+        &self,
+        request: Request<pb::ReadRequest>,
+    ) -> Result<Response<pb::ReadReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let data = self
+            .store
+            .read(r.offset, u64::from(r.length))
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::ReadReply { data }))
+    }
+
+    async fn flush(
+        &self,
+        request: Request<pb::FlushRequest>,
+    ) -> Result<Response<pb::FlushReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store.flush(r.term).await.map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::FlushReply {}))
+    }
+
+    async fn fence(
+        &self,
+        request: Request<pb::FenceRequest>,
+    ) -> Result<Response<pb::FenceReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let reply = self.store.fence(r.term).await.map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::FenceReply {
+            floor: reply.floor,
+            dirty: reply.dirty.iter().map(to_pb).collect(),
+            extent_size: reply.extent_size,
+        }))
+    }
+
+    async fn clear_dirty(
+        &self,
+        request: Request<pb::ClearDirtyRequest>,
+    ) -> Result<Response<pb::ClearDirtyReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store
+            .clear_dirty_below(r.term)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::ClearDirtyReply {}))
+    }
+
+    async fn status(
+        &self,
+        request: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusReply>, Status> {
+        self.admit(request.into_inner().volume.as_ref())?;
+        let dirty = self.store.dirty_extents().map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::StatusReply {
+            floor: self.store.floor().await,
+            size: self.store.size(),
+            extent_size: self.store.identity().extent_size,
+            dirty_extents: dirty.len() as u64,
+        }))
+    }
+}

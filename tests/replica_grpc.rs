@@ -1,0 +1,371 @@
+//! The replica service over real gRPC on loopback, and the token fencer.
+//!
+//! S2/S3 over the wire: a stale term is `FAILED_PRECONDITION` with the floor
+//! attached; a foreign cluster, out-of-range and oversized requests get
+//! their codes and leave the data unchanged; a replica that does not answer
+//! in time is a failure. The fencer: S1's two conditions, the in-sync
+//! shrink of unreached members, and S6 convergence.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Fault, FaultyReplica, SIZE, store};
+use replica_ha::ha::{Fencer, WriterEngine};
+use replica_ha::proto::replica as pb;
+use replica_ha::proto::replica::replica_client::ReplicaClient;
+use replica_ha::replica::fencer::TokenFencer;
+use replica_ha::replica::remote::RemoteReplica;
+use replica_ha::replica::service::ReplicaService;
+use replica_ha::replica::{
+    Engine, EngineConfig, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError,
+    ReplicaStore,
+};
+use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
+use tonic::Code;
+
+async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        replica_ha::net::server()
+            .add_service(ReplicaService::new(store).into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    addr
+}
+
+fn volume(cluster: &str) -> Option<pb::VolumeRef> {
+    Some(pb::VolumeRef {
+        cluster_id: cluster.into(),
+        volume: "vol0".into(),
+    })
+}
+
+fn block(byte: u8) -> Bytes {
+    Bytes::from(vec![byte; 4096])
+}
+
+fn remote(addr: SocketAddr, id: &str) -> RemoteReplica {
+    RemoteReplica::new(
+        id,
+        &addr.to_string(),
+        "test",
+        "vol0",
+        Duration::from_secs(2),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn the_fence_floor_holds_over_grpc() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = store(dir.path(), "n1").await;
+    let replica = remote(serve(Arc::clone(&local)).await, "n1");
+    replica.write(1, 0, block(1), false).await.unwrap();
+    let reply = replica.fence(3).await.unwrap();
+    assert_eq!(reply.floor, 3);
+    assert_eq!(reply.dirty.len(), 1);
+    assert_eq!(
+        replica.write(2, 0, block(2), false).await,
+        Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
+    );
+    assert_eq!(
+        replica.flush(2).await,
+        Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
+    );
+    assert_eq!(replica.read(0, 4096).await.unwrap(), block(1));
+    replica.write(3, 0, block(3), true).await.unwrap();
+    replica.clear_dirty_below(3).await.unwrap();
+    assert_eq!(local.dirty_extents().unwrap().len(), 1);
+    assert_eq!(local.read(0, 4096).await.unwrap(), block(3));
+}
+
+#[tokio::test]
+async fn bad_requests_get_their_codes_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = store(dir.path(), "n1").await;
+    let addr = serve(Arc::clone(&local)).await;
+    let mut client = ReplicaClient::new(replica_ha::net::channel(&addr.to_string()).unwrap())
+        .max_encoding_message_size(replica_ha::net::MAX_MESSAGE);
+    local.write(5, 0, block(5), false).await.unwrap();
+
+    let write =
+        |volume: Option<pb::VolumeRef>, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
+            volume,
+            term,
+            offset,
+            data,
+            fua: false,
+        };
+    let cases = [
+        (
+            write(volume("test"), 4, 0, block(9)),
+            Code::FailedPrecondition,
+            "stale term",
+        ),
+        (
+            write(volume("other"), 9, 0, block(9)),
+            Code::PermissionDenied,
+            "cluster",
+        ),
+        (
+            write(None, 9, 0, block(9)),
+            Code::InvalidArgument,
+            "names no volume",
+        ),
+        (
+            write(volume("test"), 0, 0, block(9)),
+            Code::InvalidArgument,
+            "term 0",
+        ),
+        (
+            write(volume("test"), 9, SIZE - 1024, block(9)),
+            Code::OutOfRange,
+            "beyond",
+        ),
+        (
+            write(
+                volume("test"),
+                9,
+                0,
+                Bytes::from(vec![9u8; MAX_REQUEST as usize + 4096]),
+            ),
+            Code::InvalidArgument,
+            "exceeds",
+        ),
+    ];
+    for (request, code, text) in cases {
+        let status = client.write(request).await.unwrap_err();
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(text), "{status:?}");
+    }
+    let read = pb::ReadRequest {
+        volume: volume("test"),
+        offset: SIZE,
+        length: 1,
+    };
+    assert_eq!(
+        client.read(read).await.unwrap_err().code(),
+        Code::OutOfRange
+    );
+    // Nothing changed: data, floor and marks are as before.
+    assert_eq!(local.read(0, 4096).await.unwrap(), block(5));
+    assert_eq!(
+        local.read(SIZE - 4096, 4096).await.unwrap(),
+        Bytes::from(vec![0u8; 4096])
+    );
+    assert_eq!(local.floor().await, 5);
+    assert_eq!(local.dirty_extents().unwrap().len(), 1);
+    let status = client
+        .status(pb::StatusRequest {
+            volume: volume("test"),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (status.floor, status.size, status.dirty_extents),
+        (5, SIZE, 1)
+    );
+}
+
+#[tokio::test]
+async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
+    // Accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let replica = RemoteReplica::new(
+        "n9",
+        &addr.to_string(),
+        "test",
+        "vol0",
+        Duration::from_millis(200),
+    )
+    .unwrap();
+    assert!(matches!(
+        replica.write(1, 0, block(1), false).await,
+        Err(ReplicaError::Unavailable(_))
+    ));
+    assert!(matches!(
+        replica.fence(1).await,
+        Err(ReplicaError::Unavailable(_))
+    ));
+}
+
+#[tokio::test]
+async fn the_engine_mirrors_through_remote_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let stores = [
+        store(dir.path(), "n1").await,
+        store(dir.path(), "n2").await,
+        store(dir.path(), "n3").await,
+    ];
+    let replicas: Vec<Arc<dyn Replica>> = vec![
+        Arc::new(LocalReplica::new("n1", Arc::clone(&stores[0]))),
+        Arc::new(remote(serve(Arc::clone(&stores[1])).await, "n2")),
+        Arc::new(remote(serve(Arc::clone(&stores[2])).await, "n3")),
+    ];
+    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let engine = Engine::new(
+        EngineConfig {
+            local_id: "n1".into(),
+            min_in_sync: 2,
+            replica_timeout: Duration::from_secs(2),
+            size: SIZE,
+        },
+        replicas,
+        tracker,
+    )
+    .unwrap();
+    engine.activate(4).await.unwrap();
+    engine.write_at(8192, block(7), true).await.unwrap();
+    engine.flush().await.unwrap();
+    for store in &stores {
+        assert_eq!(store.read(8192, 4096).await.unwrap(), block(7));
+        assert_eq!(store.floor().await, 4);
+    }
+    // A newer writer fences one remote replica: the old engine is refused.
+    stores[2].fence(5).await.unwrap();
+    assert_eq!(
+        engine.write_at(0, block(8), false).await,
+        Err(DeviceError::StaleTerm { term: 4, floor: 5 })
+    );
+}
+
+struct FenceRig {
+    _dir: tempfile::TempDir,
+    replicas: Vec<Arc<FaultyReplica>>,
+    tracker: Arc<MemoryInSync>,
+    fencer: TokenFencer,
+}
+
+async fn fence_rig(in_sync: &[&str]) -> FenceRig {
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut replicas = Vec::new();
+    for id in ["n1", "n2", "n3"] {
+        replicas.push(FaultyReplica::new(id, store(dir.path(), id).await));
+    }
+    let tracker = Arc::new(MemoryInSync::new(in_sync.iter().copied()));
+    let fencer = TokenFencer::new(
+        "n1",
+        replicas
+            .iter()
+            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+            .collect(),
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        2,
+        SIZE,
+        Duration::from_millis(300),
+    );
+    FenceRig {
+        _dir: dir,
+        replicas,
+        tracker,
+        fencer,
+    }
+}
+
+fn set(ids: &[&str]) -> BTreeSet<String> {
+    ids.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test]
+async fn fencing_raises_every_reachable_floor_and_shuts_the_old_writer_out() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    for r in &rig.replicas {
+        r.store().write(1, 0, block(1), false).await.unwrap();
+    }
+    rig.fencer.fence(None, 2).await.unwrap();
+    for r in &rig.replicas {
+        assert_eq!(r.store().floor().await, 2);
+        assert_eq!(
+            r.store().write(1, 0, block(9), false).await,
+            Err(ReplicaError::StaleTerm { term: 1, floor: 2 })
+        );
+    }
+    assert_eq!(
+        rig.tracker.in_sync().await.unwrap(),
+        set(&["n1", "n2", "n3"])
+    );
+}
+
+#[tokio::test]
+async fn an_unreached_in_sync_replica_is_dropped_by_a_commit() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    rig.replicas[2].set(Fault::Hang);
+    rig.fencer.fence(None, 2).await.unwrap();
+    assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&["n1", "n2"]));
+}
+
+#[tokio::test]
+async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    rig.replicas[1].set(Fault::Fail);
+    rig.replicas[2].set(Fault::Hang);
+    let err = rig.fencer.fence(None, 2).await.unwrap_err();
+    assert!(err.contains("only 1 of 3"), "{err}");
+    assert_eq!(
+        rig.tracker.in_sync().await.unwrap(),
+        set(&["n1", "n2", "n3"])
+    );
+}
+
+#[tokio::test]
+async fn a_fence_without_an_in_sync_member_fails() {
+    let rig = fence_rig(&["n3"]).await;
+    rig.replicas[2].set(Fault::Fail);
+    let err = rig.fencer.fence(None, 2).await.unwrap_err();
+    assert!(err.contains("in-sync"), "{err}");
+    assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&["n3"]));
+}
+
+#[tokio::test]
+async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    rig.replicas[1].store().fence(7).await.unwrap();
+    let err = rig.fencer.fence(None, 5).await.unwrap_err();
+    assert!(err.contains("newer writer"), "{err}");
+}
+
+/// S6: an older writer left an unacknowledged write on one replica only;
+/// after the fence every in-sync replica holds the same bytes there, and
+/// the older marks are gone.
+#[tokio::test]
+async fn older_dirty_extents_converge_before_the_new_writer_writes() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let extent = 3 * (1 << 20);
+    rig.replicas[1]
+        .store()
+        .write(1, extent, block(0xd1), false)
+        .await
+        .unwrap();
+    rig.replicas[2]
+        .store()
+        .write(1, extent + 8192, block(0xd2), false)
+        .await
+        .unwrap();
+    rig.fencer.fence(None, 2).await.unwrap();
+    let expected = rig.replicas[0].store().read(extent, 1 << 20).await.unwrap();
+    for r in &rig.replicas {
+        assert_eq!(r.store().read(extent, 1 << 20).await.unwrap(), expected);
+        assert!(
+            r.store()
+                .dirty_extents()
+                .unwrap()
+                .iter()
+                .all(|m| m.term >= 2)
+        );
+    }
+}
