@@ -257,6 +257,11 @@ fn status_json(reply: &StatusReply) -> String {
         "volume_size": reply.volume_size,
         "min_in_sync": reply.min_in_sync,
         "last_applied": reply.last_applied,
+        "role": reply.role,
+        "active": reply.gate_open,
+        "fence_floor": reply.fence_floor,
+        "fence_failures": reply.fence_failures,
+        "promotions": reply.promotions,
     })
     .to_string()
 }
@@ -272,6 +277,8 @@ fn print_status_table(reply: &StatusReply) {
     let rows = [
         ("node", reply.node_id.to_string()),
         ("cluster", reply.cluster_id.clone()),
+        ("role", reply.role.clone()),
+        ("gate open", reply.gate_open.to_string()),
         ("raft state", reply.raft_state.clone()),
         ("term", reply.term.to_string()),
         ("leader", or_none(reply.leader)),
@@ -289,6 +296,7 @@ fn print_status_table(reply: &StatusReply) {
             ),
         ),
         ("in sync", reply.in_sync.join(", ")),
+        ("fence floor", reply.fence_floor.to_string()),
         ("volume size", reply.volume_size.to_string()),
         ("min in sync", reply.min_in_sync.to_string()),
     ];

@@ -30,9 +30,19 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
-use crate::ha::Coordinator;
+use crate::ha::{Controller, ControllerConfig, Coordinator};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
+use crate::replica::fencer::TokenFencer;
+use crate::replica::remote::RemoteReplica;
+use crate::replica::service::ReplicaService;
+use crate::replica::{
+    Engine, EngineConfig, InSyncTracker, LocalReplica, Replica, ReplicaError, ReplicaStore,
+    StoreIdentity,
+};
+
+/// How long one replica may take to answer one request.
+const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Why a node stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +75,7 @@ pub struct Node {
     db: sled::Db,
     raft: Raft,
     coordinator: Arc<RaftCoordinator>,
+    controller: Arc<Controller>,
     stop_server: watch::Sender<bool>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     tasks: Vec<JoinHandle<()>>,
@@ -118,14 +129,23 @@ impl Node {
             config.timing,
         );
 
+        let store = Arc::new(open_replica(&config).await?);
+        let controller = start_controller(&config, &store, &coordinator)?;
+
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| failed(format!("cannot listen on {}: {e}", config.listen)))?;
         let (stop_server, mut stopped) = watch::channel(false);
-        let admin = AdminService::new(Arc::clone(&coordinator), config.clone());
+        let admin = AdminService::new(
+            Arc::clone(&coordinator),
+            Arc::clone(&controller),
+            Arc::clone(&store),
+            config.clone(),
+        );
         let server = tokio::spawn(
             crate::net::server()
                 .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
+                .add_service(ReplicaService::new(Arc::clone(&store)).into_server())
                 .add_service(admin.into_server())
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -147,6 +167,14 @@ impl Node {
 
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn({
+            let controller = Arc::clone(&controller);
+            async move {
+                if let Err(err) = controller.run().await {
+                    tracing::info!(%err, "controller stopped");
+                }
+            }
+        }));
+        tasks.push(tokio::spawn({
             let (raft, peers, timing) = (raft.clone(), Arc::clone(&peers), config.timing);
             async move {
                 // The start-up window: no campaign before it has passed.
@@ -165,6 +193,7 @@ impl Node {
             db,
             raft,
             coordinator,
+            controller,
             stop_server,
             server,
             tasks,
@@ -207,8 +236,15 @@ impl Node {
         }
     }
 
-    /// Resigns, stops Raft and the server, and flushes the Db.
+    /// Closes the gate, resigns, stops Raft and the server, and flushes.
     pub async fn shutdown(self) {
+        let stop = self.controller.stop();
+        if tokio::time::timeout(self.config.timing.election_max * 4, stop)
+            .await
+            .is_err()
+        {
+            tracing::warn!("stopping the controller timed out");
+        }
         let resign = self.coordinator.resign();
         if tokio::time::timeout(self.config.timing.election_max * 4, resign)
             .await
@@ -237,6 +273,75 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let outcome = node.run_until_signal().await;
     node.shutdown().await;
     outcome
+}
+
+/// Opens this node's replica; one of another cluster, volume or size is a
+/// configuration error.
+async fn open_replica(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
+    let identity = StoreIdentity::new(&config.cluster_id, &config.volume, config.size);
+    let dir = config.data_dir.join("replica");
+    ReplicaStore::open(&dir, identity)
+        .await
+        .map_err(|err| match err {
+            ReplicaError::IdentityMismatch(why) | ReplicaError::InvalidIdentity(why) => {
+                NodeError::Config(ConfigError(format!("replica in {}: {why}", dir.display())))
+            }
+            other => failed(format!("replica in {}: {other}", dir.display())),
+        })
+}
+
+/// Builds the engine over every replica (the local one without a network
+/// hop), the token fencer, and the controller.
+fn start_controller(
+    config: &NodeConfig,
+    store: &Arc<ReplicaStore>,
+    coordinator: &Arc<RaftCoordinator>,
+) -> Result<Arc<Controller>, NodeError> {
+    let local_id = config.id.to_string();
+    let mut replicas: Vec<Arc<dyn Replica>> =
+        vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
+    for (id, addr) in &config.peers {
+        if *id != config.id {
+            let remote = RemoteReplica::new(
+                id.to_string(),
+                &addr.to_string(),
+                &config.cluster_id,
+                &config.volume,
+                REPLICA_TIMEOUT,
+            )
+            .map_err(ConfigError)?;
+            replicas.push(Arc::new(remote));
+        }
+    }
+    let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
+    let engine = Engine::new(
+        EngineConfig {
+            local_id: local_id.clone(),
+            min_in_sync: config.min_in_sync,
+            replica_timeout: REPLICA_TIMEOUT,
+            size: config.size,
+        },
+        replicas.clone(),
+        Arc::clone(&tracker),
+    )
+    .map_err(|e| ConfigError(e.to_string()))?;
+    let fencer = TokenFencer::new(
+        local_id,
+        replicas,
+        tracker,
+        config.min_in_sync,
+        config.size,
+        REPLICA_TIMEOUT,
+    );
+    Ok(Arc::new(Controller::new(
+        Arc::new(engine),
+        Arc::clone(coordinator) as Arc<dyn Coordinator>,
+        Arc::new(fencer),
+        ControllerConfig {
+            fence_timeout: Duration::from_secs(10),
+            retry_interval: Duration::from_millis(200),
+        },
+    )))
 }
 
 fn volume_config(config: &NodeConfig) -> VolumeConfig {

@@ -9,7 +9,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 use replica_ha::proto::admin::admin_client::AdminClient;
-use replica_ha::proto::admin::{StatusReply, StatusRequest};
+use replica_ha::proto::admin::{ReadRequest, StatusReply, StatusRequest, WriteRequest};
 use tokio::time::Instant;
 
 use super::proxy::Proxy;
@@ -197,6 +197,66 @@ impl Cluster {
         match tokio::time::timeout(Duration::from_millis(700), call).await {
             Ok(Ok(reply)) => Some(reply.into_inner()),
             _ => None,
+        }
+    }
+
+    /// Writes through node `id`'s gate (as an NBD client would).
+    pub async fn write(
+        &self,
+        id: u64,
+        offset: u64,
+        data: bytes::Bytes,
+    ) -> Result<(), tonic::Status> {
+        let channel = replica_ha::net::channel(&self.addrs[&id].to_string())
+            .map_err(tonic::Status::unavailable)?;
+        let mut client = AdminClient::new(channel);
+        let mut request = tonic::Request::new(WriteRequest {
+            offset,
+            data,
+            fua: true,
+        });
+        request.set_timeout(Duration::from_secs(5));
+        client.write(request).await.map(|_| ())
+    }
+
+    /// Reads through node `id`.
+    pub async fn read(
+        &self,
+        id: u64,
+        offset: u64,
+        length: u32,
+    ) -> Result<bytes::Bytes, tonic::Status> {
+        let channel = replica_ha::net::channel(&self.addrs[&id].to_string())
+            .map_err(tonic::Status::unavailable)?;
+        let mut client = AdminClient::new(channel);
+        let mut request = tonic::Request::new(ReadRequest { offset, length });
+        request.set_timeout(Duration::from_secs(5));
+        client.read(request).await.map(|r| r.into_inner().data)
+    }
+
+    /// Waits until exactly one of `among` is the active writer (role leader,
+    /// gate open) and returns it with its term.
+    pub async fn wait_for_writer(&self, among: &[u64], within: Duration) -> (u64, u64) {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut writers = Vec::new();
+            let mut seen = Vec::new();
+            for id in among {
+                if let Some(status) = self.status(*id).await {
+                    if status.role == "leader" && status.gate_open {
+                        writers.push((status.node_id, status.term));
+                    }
+                    seen.push(status);
+                }
+            }
+            if let [writer] = writers.as_slice() {
+                return *writer;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no single writer among {among:?} within {within:?}: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
