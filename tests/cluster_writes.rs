@@ -200,3 +200,129 @@ async fn writes_continue_with_one_replica_down_and_fail_with_two() {
         }
     }
 }
+
+/// S6: the writer is killed during concurrent overlapping writes that have
+/// reached one follower but not the other (the writer's link to the second
+/// is cut, so they wait there, unacknowledged). Once the next writer is
+/// promoted, every in-sync replica is byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
+    let mut cluster = Cluster::start_with_proxies(3).await;
+    let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
+    cluster.proxies[&(old, followers[1])].set_blocked(true);
+    let mut writers = Vec::new();
+    for worker in 0..4u64 {
+        let addr = cluster.addrs[&old].to_string();
+        writers.push(tokio::spawn(async move {
+            let channel = replica_ha::net::channel(&addr).unwrap();
+            let mut client = replica_ha::proto::admin::admin_client::AdminClient::new(channel);
+            for i in 0..2000u64 {
+                // Overlapping: every worker cycles over the same 64 blocks.
+                let request = replica_ha::proto::admin::WriteRequest {
+                    offset: ((i * 7 + worker * 13) % 64) * 4096 + (1 << 20),
+                    data: block(worker * 10_000 + i),
+                    fua: false,
+                };
+                if client.write(request).await.is_err() {
+                    break;
+                }
+            }
+        }));
+    }
+    // Less than the replica timeout: no shrink can have been committed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.kill(old);
+    cluster.proxies[&(old, followers[1])].set_blocked(false);
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
+    let (new, _) = cluster.wait_for_writer(&others, WAIT).await;
+    let in_sync: Vec<u64> = cluster
+        .status(new)
+        .await
+        .unwrap()
+        .in_sync
+        .iter()
+        .map(|id| id.parse().unwrap())
+        .collect();
+    assert!(in_sync.len() >= 2, "{in_sync:?}");
+    let mut first: Option<Vec<Bytes>> = None;
+    for id in &in_sync {
+        let mut extents = Vec::new();
+        for extent in 0..3u64 {
+            let data = replica_client(&cluster, *id)
+                .read(pb::ReadRequest {
+                    volume: volume(),
+                    offset: extent << 20,
+                    length: 1 << 20,
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .data;
+            extents.push(data);
+        }
+        match &first {
+            None => first = Some(extents),
+            Some(expected) => {
+                for (i, (a, b)) in expected.iter().zip(&extents).enumerate() {
+                    assert!(a == b, "extent {i} differs on replica {id}");
+                }
+            }
+        }
+    }
+}
+
+/// Bad requests to a node's replica service: each gets its code and the
+/// replica's data is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_replica_requests_to_a_node_change_nothing() {
+    let cluster = Cluster::start(3).await;
+    let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    cluster.write(writer, 0, block(7)).await.unwrap();
+    let target = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let mut client =
+        replica_client(&cluster, target).max_encoding_message_size(replica_ha::net::MAX_MESSAGE);
+    let write = |cluster_id: &str, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
+        volume: Some(pb::VolumeRef {
+            cluster_id: cluster_id.into(),
+            volume: "vol0".into(),
+        }),
+        term,
+        offset,
+        data,
+        fua: false,
+    };
+    let size = 16u64 << 20;
+    let cases = [
+        (
+            write("another-cluster", term + 5, 0, block(9)),
+            Code::PermissionDenied,
+        ),
+        (
+            write("test-cluster", term - 1, 0, block(9)),
+            Code::FailedPrecondition,
+        ),
+        (
+            write("test-cluster", term, size - 1024, block(9)),
+            Code::OutOfRange,
+        ),
+        (
+            write(
+                "test-cluster",
+                term,
+                0,
+                Bytes::from(vec![9u8; (32 << 20) + 4096]),
+            ),
+            Code::InvalidArgument,
+        ),
+    ];
+    for (request, code) in cases {
+        let status = client.write(request).await.unwrap_err();
+        assert_eq!(status.code(), code, "{status:?}");
+    }
+    assert!(on_replica(&cluster, target, 0).await == block(7));
+    assert_eq!(cluster.status(target).await.unwrap().fence_floor, term);
+}
