@@ -34,7 +34,7 @@ async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
     tokio::spawn(
         replica_ha::net::server()
             .add_service(ReplicaService::new(store).into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(replica_ha::net::incoming(listener)),
     );
     addr
 }

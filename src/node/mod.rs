@@ -147,12 +147,9 @@ impl Node {
                 .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
                 .add_service(ReplicaService::new(Arc::clone(&store)).into_server())
                 .add_service(admin.into_server())
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async move {
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    },
-                ),
+                .serve_with_incoming_shutdown(crate::net::incoming(listener), async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                }),
         );
 
         if !raft.is_initialized().await.map_err(failed)? {
