@@ -564,3 +564,21 @@ async fn the_default_configuration_promotes() {
         .collect();
     assert_eq!(names, ["follower", "fence_pending", "leader"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_step_down_notice_for_a_newer_term_closes_the_gate() {
+    let (cluster, _script, nodes) = setup(&["a"]);
+    let a = &nodes[0];
+    let term = cluster.elect("a").unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    a.controller.step_down(term);
+    assert_eq!(
+        a.role(),
+        Role::Leader,
+        "its own term is no reason to step down"
+    );
+    a.controller.step_down(term + 1);
+    assert_eq!(a.role(), Role::Follower);
+    assert!(!a.controller.status().active);
+    assert_eq!(a.write().await, Err(DeviceError::NotLeader));
+}

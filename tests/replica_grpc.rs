@@ -62,6 +62,26 @@ fn remote(addr: SocketAddr, id: &str) -> RemoteReplica {
 }
 
 #[tokio::test]
+async fn a_fence_tells_the_node_its_new_floor() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = store(dir.path(), "n1").await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = ReplicaService::new(local).on_fenced({
+        let seen = Arc::clone(&seen);
+        Arc::new(move |floor| seen.lock().unwrap().push(floor))
+    });
+    tokio::spawn(
+        replica_ha::net::server()
+            .add_service(service.into_server())
+            .serve_with_incoming(replica_ha::net::incoming(listener)),
+    );
+    remote(addr, "n1").fence(4).await.unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![4]);
+}
+
+#[tokio::test]
 async fn the_fence_floor_holds_over_grpc() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), "n1").await;

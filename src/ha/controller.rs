@@ -213,6 +213,20 @@ impl Controller {
         self.run_loop().await
     }
 
+    /// A newer writer has fenced this node's replica at `term`: if this node
+    /// writes (or is promoting) at an older term, it closes its gate now
+    /// rather than at its next refused write. Best effort: the replicas
+    /// refuse the old term either way (S2).
+    pub fn step_down(&self, term: u64) {
+        let (role, current) = {
+            let inner = self.lock();
+            (inner.role, inner.term)
+        };
+        if role != Role::Follower && current < term {
+            self.demote(None, "fenced by a newer writer");
+        }
+    }
+
     /// Closes the gate, deactivates the engine and resigns. Idempotent.
     pub async fn stop(&self) -> Result<(), HaError> {
         let first = {

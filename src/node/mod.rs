@@ -145,7 +145,14 @@ impl Node {
         let server = tokio::spawn(
             crate::net::server()
                 .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
-                .add_service(ReplicaService::new(Arc::clone(&store)).into_server())
+                .add_service(
+                    ReplicaService::new(Arc::clone(&store))
+                        .on_fenced({
+                            let controller = Arc::clone(&controller);
+                            Arc::new(move |floor| controller.step_down(floor))
+                        })
+                        .into_server(),
+                )
                 .add_service(admin.into_server())
                 .serve_with_incoming_shutdown(crate::net::incoming(listener), async move {
                     let _ = stopped.wait_for(|stop| *stop).await;

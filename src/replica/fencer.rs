@@ -19,9 +19,10 @@
 //!    result is "the last acknowledged write, or a later unacknowledged one"
 //!    — and afterwards every in-sync replica reads the same.
 //!
-//! The previous writer needs no message: once the floors are raised, the
-//! replicas refuse it. (A best-effort "step down" call to it is left to the
-//! node wiring.)
+//! The `Fence(T)` sent to the previous writer's own replica doubles as the
+//! best-effort "step down" notice: its node closes its gate on receipt
+//! (see `ReplicaService::on_fenced`). Nothing depends on it — the raised
+//! floors refuse the old term either way.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

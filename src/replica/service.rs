@@ -73,15 +73,30 @@ pub fn error_of(status: &Status, term: u64) -> ReplicaError {
     }
 }
 
+/// Called with the new floor whenever a fence raised it.
+pub type OnFenced = Arc<dyn Fn(u64) + Send + Sync>;
+
 /// Serves one store.
 pub struct ReplicaService {
     store: Arc<ReplicaStore>,
+    on_fenced: Option<OnFenced>,
 }
 
 impl ReplicaService {
     /// A service over `store`.
     pub fn new(store: Arc<ReplicaStore>) -> Self {
-        Self { store }
+        Self {
+            store,
+            on_fenced: None,
+        }
+    }
+
+    /// Also tells this node when its replica is fenced: the fence a new
+    /// writer sends to every replica doubles as the "step down" notice to
+    /// the previous writer's node.
+    pub fn on_fenced(mut self, notify: OnFenced) -> Self {
+        self.on_fenced = Some(notify);
+        self
     }
 
     /// The tonic server, with message limits that fit the largest request.
@@ -157,6 +172,9 @@ impl ReplicaRpc for ReplicaService {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
         let reply = self.store.fence(r.term).await.map_err(|e| status_of(&e))?;
+        if let Some(notify) = &self.on_fenced {
+            notify(reply.floor);
+        }
         Ok(Response::new(pb::FenceReply {
             floor: reply.floor,
             dirty: reply.dirty.iter().map(to_pb).collect(),
