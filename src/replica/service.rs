@@ -195,6 +195,24 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::ClearDirtyReply {}))
     }
 
+    async fn digest(
+        &self,
+        request: Request<pb::DigestRequest>,
+    ) -> Result<Response<pb::DigestReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let (first_extent, digests) = self
+            .store
+            .digests(r.offset, r.length)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::DigestReply {
+            extent_size: self.store.identity().extent_size,
+            first_extent,
+            digests: digests.iter().map(|d| d.to_vec().into()).collect(),
+        }))
+    }
+
     async fn status(
         &self,
         request: Request<pb::StatusRequest>,

@@ -41,8 +41,11 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use super::{DirtyExtent, FenceReply, ReplicaError};
 use crate::volume::check_request;
 
-/// Default extent size for dirty tracking: 1 MiB.
+/// Default extent size for dirty tracking and digests: 1 MiB.
 pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
+
+/// The most extents one digest request may cover (256 MiB at 1 MiB).
+pub const MAX_DIGEST_EXTENTS: u64 = 256;
 
 const DATA_FILE: &str = "volume.img";
 const META_DIR: &str = "meta";
@@ -304,6 +307,56 @@ impl ReplicaStore {
             dirty: self.dirty_extents()?,
             extent_size: self.identity.extent_size,
         })
+    }
+
+    /// BLAKE3 digests of the extents overlapping `[offset, offset + len)`,
+    /// at most [`MAX_DIGEST_EXTENTS`] per call; returns the first extent's
+    /// index and the digests. Replicas compare these to find what differs.
+    pub async fn digests(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u64, Vec<[u8; 32]>), ReplicaError> {
+        let size = self.identity.extent_size;
+        let extents = len.div_ceil(size).max(1);
+        if extents > MAX_DIGEST_EXTENTS {
+            return Err(ReplicaError::Range(crate::volume::RangeError::TooLarge {
+                len,
+                max: MAX_DIGEST_EXTENTS * size,
+            }));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size() => {}
+            _ => {
+                return Err(ReplicaError::Range(crate::volume::RangeError::OutOfRange {
+                    offset,
+                    len,
+                    size: self.size(),
+                }));
+            }
+        }
+        let first = offset / size;
+        let last = if len == 0 {
+            first
+        } else {
+            (offset + len - 1) / size
+        };
+        let volume = self.size();
+        let file = Arc::clone(&self.file);
+        let digests = run_io(move || {
+            let mut buf = vec![0u8; size as usize];
+            (first..=last)
+                .map(|extent| {
+                    let start = extent * size;
+                    let end = (start + size).min(volume);
+                    let chunk = &mut buf[..(end - start) as usize];
+                    file.read_exact_at(chunk, start)?;
+                    Ok(*blake3::hash(chunk).as_bytes())
+                })
+                .collect::<std::io::Result<Vec<_>>>()
+        })
+        .await?;
+        Ok((first, digests))
     }
 
     /// Every durable dirty mark, ordered by term then extent.
@@ -714,6 +767,33 @@ mod tests {
         let after_fence = store.read(0, 4096).await.unwrap();
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert_eq!(store.read(0, 4096).await.unwrap(), after_fence);
+    }
+
+    #[tokio::test]
+    async fn digests_tell_equal_and_different_extents_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        let mib = DEFAULT_EXTENT_SIZE;
+        let (first, before) = store.digests(0, 3 * mib).await.unwrap();
+        assert_eq!((first, before.len()), (0, 3));
+        assert_eq!(before[0], before[1], "two zero extents");
+        store
+            .write(1, mib + 10, block(1, 512), false)
+            .await
+            .unwrap();
+        let (_, after) = store.digests(0, 3 * mib).await.unwrap();
+        assert_eq!(after[0], before[0]);
+        assert_ne!(after[1], before[1]);
+        let (first, one) = store.digests(mib + 5, 1).await.unwrap();
+        assert_eq!((first, one), (1, vec![after[1]]));
+        assert!(matches!(
+            store.digests(SIZE, 1).await,
+            Err(ReplicaError::Range(_))
+        ));
+        assert!(matches!(
+            store.digests(0, (MAX_DIGEST_EXTENTS + 1) * mib).await,
+            Err(ReplicaError::Range(_))
+        ));
     }
 
     #[tokio::test]
