@@ -67,6 +67,22 @@ impl LogStore {
             .map_err(|e| e.to_string())
     }
 
+    /// Removes the entries whose keys fall in `range`, durably.
+    async fn remove_entries<R: RangeBounds<[u8; 8]>>(&self, range: R) -> Result<()> {
+        let keys: Vec<sled::IVec> = self
+            .log
+            .range(range)
+            .keys()
+            .collect::<std::result::Result<_, _>>()
+            .map_err(write_err)?;
+        let mut batch = sled::Batch::default();
+        for k in keys {
+            batch.remove(k);
+        }
+        self.log.apply_batch(batch).map_err(write_err)?;
+        self.flush().await.map_err(write_err)
+    }
+
     fn last_entry_id(&self) -> std::result::Result<Option<LogId<NodeId>>, String> {
         match self.log.last().map_err(|e| e.to_string())? {
             None => Ok(None),
@@ -174,33 +190,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<()> {
-        let keys: Vec<sled::IVec> = self
-            .log
-            .range(key(log_id.index)..)
-            .keys()
-            .collect::<std::result::Result<_, _>>()
-            .map_err(write_err)?;
-        let mut batch = sled::Batch::default();
-        for k in keys {
-            batch.remove(k);
-        }
-        self.log.apply_batch(batch).map_err(write_err)?;
-        self.flush().await.map_err(write_err)
+        self.remove_entries(key(log_id.index)..).await
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<()> {
         self.put_meta(PURGED, &log_id).map_err(write_err)?;
-        let keys: Vec<sled::IVec> = self
-            .log
-            .range(..=key(log_id.index))
-            .keys()
-            .collect::<std::result::Result<_, _>>()
-            .map_err(write_err)?;
-        let mut batch = sled::Batch::default();
-        for k in keys {
-            batch.remove(k);
-        }
-        self.log.apply_batch(batch).map_err(write_err)?;
-        self.flush().await.map_err(write_err)
+        self.remove_entries(..=key(log_id.index)).await
     }
 }

@@ -705,20 +705,18 @@ mod tests {
         );
     }
 
-    /// S3: a fence must not return while a write of an older term is still
-    /// on its way to the disk. The write is held in its I/O for a while; if
-    /// the fence did not drain it, the data would change after the fence.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn fence_drains_in_flight_writes() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(open(dir.path()).await);
+    /// Starts a term-1 write of `byte`s at offset 0 that is held in its I/O
+    /// for 300 ms, and returns once it holds its admission (a read guard).
+    async fn start_held_write(
+        store: &Arc<ReplicaStore>,
+        byte: u8,
+    ) -> tokio::task::JoinHandle<Result<(), ReplicaError>> {
         store.write(1, 0, block(0, 4096), false).await.unwrap();
         *store.io_delay.lock().unwrap() = Duration::from_millis(300);
         let writer = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.write(1, 0, block(0xee, 4096), false).await })
+            let store = Arc::clone(store);
+            tokio::spawn(async move { store.write(1, 0, block(byte, 4096), false).await })
         };
-        // Wait until the write holds its admission (a read guard).
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while store.floor.try_write().is_ok() {
             assert!(
@@ -727,6 +725,17 @@ mod tests {
             );
             tokio::task::yield_now().await;
         }
+        writer
+    }
+
+    /// S3: a fence must not return while a write of an older term is still
+    /// on its way to the disk. The write is held in its I/O for a while; if
+    /// the fence did not drain it, the data would change after the fence.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fence_drains_in_flight_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        let writer = start_held_write(&store, 0xee).await;
         store.fence(2).await.unwrap();
         let after_fence = store.read(0, 4096).await.unwrap();
         let written = writer.await.unwrap();
@@ -745,20 +754,7 @@ mod tests {
     async fn a_cancelled_write_still_holds_off_the_fence() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(open(dir.path()).await);
-        store.write(1, 0, block(0, 4096), false).await.unwrap();
-        *store.io_delay.lock().unwrap() = Duration::from_millis(300);
-        let writer = {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.write(1, 0, block(0xcc, 4096), false).await })
-        };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while store.floor.try_write().is_ok() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "write never admitted"
-            );
-            tokio::task::yield_now().await;
-        }
+        let writer = start_held_write(&store, 0xcc).await;
         // Give the blocking task time to start, then cancel the request.
         tokio::time::sleep(Duration::from_millis(20)).await;
         writer.abort();
