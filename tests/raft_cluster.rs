@@ -268,3 +268,35 @@ async fn a_data_dir_of_another_cluster_is_refused() {
         "{stderr}"
     );
 }
+
+/// Pre-vote: a follower cut off for a while does not raise the term, so
+/// when it comes back the leader keeps leading in the same term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healed_partitioned_follower_does_not_disturb_the_leader() {
+    let cluster = Cluster::start_with_proxies(3).await;
+    let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    let follower = [1, 2, 3].into_iter().find(|id| *id != leader).unwrap();
+    cluster.isolate(follower, true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cut_off = cluster.status(follower).await.unwrap();
+    assert!(
+        cut_off.term <= term,
+        "the cut-off follower raised its term to {}",
+        cut_off.term
+    );
+    cluster.isolate(follower, false);
+    let deadline = Instant::now() + ELECTION;
+    loop {
+        let status = cluster.status(follower).await.unwrap();
+        if status.leader == leader {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower never rejoined: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (after, after_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
+    assert_eq!((after, after_term), (leader, term));
+}

@@ -13,6 +13,15 @@
 //! is no leader lease left to wait out); a node that grants a vote resets
 //! its clock, so it does not disturb the candidate it voted for.
 //!
+//! **Pre-vote.** Before campaigning, a node asks its peers whether they
+//! would vote for it: only if they too have heard no leader for
+//! `election_max`, are not in their start-up window, and do not hold a
+//! longer log. Without a majority of yes it does not raise its term, so a
+//! node that was merely cut off does not force an election when it heals.
+//! A node that started its own campaign within the last `election_max / 4`
+//! refuses pre-votes: of two nodes that lost the leader at once, the first
+//! to campaign wins and the other votes for it instead of unseating it.
+//!
 //! A candidate whose vote a peer refused because the peer's log is ahead
 //! holds off for `election_max`. openraft does not make the peer adopt the
 //! candidate's higher term in that case, so without holding off the two can
@@ -30,6 +39,7 @@ use tokio::time::Instant;
 
 use super::network::Peers;
 use super::{Raft, RaftTiming};
+use crate::proto::raft::PreVoteRequest;
 
 /// A small xorshift generator: jitter needs no cryptographic quality.
 struct Jitter(u64);
@@ -84,7 +94,17 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         if now.duration_since(heard) < quiet_for {
             continue;
         }
+        let next_index = metrics.borrow().last_log_index.map_or(0, |i| i + 1);
+        if !pre_vote(&peers, next_index, timing.election_min / 2).await {
+            // A majority still hears a leader (or is ahead of us): raising
+            // the term now would only disturb it. Look again later.
+            tracing::info!(node = peers.self_id(), "pre-vote refused; not campaigning");
+            last_attempt = Instant::now();
+            quiet_for = timing.heartbeat * 2 + jitter.below(spread);
+            continue;
+        }
         tracing::info!(node = peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
+        peers.note_campaign();
         if raft.trigger().elect().await.is_err() {
             return;
         }
@@ -93,6 +113,34 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         // out; retry soon, with fresh jitter against another split vote.
         quiet_for = timing.heartbeat * 2 + jitter.below(spread);
     }
+}
+
+/// Asks every peer whether it would vote for this node; true when this
+/// node and the peers that said yes make a majority of the cluster.
+async fn pre_vote(peers: &Peers, next_index: u64, timeout: Duration) -> bool {
+    let request = PreVoteRequest {
+        cluster_id: peers.cluster_id().to_string(),
+        from: peers.self_id(),
+        next_index,
+    };
+    let asks = peers.peer_ids().map(|peer| {
+        let request = request.clone();
+        async move {
+            let Ok(mut client) = peers.client(peer) else {
+                return false;
+            };
+            let mut grpc = tonic::Request::new(request);
+            grpc.set_timeout(timeout);
+            matches!(client.pre_vote(grpc).await, Ok(reply) if reply.get_ref().granted)
+        }
+    });
+    let granted = futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .filter(|g| *g)
+        .count();
+    let cluster = peers.peer_ids().count() + 1;
+    (granted + 1) * 2 > cluster
 }
 
 #[cfg(test)]

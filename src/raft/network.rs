@@ -42,7 +42,9 @@ use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 use super::{NodeId, Raft, TypeConfig};
 use crate::proto::raft::raft_client::RaftClient;
 use crate::proto::raft::raft_server;
-use crate::proto::raft::{RaftMessage, TransferReply, TransferRequest};
+use crate::proto::raft::{
+    PreVoteReply, PreVoteRequest, RaftMessage, TransferReply, TransferRequest,
+};
 
 /// What the client and the server of one node share.
 pub struct Peers {
@@ -57,6 +59,8 @@ pub struct Peers {
     leader_contact: Mutex<Instant>,
     /// When a peer last refused our vote because its log is ahead of ours.
     behind_since: Mutex<Option<Instant>>,
+    /// When this node last started a campaign.
+    campaigned_at: Mutex<Option<Instant>>,
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
@@ -83,6 +87,7 @@ impl Peers {
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
             behind_since: Mutex::new(None),
+            campaigned_at: Mutex::new(None),
             transfer: Mutex::default(),
             election_timeout_max,
         })
@@ -139,6 +144,38 @@ impl Peers {
     /// When a leader was last heard from, or a vote last granted.
     pub fn last_leader_contact(&self) -> Instant {
         *lock(&self.leader_contact)
+    }
+
+    /// Why this node would not vote for `candidate` (whose log ends before
+    /// `next_index`) in a new election now, if it would not.
+    fn refuse_pre_vote(&self, candidate: NodeId, next_index: u64, raft: &Raft) -> Option<String> {
+        if let Some(why) = self.refuse_vote(candidate) {
+            return Some(why);
+        }
+        let metrics = raft.metrics().borrow().clone();
+        if metrics.state == openraft::ServerState::Leader {
+            return Some("this node leads".into());
+        }
+        // Two nodes that lost the leader at once: the one that campaigned
+        // first wins; the other backs off and votes for it.
+        let own = *lock(&self.campaigned_at);
+        if own.is_some_and(|at| Instant::now().duration_since(at) < self.election_timeout_max / 4) {
+            return Some("campaigning myself".into());
+        }
+        let quiet = Instant::now().duration_since(self.last_leader_contact());
+        if quiet < self.election_timeout_max {
+            return Some(format!("heard a leader {quiet:?} ago"));
+        }
+        let mine = metrics.last_log_index.map_or(0, |i| i + 1);
+        if next_index < mine {
+            return Some(format!("log ends at {next_index}, mine at {mine}"));
+        }
+        None
+    }
+
+    /// Records that this node is starting a campaign now.
+    pub fn note_campaign(&self) {
+        *lock(&self.campaigned_at) = Some(Instant::now());
     }
 
     /// When a peer last refused our vote because its log is ahead.
@@ -403,6 +440,25 @@ impl raft_server::Raft for RaftService {
         self.peers.admit(&message)?;
         let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
         self.reply(&self.raft.install_snapshot(rpc).await)
+    }
+
+    async fn pre_vote(
+        &self,
+        request: GrpcRequest<PreVoteRequest>,
+    ) -> Result<GrpcResponse<PreVoteReply>, Status> {
+        let request = request.into_inner();
+        self.peers.admit(&RaftMessage {
+            cluster_id: request.cluster_id.clone(),
+            from: request.from,
+            payload: Default::default(),
+        })?;
+        let refusal = self
+            .peers
+            .refuse_pre_vote(request.from, request.next_index, &self.raft);
+        Ok(GrpcResponse::new(PreVoteReply {
+            granted: refusal.is_none(),
+            reason: refusal.unwrap_or_default(),
+        }))
     }
 
     async fn transfer_leader(
