@@ -53,6 +53,7 @@ async fn on_replica(cluster: &Cluster, id: u64, offset: u64) -> Bytes {
 /// node is promoted and writes; the old writer resumes and tries to write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     let (old, old_term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     cluster.write(old, 0, block(1)).await.unwrap();
@@ -122,6 +123,7 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
 /// the next writer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_writes_survive_a_sigkill_of_the_writer() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(3).await;
     let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let mut acked = Vec::new();
@@ -172,6 +174,7 @@ async fn acknowledged_writes_survive_a_sigkill_of_the_writer() {
 /// down: writes fail with a clear error, nothing is acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_continue_with_one_replica_down_and_fail_with_two() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(3).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != writer).collect();
@@ -207,6 +210,7 @@ async fn writes_continue_with_one_replica_down_and_fail_with_two() {
 /// promoted, every in-sync replica is byte-identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start_with_proxies(3).await;
     let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
@@ -277,6 +281,7 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
 /// replica's data is unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_replica_requests_to_a_node_change_nothing() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     cluster.write(writer, 0, block(7)).await.unwrap();

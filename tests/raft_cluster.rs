@@ -15,6 +15,7 @@ const ELECTION: Duration = Duration::from_secs(15);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_elect_exactly_one_leader_and_agree_on_its_term() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     assert!(term >= 1);
@@ -29,6 +30,7 @@ async fn three_nodes_elect_exactly_one_leader_and_agree_on_its_term() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_leader_elects_another_with_a_greater_term_and_the_old_one_rejoins() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(3).await;
     let (old, old_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     cluster.kill(old);
@@ -55,6 +57,7 @@ async fn sigkill_of_the_leader_elects_another_with_a_greater_term_and_the_old_on
 /// longer leader before either peer reports itself leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start_with_proxies(3).await;
     let (old, _) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
@@ -104,6 +107,7 @@ async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leadership_transfers_to_a_named_node() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     let target = if leader == 3 { 2 } else { 3 };
@@ -144,6 +148,7 @@ async fn leadership_transfers_to_a_named_node() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_restart_keeps_the_cluster_and_terms_keep_rising() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(3).await;
     let (_, first_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     for id in [1, 2, 3] {
@@ -256,6 +261,7 @@ fn configuration_errors_exit_2_with_one_clear_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_dir_of_another_cluster_is_refused() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(1).await;
     cluster.wait_for_leader(&[1], ELECTION).await;
     assert!(cluster.terminate(1).success());
@@ -273,6 +279,7 @@ async fn a_data_dir_of_another_cluster_is_refused() {
 /// when it comes back the leader keeps leading in the same term.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healed_partitioned_follower_does_not_disturb_the_leader() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start_with_proxies(3).await;
     let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     let follower = [1, 2, 3].into_iter().find(|id| *id != leader).unwrap();

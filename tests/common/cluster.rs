@@ -16,6 +16,15 @@ use super::proxy::Proxy;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_replica-ha");
 
+static ONE_CLUSTER_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Held by every test that runs node processes: cargo runs a binary's tests
+/// in parallel, and several three-node clusters on two cores starve
+/// heartbeats past the election timeout, causing real (unwanted) elections.
+pub async fn one_cluster_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    ONE_CLUSTER_AT_A_TIME.lock().await
+}
+
 /// A free loopback port (bound and released; good enough on a test box).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
