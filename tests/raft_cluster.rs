@@ -154,15 +154,7 @@ async fn a_full_restart_keeps_the_cluster_and_terms_keep_rising() {
     for id in [1, 2, 3] {
         assert!(cluster.log(id).contains("node started"));
     }
-    let bootstraps: usize = [1, 2, 3]
-        .iter()
-        .map(|id| {
-            cluster
-                .log(*id)
-                .matches("bootstrapped the cluster membership")
-                .count()
-        })
-        .sum();
+    let bootstraps = bootstraps_logged(&cluster);
     assert!(bootstraps >= 1);
 
     for id in [1, 2, 3] {
@@ -180,15 +172,7 @@ async fn a_full_restart_keeps_the_cluster_and_terms_keep_rising() {
     // rise when the last leader comes back first.)
     let (_, second_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     assert!(second_term >= first_term, "{second_term} >= {first_term}");
-    let after: usize = [1, 2, 3]
-        .iter()
-        .map(|id| {
-            cluster
-                .log(*id)
-                .matches("bootstrapped the cluster membership")
-                .count()
-        })
-        .sum();
+    let after = bootstraps_logged(&cluster);
     assert_eq!(after, bootstraps, "a restart must not bootstrap again");
     // The replicated control state survived and every node agrees on it.
     // (Promotions during the sequential shutdown fence and drop nodes that
@@ -210,6 +194,20 @@ async fn a_full_restart_keeps_the_cluster_and_terms_keep_rising() {
         assert!(Instant::now() < deadline, "nodes never agreed: {states:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// How many times any node logged that it bootstrapped the membership.
+fn bootstraps_logged(cluster: &Cluster) -> usize {
+    cluster
+        .ids
+        .iter()
+        .map(|id| {
+            cluster
+                .log(*id)
+                .matches("bootstrapped the cluster membership")
+                .count()
+        })
+        .sum()
 }
 
 fn node_error(args: &[&str]) -> (Option<i32>, String) {
