@@ -17,4 +17,5 @@ pub mod node;
 pub mod proto;
 pub mod raft;
 pub mod replica;
+pub mod sled_ops;
 pub mod volume;

@@ -10,6 +10,7 @@
 // openraft's storage traits fix the error type; its size is not ours to choose.
 #![allow(clippy::result_large_err)]
 
+use crate::sled_ops::Flusher;
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 
@@ -27,7 +28,7 @@ const PURGED: &str = "purged";
 /// The sled-backed log store; clones share the same trees.
 #[derive(Clone)]
 pub struct LogStore {
-    db: sled::Db,
+    flusher: Flusher,
     log: sled::Tree,
     meta: sled::Tree,
 }
@@ -38,7 +39,7 @@ impl LogStore {
     /// Opens the log trees of `db`.
     pub fn open(db: &sled::Db) -> std::result::Result<Self, sled::Error> {
         Ok(Self {
-            db: db.clone(),
+            flusher: Flusher::new(db),
             log: db.open_tree("log")?,
             meta: db.open_tree("log_meta")?,
         })
@@ -60,26 +61,23 @@ impl LogStore {
     }
 
     async fn flush(&self) -> std::result::Result<(), String> {
-        self.db
-            .flush_async()
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        self.flusher.flush().await.map_err(|e| e.to_string())
     }
 
-    /// Removes the entries whose keys fall in `range`, durably.
-    async fn remove_entries<R: RangeBounds<[u8; 8]>>(&self, range: R) -> Result<()> {
-        let keys: Vec<sled::IVec> = self
+    /// Removes the entries whose keys fall in `range`, durably; from the
+    /// end backwards when `from_end` (a truncation), else from the start (a
+    /// purge), so a crash midway leaves a contiguous log.
+    async fn remove_entries<R: RangeBounds<[u8; 8]>>(&self, range: R, from_end: bool) -> Result<()> {
+        let mut keys: Vec<sled::IVec> = self
             .log
             .range(range)
             .keys()
             .collect::<std::result::Result<_, _>>()
             .map_err(write_err)?;
-        let mut batch = sled::Batch::default();
-        for k in keys {
-            batch.remove(k);
+        if from_end {
+            keys.reverse();
         }
-        self.log.apply_batch(batch).map_err(write_err)?;
+        crate::sled_ops::remove_all(&self.log, keys).map_err(write_err)?;
         self.flush().await.map_err(write_err)
     }
 
@@ -178,23 +176,23 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
-        let mut batch = sled::Batch::default();
-        for entry in entries {
-            let bytes = serde_json::to_vec(&entry).map_err(write_err)?;
-            batch.insert(&key(entry.log_id.index), bytes);
-        }
-        self.log.apply_batch(batch).map_err(write_err)?;
+        let encoded = entries
+            .into_iter()
+            .map(|entry| Ok((key(entry.log_id.index), serde_json::to_vec(&entry)?)))
+            .collect::<std::result::Result<Vec<_>, serde_json::Error>>()
+            .map_err(write_err)?;
+        crate::sled_ops::insert_all(&self.log, encoded).map_err(write_err)?;
         let flushed = self.flush().await;
         callback.log_io_completed(flushed.clone().map_err(std::io::Error::other));
         flushed.map_err(write_err)
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<()> {
-        self.remove_entries(key(log_id.index)..).await
+        self.remove_entries(key(log_id.index).., true).await
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<()> {
         self.put_meta(PURGED, &log_id).map_err(write_err)?;
-        self.remove_entries(..=key(log_id.index)).await
+        self.remove_entries(..=key(log_id.index), false).await
     }
 }

@@ -11,6 +11,7 @@
 // openraft's storage traits fix the error type; its size is not ours to choose.
 #![allow(clippy::result_large_err)]
 
+use crate::sled_ops::Flusher;
 use std::io::Cursor;
 use std::sync::Arc;
 
@@ -47,7 +48,7 @@ struct StoredSnapshot {
 /// The sled-backed state machine; clones share state.
 #[derive(Clone)]
 pub struct StateMachine {
-    db: sled::Db,
+    flusher: Flusher,
     tree: sled::Tree,
     applied: Arc<watch::Sender<Applied>>,
 }
@@ -73,7 +74,7 @@ impl StateMachine {
             }
         };
         Ok(Self {
-            db: db.clone(),
+            flusher: Flusher::new(db),
             tree,
             applied: Arc::new(watch::channel(applied).0),
         })
@@ -92,7 +93,7 @@ impl StateMachine {
     async fn persist(&self, applied: &Applied) -> Result<()> {
         let bytes = serde_json::to_vec(applied).map_err(sm_write)?;
         self.tree.insert(STATE, bytes).map_err(sm_write)?;
-        self.db.flush_async().await.map_err(sm_write)?;
+        self.flusher.flush().await.map_err(sm_write)?;
         Ok(())
     }
 
@@ -106,7 +107,7 @@ impl StateMachine {
     async fn save_snapshot(&self, snapshot: &StoredSnapshot) -> Result<()> {
         let bytes = serde_json::to_vec(snapshot).map_err(sm_write)?;
         self.tree.insert(SNAPSHOT, bytes).map_err(sm_write)?;
-        self.db.flush_async().await.map_err(sm_write)?;
+        self.flusher.flush().await.map_err(sm_write)?;
         Ok(())
     }
 }

@@ -52,6 +52,15 @@ pub struct FenceReply {
     pub extent_size: u64,
 }
 
+/// What a replica reports about itself, for status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaInfo {
+    /// Its durable fence floor.
+    pub floor: u64,
+    /// How many (term, extent) dirty marks it holds.
+    pub dirty_extents: u64,
+}
+
 /// Errors of the replica layer: the store, and any transport to it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReplicaError {
@@ -111,6 +120,8 @@ pub trait Replica: Send + Sync {
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
     /// Drops the dirty marks of terms below `term` (after convergence, S6).
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError>;
+    /// Its fence floor and dirty-mark count.
+    async fn info(&self) -> Result<ReplicaInfo, ReplicaError>;
 }
 
 /// A replica in this process: the store without a network hop.
@@ -159,6 +170,9 @@ impl Replica for LocalReplica {
     }
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
         self.store.clear_dirty_below(term).await
+    }
+    async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
+        self.store.info().await
     }
 }
 

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use tonic::transport::Channel;
 
 use super::service::error_of;
-use super::{DirtyExtent, FenceReply, Replica, ReplicaError};
+use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::volume::MAX_REQUEST;
@@ -180,5 +180,22 @@ impl Replica for RemoteReplica {
             .await
             .map(|_| ())
             .map_err(|status| error_of(&status, term))
+    }
+
+    async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
+        let request = self.request(pb::StatusRequest {
+            volume: self.volume(),
+        });
+        let reply = self
+            .client
+            .clone()
+            .status(request)
+            .await
+            .map_err(|status| error_of(&status, 0))?
+            .into_inner();
+        Ok(ReplicaInfo {
+            floor: reply.floor,
+            dirty_extents: reply.dirty_extents,
+        })
     }
 }

@@ -218,12 +218,12 @@ impl ReplicaRpc for ReplicaService {
         request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusReply>, Status> {
         self.admit(request.into_inner().volume.as_ref())?;
-        let dirty = self.store.dirty_extents().map_err(|e| status_of(&e))?;
+        let info = self.store.info().await.map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::StatusReply {
-            floor: self.store.floor().await,
+            floor: info.floor,
             size: self.store.size(),
             extent_size: self.store.identity().extent_size,
-            dirty_extents: dirty.len() as u64,
+            dirty_extents: info.dirty_extents,
         }))
     }
 }

@@ -13,7 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::replica::{
-    FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaStore,
+    FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaInfo,
+    ReplicaStore,
     StoreIdentity,
 };
 
@@ -99,6 +100,10 @@ impl Replica for FaultyReplica {
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
         self.gate(None).await?;
         self.inner.clear_dirty_below(term).await
+    }
+    async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.info().await
     }
 }
 
