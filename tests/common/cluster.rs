@@ -38,6 +38,9 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub ids: Vec<u64>,
     pub addrs: BTreeMap<u64, SocketAddr>,
+    /// Each node's NBD and HTTP addresses.
+    pub nbd_addrs: BTreeMap<u64, SocketAddr>,
+    pub http_addrs: BTreeMap<u64, SocketAddr>,
     /// `proxies[(from, to)]`, when the cluster routes through proxies.
     pub proxies: BTreeMap<(u64, u64), Proxy>,
     children: BTreeMap<u64, Child>,
@@ -74,14 +77,18 @@ impl Cluster {
 
     pub fn new(n: u64) -> Cluster {
         let ids: Vec<u64> = (1..=n).collect();
-        let addrs = ids
-            .iter()
-            .map(|id| (*id, SocketAddr::from(([127, 0, 0, 1], free_port()))))
-            .collect();
+        let ports = || {
+            ids.iter()
+                .map(|id| (*id, SocketAddr::from(([127, 0, 0, 1], free_port()))))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let (addrs, nbd_addrs, http_addrs) = (ports(), ports(), ports());
         Cluster {
             dir: tempfile::tempdir().unwrap(),
             ids,
             addrs,
+            nbd_addrs,
+            http_addrs,
             proxies: BTreeMap::new(),
             children: BTreeMap::new(),
             cluster_id: "test-cluster".into(),
@@ -113,6 +120,10 @@ impl Cluster {
             self.addrs[&id].to_string(),
             "--data-dir".into(),
             self.data_dir(id).display().to_string(),
+            "--nbd".into(),
+            self.nbd_addrs[&id].to_string(),
+            "--http".into(),
+            self.http_addrs[&id].to_string(),
         ];
         for peer in &self.ids {
             let addr = match self.proxies.get(&(id, *peer)) {
@@ -300,6 +311,12 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The failing test's evidence: every node's log, on stderr.
+            for id in &self.ids {
+                eprintln!("===== node {id} log =====\n{}", self.log(*id));
+            }
+        }
         for (_, mut child) in std::mem::take(&mut self.children) {
             let _ = Command::new("kill")
                 .args(["-CONT", &child.id().to_string()])

@@ -1,13 +1,16 @@
 //! A fault-injecting TCP proxy for partition tests on loopback.
 //!
-//! Each proxy forwards one direction of one node pair. While blocked, it
-//! cuts every open connection and holds new ones without forwarding (as a
-//! partition drops packets), so gRPC calls time out.
+//! Each proxy forwards one direction of one node pair. While blocked it
+//! forwards nothing — neither on open connections nor on new ones — but
+//! closes nothing either, as a network partition drops packets without
+//! resetting connections: gRPC calls time out rather than fail at once, and
+//! after the heal TCP delivers what was held, as retransmission would.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -35,26 +38,21 @@ impl Proxy {
                         return;
                     };
                     let blocked = Arc::clone(&blocked);
-                    let mut cut = generation.subscribe();
+                    let mut healed = generation.subscribe();
                     tokio::spawn(async move {
-                        if blocked.load(Ordering::SeqCst) {
-                            // Hold the connection silently until unblocked.
-                            let _ = cut.changed().await;
-                            drop(inbound);
+                        if wait_unblocked(&blocked, &mut healed).await.is_err() {
                             return;
                         }
                         let Ok(outbound) = TcpStream::connect(target).await else {
                             return;
                         };
-                        let (mut ri, mut wi) = inbound.into_split();
-                        let (mut ro, mut wo) = outbound.into_split();
-                        tokio::select! {
-                            _ = tokio::io::copy(&mut ri, &mut wo) => {}
-                            _ = tokio::io::copy(&mut ro, &mut wi) => {}
-                            _ = cut.changed() => {}
-                        }
-                        let _ = wi.shutdown().await;
-                        let _ = wo.shutdown().await;
+                        let (ri, wi) = inbound.into_split();
+                        let (ro, wo) = outbound.into_split();
+                        let back = healed.clone();
+                        tokio::join!(
+                            pump(ri, wo, Arc::clone(&blocked), healed),
+                            pump(ro, wi, blocked, back),
+                        );
                     });
                 }
             }
@@ -78,4 +76,38 @@ impl Drop for Proxy {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Waits while the proxy is blocked; fails when the proxy is gone.
+async fn wait_unblocked(
+    blocked: &AtomicBool,
+    changes: &mut watch::Receiver<u64>,
+) -> Result<(), watch::error::RecvError> {
+    while blocked.load(Ordering::SeqCst) {
+        changes.changed().await?;
+    }
+    Ok(())
+}
+
+/// Copies one direction, holding each chunk while the proxy is blocked.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    blocked: Arc<AtomicBool>,
+    mut changes: watch::Receiver<u64>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if wait_unblocked(&blocked, &mut changes).await.is_err() {
+            break;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
 }
