@@ -18,8 +18,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={}", proto.display());
     }
     println!("cargo:rerun-if-changed=proto");
+    // The descriptor set serves gRPC server reflection.
+    let descriptors = PathBuf::from(std::env::var("OUT_DIR")?).join("replica_ha_descriptor.bin");
     tonic_prost_build::configure()
         .bytes(".")
+        .file_descriptor_set_path(descriptors)
         .compile_protos(&protos, &[PathBuf::from("proto")])?;
     Ok(())
 }

@@ -11,47 +11,33 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
-use crate::ha::{Controller, HaError};
-use crate::node::NodeConfig;
+use crate::ha::HaError;
+use crate::node::view::{NodeView, ReplicaReport};
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
-    ReadReply, ReadRequest, StatusReply, StatusRequest, TransferReply, TransferRequest, WriteReply,
-    WriteRequest,
+    Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus, StatusReply,
+    StatusRequest, TransferReply, TransferRequest, WriteReply, WriteRequest,
 };
-use crate::raft::RaftCoordinator;
-use crate::replica::ReplicaStore;
-use crate::volume::{Device, DeviceError, RangeError};
+use crate::volume::{DeviceError, RangeError};
 
 /// The admin service of one node.
 pub struct AdminService {
-    coordinator: Arc<RaftCoordinator>,
-    controller: Arc<Controller>,
-    store: Arc<ReplicaStore>,
-    config: NodeConfig,
+    view: Arc<NodeView>,
 }
 
 impl AdminService {
     /// A service over a node's parts.
-    pub fn new(
-        coordinator: Arc<RaftCoordinator>,
-        controller: Arc<Controller>,
-        store: Arc<ReplicaStore>,
-        config: NodeConfig,
-    ) -> Self {
-        Self {
-            coordinator,
-            controller,
-            store,
-            config,
-        }
+    pub fn new(view: Arc<NodeView>) -> Self {
+        Self { view }
     }
 
     /// The tonic server of this service.
     pub fn into_server(self) -> AdminServer<Self> {
         AdminServer::new(self)
+            .max_decoding_message_size(crate::net::MAX_MESSAGE)
+            .max_encoding_message_size(crate::net::MAX_MESSAGE)
     }
 }
 
@@ -84,26 +70,36 @@ pub fn status_of(err: HaError) -> Status {
 #[tonic::async_trait]
 impl Admin for AdminService {
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
-        let status = self.coordinator.status();
-        let controller = self.controller.status();
-        let now = Instant::now();
-        let lease = status.lease.filter(|l| l.covers(status.term, now));
+        let view = &self.view;
+        let config = &view.config;
+        let status = view.coordinator.status();
+        let controller = view.controller.status();
+        let lease_remaining = view.lease_remaining();
         let control = &status.applied.control;
         let (size, min_in_sync) = match &control.volume {
             Some(volume) => (volume.size, volume.min_in_sync),
-            None => (self.config.size, self.config.min_in_sync),
+            None => (config.size, config.min_in_sync),
         };
+        let replicas: Vec<ReplicaStatus> = view
+            .replica_reports()
+            .await
+            .into_iter()
+            .map(replica_status)
+            .collect();
+        let fence_floor = replicas
+            .iter()
+            .find(|r| r.local)
+            .map(|r| r.fence_floor)
+            .unwrap_or(0);
         Ok(Response::new(StatusReply {
-            node_id: self.config.id,
-            cluster_id: self.config.cluster_id.clone(),
+            node_id: config.id,
+            cluster_id: config.cluster_id.clone(),
             raft_state: format!("{:?}", status.state).to_lowercase(),
             term: status.term,
             leader: status.leader.unwrap_or(0),
-            is_self: lease.is_some(),
-            lease_remaining_ms: lease
-                .map(|l| (l.deadline - now).as_millis() as u64)
-                .unwrap_or(0),
-            members: self.coordinator.live_members(),
+            is_self: lease_remaining.is_some(),
+            lease_remaining_ms: lease_remaining.map_or(0, |d| d.as_millis() as u64),
+            members: view.coordinator.live_members(),
             prev_writer: control.writer.map(|w| w.node).unwrap_or(0),
             prev_writer_term: control.writer.map(|w| w.term).unwrap_or(0),
             in_sync: control.in_sync.iter().map(|id| id.to_string()).collect(),
@@ -111,17 +107,40 @@ impl Admin for AdminService {
             min_in_sync: min_in_sync as u64,
             last_applied: status.applied.last_applied.map(|id| id.index).unwrap_or(0),
             role: controller.role.as_str().to_string(),
-            gate_open: controller.active,
-            fence_floor: self.store.floor().await,
+            gate_open: view.is_active_writer(),
+            fence_floor,
             fence_failures: controller.fence_failures,
             promotions: controller.promotions,
+            replicas,
+            volume: config.volume.clone(),
+            nbd_address: config.nbd.map(|a| a.to_string()).unwrap_or_default(),
         }))
+    }
+
+    async fn members(&self, _: Request<MembersRequest>) -> Result<Response<MembersReply>, Status> {
+        let view = &self.view;
+        let live = view.coordinator.live_members();
+        let status = view.coordinator.status();
+        let in_sync = status.applied.control.in_sync;
+        let members = view
+            .config
+            .peers
+            .iter()
+            .map(|(id, address)| Member {
+                id: *id,
+                address: address.to_string(),
+                live: live.contains(id),
+                leader: status.leader == Some(*id),
+                in_sync: in_sync.contains(id),
+            })
+            .collect();
+        Ok(Response::new(MembersReply { members }))
     }
 
     async fn write(&self, request: Request<WriteRequest>) -> Result<Response<WriteReply>, Status> {
         let request = request.into_inner();
-        self.controller
-            .device()
+        self.view
+            .device
             .write_at(request.offset, request.data, request.fua)
             .await
             .map_err(device_status)?;
@@ -131,8 +150,8 @@ impl Admin for AdminService {
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadReply>, Status> {
         let request = request.into_inner();
         let data: Bytes = self
-            .controller
-            .device()
+            .view
+            .device
             .read_at(request.offset, u64::from(request.length))
             .await
             .map_err(device_status)?;
@@ -144,15 +163,34 @@ impl Admin for AdminService {
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
         let to = request.into_inner().to;
-        if !self.config.peers.contains_key(&to) {
+        if !self.view.config.peers.contains_key(&to) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
             )));
         }
-        self.coordinator
+        self.view
+            .coordinator
             .transfer_to(to)
             .await
             .map(|()| Response::new(TransferReply {}))
             .map_err(status_of)
+    }
+}
+
+fn replica_status(report: ReplicaReport) -> ReplicaStatus {
+    let (reachable, info, error) = match report.info {
+        Ok(info) => (true, info, String::new()),
+        Err(err) => (false, Default::default(), err),
+    };
+    ReplicaStatus {
+        id: report.id,
+        state: report.state.as_str().to_string(),
+        local: report.local,
+        reachable,
+        fence_floor: info.floor,
+        dirty_extents: info.dirty_extents,
+        error,
+        resync_done_bytes: 0,
+        resync_total_bytes: 0,
     }
 }

@@ -8,10 +8,14 @@
 //!   mirroring [`replica::Engine`] (S5);
 //! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `Controller` and
 //!   the `ActiveDevice` gate (S1, S4) — pure logic over traits;
+//! - [`nbd`]: the NBD server through which programs use the volume;
 //! - [`proto`]: the generated gRPC types.
 
 pub mod admin;
 pub mod ha;
+pub mod http;
+pub mod metrics;
+pub mod nbd;
 pub mod net;
 pub mod node;
 pub mod proto;

@@ -14,3 +14,6 @@ pub mod raft {
 pub mod admin {
     tonic::include_proto!("replica_ha.admin.v1");
 }
+
+/// The encoded descriptors of every service, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("replica_ha_descriptor");

@@ -74,7 +74,10 @@ impl Flusher {
 }
 
 /// Inserts every pair, in order.
-pub fn insert_all<K, V>(tree: &sled::Tree, pairs: impl IntoIterator<Item = (K, V)>) -> sled::Result<()>
+pub fn insert_all<K, V>(
+    tree: &sled::Tree,
+    pairs: impl IntoIterator<Item = (K, V)>,
+) -> sled::Result<()>
 where
     K: AsRef<[u8]>,
     V: Into<sled::IVec>,
@@ -86,7 +89,10 @@ where
 }
 
 /// Removes every key, in order.
-pub fn remove_all<K: AsRef<[u8]>>(tree: &sled::Tree, keys: impl IntoIterator<Item = K>) -> sled::Result<()> {
+pub fn remove_all<K: AsRef<[u8]>>(
+    tree: &sled::Tree,
+    keys: impl IntoIterator<Item = K>,
+) -> sled::Result<()> {
     for key in keys {
         tree.remove(key)?;
     }

@@ -38,6 +38,13 @@ pub trait Device: Send + Sync {
 
     /// The size of the device in bytes.
     fn size(&self) -> u64;
+
+    /// Whether a write would be admitted now. Advisory — every write is
+    /// still checked when it is made — and used to offer clients a
+    /// read-only or a writable export.
+    fn is_writable(&self) -> bool {
+        true
+    }
 }
 
 /// Why a request's shape is refused. Shared by every layer so they agree.

@@ -31,13 +31,17 @@ enum Command {
     /// cluster forms by itself (no init step). Flags override the config
     /// file. SIGTERM resigns leadership and stops cleanly.
     Node(NodeArgs),
-    /// Show a node's view: Raft state, term, leader, lease, live members,
-    /// the last promoted writer and the in-sync set.
+    /// Show a node's view: its role (follower, fence_pending, leader) and
+    /// whether its write gate is open, Raft state, term, leader, lease, live
+    /// members, the last promoted writer, the in-sync set, each replica's
+    /// state, fence floor and dirty marks, and the NBD export to use. Any
+    /// node answers; exit 1 if it cannot be reached.
     Status {
         /// The node's gRPC address.
         #[arg(long, default_value = "127.0.0.1:7001")]
         addr: String,
-        /// Print JSON instead of a table.
+        /// Print one JSON object instead of a table (for scripts; the keys
+        /// are those of the table, plus `replicas` as a list).
         #[arg(long)]
         json: bool,
     },
@@ -262,6 +266,19 @@ fn status_json(reply: &StatusReply) -> String {
         "fence_floor": reply.fence_floor,
         "fence_failures": reply.fence_failures,
         "promotions": reply.promotions,
+        "volume": reply.volume,
+        "nbd_address": reply.nbd_address,
+        "replicas": reply.replicas.iter().map(|r| serde_json::json!({
+            "id": r.id,
+            "state": r.state,
+            "local": r.local,
+            "reachable": r.reachable,
+            "fence_floor": r.reachable.then_some(r.fence_floor),
+            "dirty_extents": r.reachable.then_some(r.dirty_extents),
+            "error": (!r.error.is_empty()).then_some(&r.error),
+            "resync_done_bytes": r.resync_done_bytes,
+            "resync_total_bytes": r.resync_total_bytes,
+        })).collect::<Vec<_>>(),
     })
     .to_string()
 }
@@ -302,6 +319,43 @@ fn print_status_table(reply: &StatusReply) {
     ];
     for (name, value) in rows {
         println!("{name:<14} {value}");
+    }
+    if !reply.nbd_address.is_empty() {
+        let mode = if reply.gate_open {
+            "read-write"
+        } else {
+            "read-only"
+        };
+        println!(
+            "{:<14} nbd://{}/{} ({mode})",
+            "nbd export", reply.nbd_address, reply.volume
+        );
+    }
+    println!();
+    println!(
+        "{:<8} {:<11} {:>11} {:>6}  note",
+        "replica", "state", "fence floor", "dirty"
+    );
+    for r in &reply.replicas {
+        let local = if r.local { "this node" } else { "" };
+        let (floor, dirty, note) = if r.reachable {
+            (
+                r.fence_floor.to_string(),
+                r.dirty_extents.to_string(),
+                local.to_string(),
+            )
+        } else {
+            ("?".into(), "?".into(), format!("unreachable: {}", r.error))
+        };
+        let note = if r.resync_total_bytes > 0 {
+            format!(
+                "{note} resync {}/{} bytes",
+                r.resync_done_bytes, r.resync_total_bytes
+            )
+        } else {
+            note
+        };
+        println!("{:<8} {:<11} {floor:>11} {dirty:>6}  {note}", r.id, r.state);
     }
 }
 

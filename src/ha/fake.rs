@@ -503,6 +503,10 @@ impl Device for MemoryEngine {
     fn size(&self) -> u64 {
         lock(&self.data).len() as u64
     }
+
+    fn is_writable(&self) -> bool {
+        self.term().is_some()
+    }
 }
 
 #[async_trait]

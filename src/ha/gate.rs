@@ -98,4 +98,8 @@ impl Device for ActiveDevice {
     fn size(&self) -> u64 {
         self.engine.size()
     }
+
+    fn is_writable(&self) -> bool {
+        self.admit().is_ok()
+    }
 }

@@ -19,6 +19,7 @@
 //! peer), stop Raft and the server, flush the Db, exit 0.
 
 pub mod config;
+pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -31,6 +32,8 @@ pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
 use crate::ha::{Controller, ControllerConfig, Coordinator};
+use crate::metrics::{DeviceMetrics, MeteredDevice};
+use crate::nbd::Export;
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
 use crate::replica::fencer::TokenFencer;
@@ -40,6 +43,7 @@ use crate::replica::{
     Engine, EngineConfig, InSyncTracker, LocalReplica, Replica, ReplicaError, ReplicaStore,
     StoreIdentity,
 };
+use view::NodeView;
 
 /// How long one replica may take to answer one request.
 const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
@@ -130,18 +134,34 @@ impl Node {
         );
 
         let store = Arc::new(open_replica(&config).await?);
-        let controller = start_controller(&config, &store, &coordinator)?;
+        let (controller, replicas) = start_controller(&config, &store, &coordinator)?;
+        let io = Arc::new(DeviceMetrics::default());
+        let view = Arc::new(NodeView {
+            config: config.clone(),
+            coordinator: Arc::clone(&coordinator),
+            controller: Arc::clone(&controller),
+            replicas,
+            device: Arc::new(MeteredDevice::new(controller.device(), Arc::clone(&io))),
+            io,
+            nbd: Arc::default(),
+        });
 
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|e| failed(format!("cannot listen on {}: {e}", config.listen)))?;
+        let listener = bind("gRPC", config.listen).await?;
+        let nbd_listener = match config.nbd {
+            Some(addr) => Some(bind("NBD", addr).await?),
+            None => None,
+        };
+        let http_listener = match config.http {
+            Some(addr) => Some(bind("HTTP", addr).await?),
+            None => None,
+        };
         let (stop_server, mut stopped) = watch::channel(false);
-        let admin = AdminService::new(
-            Arc::clone(&coordinator),
-            Arc::clone(&controller),
-            Arc::clone(&store),
-            config.clone(),
-        );
+        let admin = AdminService::new(Arc::clone(&view));
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
         let server = tokio::spawn(
             crate::net::server()
                 .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
@@ -154,6 +174,8 @@ impl Node {
                         .into_server(),
                 )
                 .add_service(admin.into_server())
+                .add_service(health_service)
+                .add_service(reflection)
                 .serve_with_incoming_shutdown(crate::net::incoming(listener), async move {
                     let _ = stopped.wait_for(|stop| *stop).await;
                 }),
@@ -170,6 +192,34 @@ impl Node {
         }
 
         let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(report_health(health, Arc::clone(&view))));
+        if let Some(listener) = nbd_listener {
+            let description = format!(
+                "replica-ha volume {} of cluster {}",
+                config.volume, config.cluster_id
+            );
+            let export = Arc::new(Export::new(
+                &config.volume,
+                description,
+                Arc::clone(&view.device),
+            ));
+            let (stats, stop) = (Arc::clone(&view.nbd), stop_server.subscribe());
+            tasks.push(tokio::spawn(crate::nbd::serve(
+                listener, export, stats, stop,
+            )));
+        }
+        if let Some(listener) = http_listener {
+            let mut stop = stop_server.subscribe();
+            let stopped = async move {
+                let _ = stop.wait_for(|stop| *stop).await;
+            };
+            let view = Arc::clone(&view);
+            tasks.push(tokio::spawn(async move {
+                if let Err(err) = crate::http::serve(listener, view, stopped).await {
+                    tracing::warn!(%err, "the HTTP listener failed");
+                }
+            }));
+        }
         tasks.push(tokio::spawn({
             let controller = Arc::clone(&controller);
             async move {
@@ -191,7 +241,13 @@ impl Node {
             volume_config(&config),
             config.peers.keys().copied().collect(),
         )));
-        tracing::info!(node = config.id, listen = %config.listen, "node started");
+        tracing::info!(
+            node = config.id,
+            listen = %config.listen,
+            nbd = ?config.nbd,
+            http = ?config.http,
+            "node started"
+        );
         Ok(Self {
             config,
             db,
@@ -294,13 +350,17 @@ async fn open_replica(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
         })
 }
 
+/// Every replica of the volume, this node's own first.
+type Replicas = Vec<Arc<dyn Replica>>;
+
 /// Builds the engine over every replica (the local one without a network
-/// hop), the token fencer, and the controller.
+/// hop), the token fencer, and the controller; returns the controller and
+/// the replicas, this node's first.
 fn start_controller(
     config: &NodeConfig,
     store: &Arc<ReplicaStore>,
     coordinator: &Arc<RaftCoordinator>,
-) -> Result<Arc<Controller>, NodeError> {
+) -> Result<(Arc<Controller>, Replicas), NodeError> {
     let local_id = config.id.to_string();
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
@@ -331,13 +391,13 @@ fn start_controller(
     .map_err(|e| ConfigError(e.to_string()))?;
     let fencer = TokenFencer::new(
         local_id,
-        replicas,
+        replicas.clone(),
         tracker,
         config.min_in_sync,
         config.size,
         REPLICA_TIMEOUT,
     );
-    Ok(Arc::new(Controller::new(
+    let controller = Controller::new(
         Arc::new(engine),
         Arc::clone(coordinator) as Arc<dyn Coordinator>,
         Arc::new(fencer),
@@ -345,8 +405,52 @@ fn start_controller(
             fence_timeout: Duration::from_secs(10),
             retry_interval: Duration::from_millis(200),
         },
-    )))
+    );
+    Ok((Arc::new(controller), replicas))
 }
+
+async fn bind(
+    what: &str,
+    addr: std::net::SocketAddr,
+) -> Result<tokio::net::TcpListener, NodeError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| failed(format!("cannot listen for {what} on {addr}: {e}")))
+}
+
+/// The gRPC health service name that is SERVING only on the active writer.
+pub const WRITER_HEALTH_SERVICE: &str = "replica_ha.writer";
+
+/// Keeps the standard gRPC health service current: the node itself ("")
+/// and the admin service are SERVING while it runs; [`WRITER_HEALTH_SERVICE`]
+/// is SERVING only while this node is the active writer. Polled, because a
+/// lease runs out without any event.
+async fn report_health(health: tonic_health::server::HealthReporter, view: Arc<NodeView>) {
+    use tonic_health::ServingStatus;
+    health.set_service_status("", ServingStatus::Serving).await;
+    health
+        .set_serving::<crate::proto::admin::admin_server::AdminServer<AdminService>>()
+        .await;
+    let mut last = None;
+    loop {
+        let writer = view.is_active_writer();
+        if last != Some(writer) {
+            let status = if writer {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            health
+                .set_service_status(WRITER_HEALTH_SERVICE, status)
+                .await;
+            last = Some(writer);
+        }
+        tokio::time::sleep(HEALTH_POLL).await;
+    }
+}
+
+/// How often the writer health status is refreshed.
+const HEALTH_POLL: Duration = Duration::from_millis(50);
 
 fn volume_config(config: &NodeConfig) -> VolumeConfig {
     VolumeConfig {

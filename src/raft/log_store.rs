@@ -67,7 +67,11 @@ impl LogStore {
     /// Removes the entries whose keys fall in `range`, durably; from the
     /// end backwards when `from_end` (a truncation), else from the start (a
     /// purge), so a crash midway leaves a contiguous log.
-    async fn remove_entries<R: RangeBounds<[u8; 8]>>(&self, range: R, from_end: bool) -> Result<()> {
+    async fn remove_entries<R: RangeBounds<[u8; 8]>>(
+        &self,
+        range: R,
+        from_end: bool,
+    ) -> Result<()> {
         let mut keys: Vec<sled::IVec> = self
             .log
             .range(range)

@@ -298,6 +298,10 @@ impl Device for Engine {
     fn size(&self) -> u64 {
         self.config.size
     }
+
+    fn is_writable(&self) -> bool {
+        self.term().is_some()
+    }
 }
 
 #[async_trait]

@@ -765,7 +765,9 @@ mod tests {
                     let writes = (0..extents).map(|i| {
                         let store = Arc::clone(&store);
                         tokio::spawn(async move {
-                            store.write(term, i * 4096, block(i as u8, 4096), i % 2 == 0).await
+                            store
+                                .write(term, i * 4096, block(i as u8, 4096), i % 2 == 0)
+                                .await
                         })
                     });
                     for write in futures::future::join_all(writes).await {

@@ -14,8 +14,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::replica::{
     FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaInfo,
-    ReplicaStore,
-    StoreIdentity,
+    ReplicaStore, StoreIdentity,
 };
 
 /// What a [`FaultyReplica`] does with the next requests.

@@ -1,0 +1,273 @@
+//! The node's small HTTP listener: metrics and health for load balancers
+//! and monitoring.
+//!
+//! - `GET /metrics`: Prometheus text format — role, term, gate, lease, the
+//!   data path's counters and write-latency histogram, replica states and
+//!   fence floors, fence and promotion counters, NBD connections, and Raft's
+//!   own figures (log index, applied index, per-peer replication lag).
+//! - `GET /health/leader`: 200 only on the active writer (fenced, gate open,
+//!   lease valid), 503 elsewhere — what a load balancer or a client-side
+//!   router checks, like Patroni's `/primary`.
+//! - `GET /health/live`: 200 while the process serves requests.
+//!
+//! Nothing here changes state; every answer is computed from the node's
+//! parts when asked.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use tokio::net::TcpListener;
+
+use crate::ha::ReplicaState;
+use crate::metrics::{Text, load};
+use crate::node::view::NodeView;
+
+/// The routes over a node's view.
+pub fn router(view: Arc<NodeView>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health/leader", get(leader))
+        .route("/health/live", get(live))
+        .with_state(view)
+}
+
+/// Serves the routes on `listener` until `stop` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    view: Arc<NodeView>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(view))
+        .with_graceful_shutdown(stop)
+        .await
+}
+
+async fn leader(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
+    if view.is_active_writer() {
+        (StatusCode::OK, "active writer\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not the active writer\n")
+    }
+}
+
+async fn live() -> impl IntoResponse {
+    (StatusCode::OK, "live\n")
+}
+
+async fn metrics(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
+    let body = render(&view).await;
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// The `/metrics` document.
+pub async fn render(view: &NodeView) -> String {
+    let mut text = Text::default();
+    let raft = view.coordinator.raft().metrics().borrow().clone();
+    let controller = view.controller.status();
+    let node = view.config.id.to_string();
+
+    text.family(
+        "replica_ha_role",
+        "gauge",
+        "1 for the controller's current role.",
+    );
+    for role in ["follower", "fence_pending", "leader"] {
+        let value = u8::from(controller.role.as_str() == role);
+        text.sample("replica_ha_role", &[("node", &node), ("role", role)], value);
+    }
+    text.single(
+        "replica_ha_term",
+        "gauge",
+        "The current Raft term (the fencing token).",
+        raft.current_term as f64,
+    )
+    .single(
+        "replica_ha_gate_open",
+        "gauge",
+        "1 while this node is the active writer.",
+        u8::from(view.is_active_writer()),
+    )
+    .single(
+        "replica_ha_lease_remaining_seconds",
+        "gauge",
+        "Time left on this node's leader lease (0 without one).",
+        view.lease_remaining().map_or(0.0, |d| d.as_secs_f64()),
+    )
+    .single(
+        "replica_ha_promotions_total",
+        "counter",
+        "Promotions to active writer since start.",
+        controller.promotions as f64,
+    )
+    .single(
+        "replica_ha_fence_failures_total",
+        "counter",
+        "Failed or timed-out fence attempts since start.",
+        controller.fence_failures as f64,
+    );
+
+    let io = &view.io;
+    text.single(
+        "replica_ha_writes_total",
+        "counter",
+        "Acknowledged writes.",
+        load(&io.writes),
+    )
+    .single(
+        "replica_ha_write_bytes_total",
+        "counter",
+        "Bytes of acknowledged writes.",
+        load(&io.write_bytes),
+    )
+    .single(
+        "replica_ha_reads_total",
+        "counter",
+        "Served reads.",
+        load(&io.reads),
+    )
+    .single(
+        "replica_ha_read_bytes_total",
+        "counter",
+        "Bytes of served reads.",
+        load(&io.read_bytes),
+    )
+    .single(
+        "replica_ha_flushes_total",
+        "counter",
+        "Acknowledged flushes.",
+        load(&io.flushes),
+    )
+    .single(
+        "replica_ha_io_errors_total",
+        "counter",
+        "Failed data-path requests, any cause.",
+        load(&io.errors),
+    )
+    .single(
+        "replica_ha_writes_refused_total",
+        "counter",
+        "Writes refused because this node is not the active writer.",
+        load(&io.refused),
+    )
+    .histogram(
+        "replica_ha_write_latency_seconds",
+        "Latency of acknowledged writes (replicated to the in-sync set).",
+        &io.write_latency,
+    );
+
+    let nbd = &view.nbd;
+    text.single(
+        "replica_ha_nbd_connections",
+        "gauge",
+        "Open NBD connections.",
+        load(&nbd.open),
+    )
+    .single(
+        "replica_ha_nbd_connections_total",
+        "counter",
+        "Accepted NBD connections.",
+        load(&nbd.accepted),
+    )
+    .single(
+        "replica_ha_nbd_connection_errors_total",
+        "counter",
+        "NBD connections ended by a protocol or I/O error.",
+        load(&nbd.failed),
+    );
+
+    let reports = view.replica_reports().await;
+    text.family(
+        "replica_ha_replica_state",
+        "gauge",
+        "1 for each replica's state.",
+    );
+    for report in &reports {
+        for state in [
+            ReplicaState::InSync,
+            ReplicaState::Degraded,
+            ReplicaState::Rebuilding,
+            ReplicaState::Offline,
+        ] {
+            let labels = [("replica", report.id.as_str()), ("state", state.as_str())];
+            text.sample(
+                "replica_ha_replica_state",
+                &labels,
+                u8::from(report.state == state),
+            );
+        }
+    }
+    text.family(
+        "replica_ha_replica_fence_floor",
+        "gauge",
+        "Each reachable replica's durable fence floor.",
+    );
+    for report in &reports {
+        if let Ok(info) = &report.info {
+            text.sample(
+                "replica_ha_replica_fence_floor",
+                &[("replica", &report.id)],
+                info.floor as f64,
+            );
+        }
+    }
+    text.family(
+        "replica_ha_replica_dirty_extents",
+        "gauge",
+        "Dirty (term, extent) marks each reachable replica holds.",
+    );
+    for report in &reports {
+        if let Ok(info) = &report.info {
+            text.sample(
+                "replica_ha_replica_dirty_extents",
+                &[("replica", &report.id)],
+                info.dirty_extents as f64,
+            );
+        }
+    }
+
+    let last_log = raft.last_log_index.unwrap_or(0);
+    text.single(
+        "replica_ha_raft_last_log_index",
+        "gauge",
+        "Index of the last Raft log entry.",
+        last_log as f64,
+    )
+    .single(
+        "replica_ha_raft_last_applied_index",
+        "gauge",
+        "Index of the last applied Raft entry.",
+        raft.last_applied.map_or(0, |id| id.index) as f64,
+    )
+    .single(
+        "replica_ha_raft_leader",
+        "gauge",
+        "The Raft leader's node id as this node knows it (0 if none).",
+        raft.current_leader.unwrap_or(0) as f64,
+    );
+    if let Some(replication) = &raft.replication {
+        text.family(
+            "replica_ha_raft_replication_lag",
+            "gauge",
+            "Log entries each follower is behind the leader (leader only).",
+        );
+        for (peer, matched) in replication {
+            let lag = last_log.saturating_sub(matched.map_or(0, |id| id.index));
+            text.sample(
+                "replica_ha_raft_replication_lag",
+                &[("peer", &peer.to_string())],
+                lag as f64,
+            );
+        }
+    }
+    text.finish()
+}

@@ -1,0 +1,145 @@
+//! The fixed-newstyle handshake: greeting, client flags, and option
+//! haggling until the client picks the export (`GO` or `EXPORT_NAME`) or
+//! gives up (`ABORT`, or closing the socket).
+//!
+//! Options served: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`. Every other
+//! option gets `NBD_REP_ERR_UNSUP`, so clients fall back to simple replies
+//! and no TLS. Malformed option data gets `NBD_REP_ERR_INVALID`; a bad magic,
+//! unknown client flags or an option longer than [`MAX_OPTION_LEN`] end the
+//! connection, since the stream can no longer be trusted.
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::wire::{self, WireError};
+use super::{ConnectionError, Export};
+
+/// The longest option data accepted (the protocol caps export names at
+/// 4 KiB; this leaves room for info requests).
+pub const MAX_OPTION_LEN: u32 = 64 * 1024;
+
+/// What the handshake settled for the transmission phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Session {
+    /// The transmission flags sent to the client.
+    pub flags: u16,
+}
+
+impl Session {
+    /// Whether the client was offered a writable export.
+    pub fn writable(&self) -> bool {
+        self.flags & wire::TFLAG_READ_ONLY == 0
+    }
+}
+
+/// Runs the handshake. `Ok(None)` means the client aborted.
+pub async fn negotiate<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    export: &Export,
+) -> Result<Option<Session>, ConnectionError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    writer.write_all(&wire::greeting()).await?;
+    writer.flush().await?;
+    let client_flags = reader.read_u32().await?;
+    let known = wire::CLIENT_FIXED_NEWSTYLE | wire::CLIENT_NO_ZEROES;
+    if client_flags & !known != 0 || client_flags & wire::CLIENT_FIXED_NEWSTYLE == 0 {
+        return Err(ConnectionError::ClientFlags(client_flags));
+    }
+    let no_zeroes = client_flags & wire::CLIENT_NO_ZEROES != 0;
+    loop {
+        let mut header = [0u8; 16];
+        reader.read_exact(&mut header).await?;
+        let header = wire::parse_option_header(&header)?;
+        if header.len > MAX_OPTION_LEN {
+            return Err(WireError::Malformed {
+                what: "option longer than 64 KiB",
+            }
+            .into());
+        }
+        let mut data = vec![0; header.len as usize];
+        reader.read_exact(&mut data).await?;
+        let option = header.option;
+        let flags = export.transmission_flags();
+        let reply = |kind, data: &[u8]| wire::option_reply(option, kind, data);
+        match option {
+            wire::OPT_EXPORT_NAME => {
+                if !export.answers_to(&data) {
+                    return Err(ConnectionError::UnknownExport(lossy(&data)));
+                }
+                let size = export.device.size();
+                writer
+                    .write_all(&wire::export_name_reply(size, flags, no_zeroes))
+                    .await?;
+                writer.flush().await?;
+                return Ok(Some(Session { flags }));
+            }
+            wire::OPT_ABORT => {
+                // The client may already be gone; the ACK is a courtesy.
+                let _ = writer.write_all(&reply(wire::REP_ACK, &[])).await;
+                let _ = writer.flush().await;
+                return Ok(None);
+            }
+            wire::OPT_LIST if !data.is_empty() => {
+                let why = b"NBD_OPT_LIST takes no data";
+                writer.write_all(&reply(wire::REP_ERR_INVALID, why)).await?;
+            }
+            wire::OPT_LIST => {
+                let entry = wire::server_entry(&export.name);
+                writer.write_all(&reply(wire::REP_SERVER, &entry)).await?;
+                writer.write_all(&reply(wire::REP_ACK, &[])).await?;
+            }
+            wire::OPT_INFO | wire::OPT_GO => match wire::parse_info_request(&data) {
+                Err(err) => {
+                    let why = err.to_string();
+                    writer
+                        .write_all(&reply(wire::REP_ERR_INVALID, why.as_bytes()))
+                        .await?;
+                }
+                Ok(request) if !export.answers_to(&request.name) => {
+                    let why = format!("no export named {:?}", lossy(&request.name));
+                    writer
+                        .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
+                        .await?;
+                }
+                Ok(request) => {
+                    for info in export_infos(export, flags, &request.infos) {
+                        writer.write_all(&reply(wire::REP_INFO, &info)).await?;
+                    }
+                    writer.write_all(&reply(wire::REP_ACK, &[])).await?;
+                    if option == wire::OPT_GO {
+                        writer.flush().await?;
+                        return Ok(Some(Session { flags }));
+                    }
+                }
+            },
+            _ => {
+                let why = b"option not supported by replica-ha";
+                writer.write_all(&reply(wire::REP_ERR_UNSUP, why)).await?;
+            }
+        }
+        writer.flush().await?;
+    }
+}
+
+/// The `NBD_REP_INFO` bodies for an `INFO`/`GO`: always the size and flags,
+/// plus the block sizes, name and description when asked for.
+fn export_infos(export: &Export, flags: u16, asked: &[u16]) -> Vec<Vec<u8>> {
+    let mut infos = vec![wire::info_export(export.device.size(), flags)];
+    if asked.contains(&wire::INFO_BLOCK_SIZE) {
+        infos.push(wire::info_block_size(1, 4096, super::MAX_REQUEST_LEN));
+    }
+    if asked.contains(&wire::INFO_NAME) {
+        infos.push(wire::info_text(wire::INFO_NAME, &export.name));
+    }
+    if asked.contains(&wire::INFO_DESCRIPTION) {
+        infos.push(wire::info_text(wire::INFO_DESCRIPTION, &export.description));
+    }
+    infos
+}
+
+fn lossy(name: &[u8]) -> String {
+    String::from_utf8_lossy(name).into_owned()
+}

@@ -1,0 +1,216 @@
+//! The NBD server: how programs use the volume.
+//!
+//! Each node exports the volume over the Network Block Device protocol
+//! (fixed newstyle, simple replies) on its `nbd` address, as one export named
+//! after the volume; the empty name (the client's default) means it too.
+//! Any NBD client works: `qemu-io`, `qemu-img`, `nbdcopy`, `nbdfuse`,
+//! `nbd-client` for a kernel `/dev/nbdX`, fio's `nbd` engine.
+//!
+//! - **Writer and passive nodes.** The export is writable when the client
+//!   connects to the active writer, and read-only (`NBD_FLAG_READ_ONLY`)
+//!   otherwise; a passive node serves reads of its own replica. Every write
+//!   still goes through the gate ([`crate::ha::ActiveDevice`]): a write that
+//!   arrives after this node was demoted gets `ESHUTDOWN`, never a silent
+//!   success. Clients reconnect to the new writer.
+//! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` (accepted as a
+//!   hint, see [`transmission`]), `WRITE_ZEROES`, and the `FUA` flag.
+//!   `CAN_MULTI_CONN` is advertised: a flush makes every acknowledged write
+//!   durable, whichever connection sent it.
+//! - **Limits**: one request reads or writes at most [`MAX_REQUEST_LEN`]
+//!   bytes (32 MiB, the protocol's default maximum, so clients need no
+//!   negotiation); larger ones get `EINVAL`. Each connection holds at most
+//!   128 MiB of requests in flight, and all connections together execute at
+//!   most [`DEVICE_BUDGET_BYTES`] at once; at most [`MAX_CONNECTIONS`] connections
+//!   are served at once; a client has [`HANDSHAKE_TIMEOUT`] to finish the
+//!   handshake.
+//! - **Bad input** never panics and never writes: malformed option data gets
+//!   an error reply, a malformed request header closes the connection after
+//!   the requests before it are answered.
+
+mod handshake;
+mod transmission;
+pub mod wire;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+
+pub use transmission::errno;
+
+use crate::volume::{Device, MAX_REQUEST};
+
+/// The largest read or write one request may carry.
+pub const MAX_REQUEST_LEN: u32 = MAX_REQUEST as u32;
+/// The most connections served at once; more are closed on accept.
+pub const MAX_CONNECTIONS: usize = 128;
+/// How long a client may take to pick an export.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The bytes of requests executing against the device at once, across all
+/// connections. Queueing stays in the NBD server instead of piling onto
+/// the replicas' gRPC streams, where it would delay Raft heartbeats behind
+/// data and cost the writer its lease under a flood (nbdcopy with four
+/// connections of 64 requests did exactly that before this limit).
+pub const DEVICE_BUDGET_BYTES: u64 = 32 * 1024 * 1024;
+
+/// The one export a node serves.
+pub struct Export {
+    /// The export name (the volume name).
+    pub name: String,
+    /// A line for `NBD_INFO_DESCRIPTION`.
+    pub description: String,
+    /// The gated device.
+    pub device: Arc<dyn Device>,
+    /// Shared by every connection; see [`DEVICE_BUDGET_BYTES`].
+    executing: Semaphore,
+}
+
+impl Export {
+    /// An export of `device` named `name`.
+    pub fn new(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        device: Arc<dyn Device>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            description: description.into(),
+            device,
+            executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
+        }
+    }
+
+    /// Whether a client asking for `name` means this export ("" is the
+    /// default export).
+    fn answers_to(&self, name: &[u8]) -> bool {
+        name.is_empty() || name == self.name.as_bytes()
+    }
+
+    /// The transmission flags for a client connecting now: writable only
+    /// while this node's gate would pass a write.
+    fn transmission_flags(&self) -> u16 {
+        let mut flags = wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH | wire::TFLAG_CAN_MULTI_CONN;
+        if self.device.is_writable() {
+            flags |= wire::TFLAG_SEND_FUA | wire::TFLAG_SEND_TRIM | wire::TFLAG_SEND_WRITE_ZEROES;
+        } else {
+            flags |= wire::TFLAG_READ_ONLY;
+        }
+        flags
+    }
+}
+
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    /// The socket failed or closed mid-message.
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The client sent something that is not NBD.
+    #[error("protocol: {0}")]
+    Protocol(#[from] wire::WireError),
+    /// The client's flags are unknown or it is not fixed-newstyle.
+    #[error("unsupported client flags {0:#x}")]
+    ClientFlags(u32),
+    /// `NBD_OPT_EXPORT_NAME` named another export.
+    #[error("no export named {0:?}")]
+    UnknownExport(String),
+    /// The handshake took longer than [`HANDSHAKE_TIMEOUT`].
+    #[error("handshake timed out")]
+    HandshakeTimeout,
+}
+
+/// Counters of the NBD server, for metrics.
+#[derive(Debug, Default)]
+pub struct NbdStats {
+    /// Connections open now.
+    pub open: AtomicU64,
+    /// Connections accepted since start.
+    pub accepted: AtomicU64,
+    /// Connections that ended with a protocol or I/O error.
+    pub failed: AtomicU64,
+    /// Connections refused because [`MAX_CONNECTIONS`] were open.
+    pub refused: AtomicU64,
+}
+
+/// Serves `export` on `listener` until `stop` turns true; then drops every
+/// connection.
+pub async fn serve(
+    listener: TcpListener,
+    export: Arc<Export>,
+    stats: Arc<NbdStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut connections = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|stop| *stop) => break,
+            Some(_) = connections.join_next() => continue,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                tracing::warn!(%err, "NBD accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, "NBD connection refused: {MAX_CONNECTIONS} already open");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        let (export, stats) = (Arc::clone(&export), Arc::clone(&stats));
+        connections.spawn(async move {
+            stats.open.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(%peer, "NBD client connected");
+            match handle(stream, export).await {
+                Ok(()) => tracing::info!(%peer, "NBD client disconnected"),
+                Err(err) => {
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(%peer, %err, "NBD connection ended");
+                }
+            }
+            stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(slot);
+        });
+    }
+    connections.shutdown().await;
+}
+
+/// Serves one client on `stream`: the handshake, then requests.
+pub async fn handle<S>(stream: S, export: Arc<Export>) -> Result<(), ConnectionError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let negotiated = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        handshake::negotiate(&mut reader, &mut writer, &export),
+    )
+    .await
+    .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    match negotiated {
+        Some(session) => {
+            let mode = if session.writable() {
+                "read-write"
+            } else {
+                "read-only"
+            };
+            tracing::debug!(mode, "NBD export opened");
+            transmission::run(reader, writer, export, session).await
+        }
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,506 @@
+//! The NBD server against a byte-level client over an in-memory pipe: the
+//! handshake's options and refusals, every command, many requests in
+//! flight, and garbage at every stage (which must neither panic nor write).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BufMut;
+use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+use tokio::task::JoinHandle;
+
+use super::wire::*;
+use super::{ConnectionError, Export, handle};
+use crate::ha::WriterEngine;
+use crate::ha::fake::MemoryEngine;
+
+const SIZE: usize = 1 << 20;
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// A server over a memory volume, writable when `term` is given.
+fn server(term: Option<u64>) -> (Arc<MemoryEngine>, Client) {
+    let engine = MemoryEngine::new(SIZE);
+    if let Some(term) = term {
+        futures::executor::block_on(engine.activate(term)).unwrap();
+    }
+    let export = Arc::new(Export::new("vol0", "test volume", engine.clone()));
+    let (client, server) = tokio::io::duplex(4 << 20);
+    let task = tokio::spawn(handle(server, export));
+    (engine, Client { io: client, task })
+}
+
+struct Client {
+    io: DuplexStream,
+    task: JoinHandle<Result<(), ConnectionError>>,
+}
+
+/// An option reply as read by the client.
+#[derive(Debug)]
+struct OptionReply {
+    option: u32,
+    kind: u32,
+    data: Vec<u8>,
+}
+
+impl Client {
+    async fn greet(&mut self, flags: u32) {
+        let mut greeting = [0u8; 18];
+        self.io.read_exact(&mut greeting).await.unwrap();
+        assert_eq!(&greeting[..], &super::wire::greeting()[..]);
+        self.io.write_u32(flags).await.unwrap();
+    }
+
+    async fn send_option(&mut self, option: u32, data: &[u8]) {
+        let mut buf = Vec::new();
+        buf.put_u64(IHAVEOPT);
+        buf.put_u32(option);
+        buf.put_u32(data.len() as u32);
+        buf.put_slice(data);
+        self.io.write_all(&buf).await.unwrap();
+    }
+
+    async fn option_reply(&mut self) -> OptionReply {
+        assert_eq!(self.io.read_u64().await.unwrap(), OPTION_REPLY_MAGIC);
+        let option = self.io.read_u32().await.unwrap();
+        let kind = self.io.read_u32().await.unwrap();
+        let len = self.io.read_u32().await.unwrap();
+        let mut data = vec![0; len as usize];
+        self.io.read_exact(&mut data).await.unwrap();
+        OptionReply { option, kind, data }
+    }
+
+    /// Handshakes with `GO` and returns the transmission flags.
+    async fn go(&mut self) -> u16 {
+        self.greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).await;
+        self.send_option(OPT_GO, &info_request(b"vol0", &[])).await;
+        let info = self.option_reply().await;
+        assert_eq!((info.kind, info.data.len()), (REP_INFO, 12));
+        assert_eq!(self.option_reply().await.kind, REP_ACK);
+        u16::from_be_bytes([info.data[10], info.data[11]])
+    }
+
+    async fn send(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        data: &[u8],
+    ) {
+        let mut buf = Vec::new();
+        buf.put_u32(REQUEST_MAGIC);
+        buf.put_u16(flags);
+        buf.put_u16(kind);
+        buf.put_u64(cookie);
+        buf.put_u64(offset);
+        buf.put_u32(len);
+        buf.put_slice(data);
+        self.io.write_all(&buf).await.unwrap();
+    }
+
+    /// Reads one simple reply; `read_len` bytes of data follow a successful
+    /// reply to a read.
+    async fn reply(&mut self, read_len: usize) -> (u64, u32, Vec<u8>) {
+        assert_eq!(self.io.read_u32().await.unwrap(), SIMPLE_REPLY_MAGIC);
+        let error = self.io.read_u32().await.unwrap();
+        let cookie = self.io.read_u64().await.unwrap();
+        let mut data = vec![0; if error == 0 { read_len } else { 0 }];
+        self.io.read_exact(&mut data).await.unwrap();
+        (cookie, error, data)
+    }
+
+    async fn write(&mut self, cookie: u64, offset: u64, data: &[u8]) -> u32 {
+        self.send(1, 0, cookie, offset, data.len() as u32, data)
+            .await;
+        let (got, error, _) = self.reply(0).await;
+        assert_eq!(got, cookie);
+        error
+    }
+
+    async fn read(&mut self, cookie: u64, offset: u64, len: u32) -> Result<Vec<u8>, u32> {
+        self.send(0, 0, cookie, offset, len, &[]).await;
+        let (got, error, data) = self.reply(len as usize).await;
+        assert_eq!(got, cookie);
+        if error == 0 { Ok(data) } else { Err(error) }
+    }
+
+    /// Closes the client side and waits for the server to finish.
+    async fn finish(self) -> Result<(), ConnectionError> {
+        drop(self.io);
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("the server did not finish")
+            .expect("the server panicked")
+    }
+}
+
+fn info_request(name: &[u8], infos: &[u16]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    buf.put_u32(name.len() as u32);
+    buf.put_slice(name);
+    buf.put_u16(infos.len() as u16);
+    for info in infos {
+        buf.put_u16(*info);
+    }
+    buf
+}
+
+#[tokio::test]
+async fn info_reports_size_flags_block_sizes_and_name() {
+    let (_, mut client) = server(Some(1));
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    client
+        .send_option(
+            OPT_INFO,
+            &info_request(b"", &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION]),
+        )
+        .await;
+    let export = client.option_reply().await;
+    assert_eq!((export.option, export.kind), (OPT_INFO, REP_INFO));
+    assert_eq!(&export.data[..2], &INFO_EXPORT.to_be_bytes());
+    assert_eq!(&export.data[2..10], &(SIZE as u64).to_be_bytes());
+    let flags = u16::from_be_bytes([export.data[10], export.data[11]]);
+    assert_eq!(flags & TFLAG_READ_ONLY, 0);
+    for flag in [
+        TFLAG_SEND_FLUSH,
+        TFLAG_SEND_FUA,
+        TFLAG_SEND_WRITE_ZEROES,
+        TFLAG_SEND_TRIM,
+    ] {
+        assert_ne!(flags & flag, 0, "{flag:#x}");
+    }
+    let block = client.option_reply().await;
+    assert_eq!(block.data, info_block_size(1, 4096, 32 << 20));
+    assert_eq!(
+        client.option_reply().await.data,
+        info_text(INFO_NAME, "vol0")
+    );
+    assert_eq!(
+        client.option_reply().await.data,
+        info_text(INFO_DESCRIPTION, "test volume")
+    );
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    // INFO leaves the client in option haggling: ABORT ends it cleanly.
+    client.send_option(OPT_ABORT, &[]).await;
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_options_get_error_replies_and_the_handshake_goes_on() {
+    let (_, mut client) = server(Some(1));
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    client.send_option(OPT_LIST, &[]).await;
+    let entry = client.option_reply().await;
+    assert_eq!((entry.kind, entry.data), (REP_SERVER, server_entry("vol0")));
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    let refusals = [
+        (OPT_LIST, vec![1u8], REP_ERR_INVALID),
+        (OPT_GO, vec![0, 0, 0, 9], REP_ERR_INVALID),
+        (OPT_GO, info_request(b"other", &[]), REP_ERR_UNKNOWN),
+        (OPT_INFO, info_request(b"vol1", &[]), REP_ERR_UNKNOWN),
+        (5, vec![], REP_ERR_UNSUP), // STARTTLS
+        (8, vec![], REP_ERR_UNSUP), // STRUCTURED_REPLY
+        (999, vec![7; 100], REP_ERR_UNSUP),
+    ];
+    for (option, data, kind) in refusals {
+        client.send_option(option, &data).await;
+        let reply = client.option_reply().await;
+        assert_eq!(
+            (reply.option, reply.kind),
+            (option, kind),
+            "option {option}"
+        );
+    }
+    client
+        .send_option(OPT_GO, &info_request(b"vol0", &[]))
+        .await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    assert_eq!(client.write(1, 0, b"still works").await, 0);
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn export_name_replies_with_or_without_zero_padding() {
+    for (flags, len) in [
+        (CLIENT_FIXED_NEWSTYLE, 134),
+        (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES, 10),
+    ] {
+        let (engine, mut client) = server(Some(1));
+        client.greet(flags).await;
+        client.send_option(OPT_EXPORT_NAME, b"vol0").await;
+        let mut reply = vec![0; len];
+        client.io.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply[..8], &(SIZE as u64).to_be_bytes());
+        assert_eq!(client.write(9, 4096, b"hello").await, 0);
+        assert_eq!(engine.read_at_now(4096, 5), b"hello");
+        client.finish().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn unknown_export_names_and_client_flags_end_the_connection() {
+    let (_, mut client) = server(Some(1));
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    client.send_option(OPT_EXPORT_NAME, b"nope").await;
+    assert!(matches!(
+        client.finish().await,
+        Err(ConnectionError::UnknownExport(name)) if name == "nope"
+    ));
+    for flags in [0, 1 << 7] {
+        let (_, mut client) = server(Some(1));
+        client.greet(flags).await;
+        assert!(matches!(
+            client.finish().await,
+            Err(ConnectionError::ClientFlags(_))
+        ));
+    }
+}
+
+trait ReadNow {
+    fn read_at_now(&self, offset: u64, len: u64) -> Vec<u8>;
+}
+
+impl ReadNow for MemoryEngine {
+    fn read_at_now(&self, offset: u64, len: u64) -> Vec<u8> {
+        use crate::volume::Device;
+        futures::executor::block_on(self.read_at(offset, len))
+            .unwrap()
+            .to_vec()
+    }
+}
+
+#[tokio::test]
+async fn every_command_does_what_it_says() {
+    let (engine, mut client) = server(Some(3));
+    client.go().await;
+    let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    assert_eq!(client.write(1, 8192, &data).await, 0);
+    assert_eq!(client.read(2, 8192, 8192).await.unwrap(), data);
+    // FUA write, flush.
+    client.send(1, CMD_FLAG_FUA, 3, 0, 4, b"fua!").await;
+    assert_eq!(client.reply(0).await, (3, 0, vec![]));
+    client.send(3, 0, 4, 0, 0, &[]).await;
+    assert_eq!(client.reply(0).await, (4, 0, vec![]));
+    // Write zeroes over part of the pattern, then over the whole volume
+    // (more than one of the server's 1 MiB zero chunks).
+    client.send(6, 0, 5, 8192 + 100, 200, &[]).await;
+    assert_eq!(client.reply(0).await, (5, 0, vec![]));
+    let mut expected = data.clone();
+    expected[100..300].fill(0);
+    assert_eq!(engine.read_at_now(8192, 8192), expected);
+    client
+        .send(6, CMD_FLAG_NO_HOLE, 6, 0, SIZE as u32, &[])
+        .await;
+    assert_eq!(client.reply(0).await, (6, 0, vec![]));
+    assert!(engine.read_at_now(0, SIZE as u64).iter().all(|b| *b == 0));
+    // Trim is accepted and changes nothing.
+    assert_eq!(client.write(7, 0, b"kept").await, 0);
+    client.send(4, 0, 8, 0, 4096, &[]).await;
+    assert_eq!(client.reply(0).await, (8, 0, vec![]));
+    assert_eq!(engine.read_at_now(0, 4), b"kept");
+    // Disconnect ends the connection cleanly.
+    client.send(2, 0, 9, 0, 0, &[]).await;
+    let mut rest = Vec::new();
+    client.io.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_requests_get_errors_and_write_nothing() {
+    let (engine, mut client) = server(Some(3));
+    client.go().await;
+    let size = SIZE as u64;
+    assert_eq!(client.write(1, size - 2, b"abcd").await, ENOSPC);
+    assert_eq!(client.read(2, size - 2, 4).await, Err(EINVAL));
+    assert_eq!(client.read(3, u64::MAX, 4).await, Err(EINVAL));
+    assert_eq!(client.read(4, 0, (32 << 20) + 1).await, Err(EINVAL));
+    // An oversized write's payload is consumed and refused.
+    let big = vec![0xee; (32 << 20) + 1];
+    assert_eq!(client.write(5, 0, &big).await, EINVAL);
+    // Unknown command, unknown flag, out-of-range trim and write-zeroes.
+    client.send(99, 0, 6, 0, 0, &[]).await;
+    assert_eq!(client.reply(0).await.1, EINVAL);
+    client.send(1, 1 << 9, 7, 0, 4, b"flag").await;
+    assert_eq!(client.reply(0).await.1, EINVAL);
+    client.send(4, 0, 8, size, 1, &[]).await;
+    assert_eq!(client.reply(0).await.1, ENOSPC);
+    client.send(6, 0, 9, u64::MAX - 1, 4, &[]).await;
+    assert_eq!(client.reply(0).await.1, ENOSPC);
+    assert!(engine.writes().is_empty(), "{:?}", engine.writes());
+    assert_eq!(client.write(10, 0, b"fine").await, 0);
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn many_requests_in_flight_are_all_answered() {
+    let (engine, mut client) = server(Some(2));
+    client.go().await;
+    engine.set_delay(Duration::from_millis(20));
+    for cookie in 0..64u64 {
+        let block = [cookie as u8; 512];
+        client.send(1, 0, cookie, cookie * 512, 512, &block).await;
+    }
+    let mut cookies = Vec::new();
+    for _ in 0..64 {
+        let (cookie, error, _) = client.reply(0).await;
+        assert_eq!(error, 0);
+        cookies.push(cookie);
+    }
+    cookies.sort_unstable();
+    assert_eq!(cookies, (0..64).collect::<Vec<_>>());
+    // The 20 ms writes overlapped: 64 in sequence would take 1.28 s.
+    for cookie in 0..64u64 {
+        assert_eq!(
+            engine.read_at_now(cookie * 512, 512),
+            vec![cookie as u8; 512]
+        );
+    }
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_passive_node_exports_read_only() {
+    let (engine, mut client) = server(None);
+    let flags = client.go().await;
+    assert_ne!(flags & TFLAG_READ_ONLY, 0);
+    assert_eq!(flags & TFLAG_SEND_WRITE_ZEROES, 0);
+    assert_eq!(client.write(1, 0, b"nope").await, EPERM);
+    for (kind, cookie) in [(6u16, 2u64), (4, 3)] {
+        client.send(kind, 0, cookie, 0, 4, &[]).await;
+        assert_eq!(client.reply(0).await, (cookie, EPERM, vec![]));
+    }
+    client.send(3, 0, 4, 0, 0, &[]).await;
+    assert_eq!(client.reply(0).await, (4, 0, vec![]), "flush of nothing");
+    assert_eq!(client.read(5, 0, 4).await.unwrap(), vec![0; 4]);
+    assert!(engine.writes().is_empty());
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_write_after_demotion_gets_an_error_not_a_silent_success() {
+    let (engine, mut client) = server(Some(4));
+    client.go().await;
+    assert_eq!(client.write(1, 0, b"before").await, 0);
+    engine.deactivate();
+    assert_eq!(client.write(2, 0, b"after!").await, ESHUTDOWN);
+    client.send(3, 0, 3, 0, 0, &[]).await;
+    assert_eq!(client.reply(0).await.1, ESHUTDOWN, "flush");
+    for (kind, cookie) in [(6u16, 4u64), (4, 5)] {
+        client.send(kind, 0, cookie, 0, 6, &[]).await;
+        assert_eq!(client.reply(0).await, (cookie, ESHUTDOWN, vec![]));
+    }
+    assert_eq!(engine.read_at_now(0, 6), b"before");
+    client.finish().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_bad_magic_ends_the_connection_after_answering_what_came_before() {
+    let (engine, mut client) = server(Some(1));
+    client.go().await;
+    client.send(1, 0, 1, 0, 4, b"good").await;
+    let mut garbage = vec![0xde, 0xad, 0xbe, 0xef];
+    garbage.extend_from_slice(&[0u8; 24]);
+    client.io.write_all(&garbage).await.unwrap();
+    // A write header after the garbage must not be executed.
+    client.send(1, 0, 2, 4, 4, b"evil").await;
+    assert_eq!(client.reply(0).await, (1, 0, vec![]));
+    let mut rest = Vec::new();
+    client.io.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+    assert!(matches!(
+        client.finish().await,
+        Err(ConnectionError::Protocol(WireError::BadMagic(0xdeadbeef)))
+    ));
+    assert_eq!(engine.writes().len(), 1);
+    assert_eq!(engine.read_at_now(0, 8), b"good\0\0\0\0");
+}
+
+/// A request with arbitrary fields (the magic is right, the rest is not).
+fn any_request() -> impl Strategy<Value = (u16, u16, u64, u32)> {
+    (
+        prop_oneof![0u16..10, any::<u16>()],
+        any::<u16>(),
+        prop_oneof![0..SIZE as u64, Just(SIZE as u64 - 1), any::<u64>()],
+        prop_oneof![0u32..5000, any::<u32>()],
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Garbage at any point of the handshake: the server ends the
+    /// connection with an error or keeps haggling; it never panics and
+    /// never writes.
+    #[test]
+    fn handshake_garbage_never_panics(prefix in 0usize..4, garbage in proptest::collection::vec(any::<u8>(), 0..300)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let (engine, mut client) = server(Some(1));
+            let mut greeting = [0u8; 18];
+            client.io.read_exact(&mut greeting).await.unwrap();
+            let mut stream = Vec::new();
+            if prefix > 0 { stream.put_u32(CLIENT_FIXED_NEWSTYLE); }
+            if prefix > 1 { stream.put_u64(IHAVEOPT); }
+            if prefix > 2 { stream.put_u32(OPT_GO); }
+            stream.extend_from_slice(&garbage);
+            let _ = client.io.write_all(&stream).await;
+            let _ = client.finish().await;
+            prop_assert!(engine.writes().is_empty());
+            Ok(())
+        })?;
+    }
+
+    /// Arbitrary requests after a good handshake: every reply answers a
+    /// cookie that was sent, nothing out of range is written, no panic.
+    #[test]
+    fn arbitrary_requests_never_panic(requests in proptest::collection::vec(any_request(), 1..12), tail in proptest::collection::vec(any::<u8>(), 0..40)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let (engine, mut client) = server(Some(1));
+            client.go().await;
+            let mut stream = Vec::new();
+            for (cookie, (kind, flags, offset, len)) in requests.iter().enumerate() {
+                stream.put_u32(REQUEST_MAGIC);
+                stream.put_u16(*flags);
+                stream.put_u16(*kind);
+                stream.put_u64(cookie as u64);
+                stream.put_u64(*offset);
+                stream.put_u32(*len);
+                if *kind == 1 && *len <= 5000 {
+                    stream.put_bytes(0xab, *len as usize);
+                }
+            }
+            stream.extend_from_slice(&tail);
+            let (mut read_half, mut write_half) = tokio::io::split(client.io);
+            let writer = tokio::spawn(async move {
+                let _ = write_half.write_all(&stream).await;
+                let _ = write_half.shutdown().await;
+                write_half
+            });
+            let mut replies = Vec::new();
+            let _ = tokio::time::timeout(DEADLINE, read_half.read_to_end(&mut replies)).await
+                .expect("the server neither answered nor closed");
+            let write_half = writer.await.unwrap();
+            let client = Client { io: read_half.unsplit(write_half), task: client.task };
+            let _ = client.finish().await;
+            for (_term, offset) in engine.writes() {
+                prop_assert!(offset < SIZE as u64);
+            }
+            Ok(())
+        })?;
+    }
+}
+
+#[tokio::test]
+async fn zero_length_requests_at_the_end_are_fine() {
+    let (_, mut client) = server(Some(1));
+    client.go().await;
+    assert_eq!(client.write(1, SIZE as u64, &[]).await, 0);
+    assert_eq!(client.read(2, SIZE as u64, 0).await, Ok(vec![]));
+    client.finish().await.unwrap();
+}
