@@ -582,7 +582,25 @@ mod tests {
     }
 
     async fn open(dir: &Path) -> ReplicaStore {
-        ReplicaStore::open(dir, identity()).await.expect("open")
+        try_open(dir, identity()).await.expect("open")
+    }
+
+    /// Opens (or reopens) a store. sled releases a dropped Db's file lock
+    /// only once its background I/O jobs let go of it, so a reopen right
+    /// after a drop retries briefly (bounded) on that one error.
+    async fn try_open(dir: &Path, identity: StoreIdentity) -> Result<ReplicaStore, ReplicaError> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match ReplicaStore::open(dir, identity.clone()).await {
+                Err(err)
+                    if err.to_string().contains("could not acquire lock")
+                        && tokio::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                outcome => return outcome,
+            }
+        }
     }
 
     fn block(byte: u8, len: usize) -> Bytes {
@@ -759,7 +777,7 @@ mod tests {
                     extent_size: 4096,
                     ..identity()
                 };
-                let store = Arc::new(ReplicaStore::open(&path, identity).await.unwrap());
+                let store = Arc::new(try_open(&path, identity).await.unwrap());
                 let extents = SIZE / 4096;
                 for term in 1..=4u64 {
                     let writes = (0..extents).map(|i| {
@@ -860,7 +878,7 @@ mod tests {
             ),
         ];
         for (wrong, field) in cases {
-            let err = ReplicaStore::open(dir.path(), wrong).await.unwrap_err();
+            let err = try_open(dir.path(), wrong).await.unwrap_err();
             match err {
                 ReplicaError::IdentityMismatch(msg) => assert!(msg.contains(field), "{msg}"),
                 other => panic!("expected a mismatch of {field}, got {other:?}"),
@@ -885,7 +903,7 @@ mod tests {
         ];
         for bad in cases {
             assert!(matches!(
-                ReplicaStore::open(dir.path(), bad).await,
+                try_open(dir.path(), bad).await,
                 Err(ReplicaError::InvalidIdentity(_))
             ));
         }
@@ -896,7 +914,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(DATA_FILE), b"not a volume").unwrap();
         assert!(matches!(
-            ReplicaStore::open(dir.path(), identity()).await,
+            try_open(dir.path(), identity()).await,
             Err(ReplicaError::IdentityMismatch(_))
         ));
 
@@ -910,12 +928,12 @@ mod tests {
             .set_len(SIZE / 2)
             .unwrap();
         assert!(matches!(
-            ReplicaStore::open(dir.path(), identity()).await,
+            try_open(dir.path(), identity()).await,
             Err(ReplicaError::IdentityMismatch(_))
         ));
         std::fs::remove_file(&data).unwrap();
         assert!(matches!(
-            ReplicaStore::open(dir.path(), identity()).await,
+            try_open(dir.path(), identity()).await,
             Err(ReplicaError::Io(_))
         ));
     }
@@ -966,7 +984,7 @@ mod tests {
     async fn oversized_writes_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let big = StoreIdentity::new("c1", "vol0", 2 * MAX_REQUEST);
-        let store = ReplicaStore::open(dir.path(), big).await.unwrap();
+        let store = try_open(dir.path(), big).await.unwrap();
         let data = Bytes::from(vec![1u8; MAX_REQUEST as usize + 512]);
         assert!(matches!(
             store.write(1, 0, data, false).await,
@@ -988,7 +1006,7 @@ mod tests {
             db.flush().unwrap();
         }
         assert!(matches!(
-            ReplicaStore::open(dir.path(), identity()).await,
+            try_open(dir.path(), identity()).await,
             Err(ReplicaError::Io(msg)) if msg.contains("incomplete")
         ));
         let dir = tempfile::tempdir().unwrap();
@@ -1006,7 +1024,7 @@ mod tests {
             db.flush().unwrap();
         }
         assert!(matches!(
-            ReplicaStore::open(dir.path(), identity()).await,
+            try_open(dir.path(), identity()).await,
             Err(ReplicaError::Io(_))
         ));
     }
