@@ -178,7 +178,7 @@ impl Admin for AdminService {
 }
 
 fn replica_status(report: ReplicaReport) -> ReplicaStatus {
-    let (reachable, info, error) = match report.info {
+    let (reachable, info, error) = match report.info.clone() {
         Ok(info) => (true, info, String::new()),
         Err(err) => (false, Default::default(), err),
     };
@@ -190,7 +190,11 @@ fn replica_status(report: ReplicaReport) -> ReplicaStatus {
         fence_floor: info.floor,
         dirty_extents: info.dirty_extents,
         error,
-        resync_done_bytes: 0,
-        resync_total_bytes: 0,
+        resync_done_bytes: report.resync.map_or(0, |p| p.done),
+        resync_total_bytes: report.resync.map_or(0, |p| p.total),
+        resync_copied_bytes: report.resync.map_or(0, |p| p.copied),
+        resync_rate_bytes_per_second: report.resync.map_or(0.0, |p| p.rate),
+        resync_eta_seconds: report.resync.map_or(0.0, |p| p.eta),
+        resync_running: report.resync.is_some_and(|p| p.running),
     }
 }

@@ -235,6 +235,33 @@ pub async fn render(view: &NodeView) -> String {
         }
     }
 
+    text.family("replica_ha_resync_bytes", "gauge", "The latest resync of each replica by this node: bytes compared (done), of the volume (total), copied.");
+    for report in &reports {
+        if let Some(p) = &report.resync {
+            for (kind, value) in [("done", p.done), ("total", p.total), ("copied", p.copied)] {
+                text.sample(
+                    "replica_ha_resync_bytes",
+                    &[("replica", &report.id), ("kind", kind)],
+                    value as f64,
+                );
+            }
+        }
+    }
+    text.family(
+        "replica_ha_resync_eta_seconds",
+        "gauge",
+        "Estimated time left of each running resync.",
+    );
+    for report in &reports {
+        if let Some(p) = report.resync.filter(|p| p.running) {
+            text.sample(
+                "replica_ha_resync_eta_seconds",
+                &[("replica", &report.id)],
+                p.eta,
+            );
+        }
+    }
+
     let last_log = raft.last_log_index.unwrap_or(0);
     text.single(
         "replica_ha_raft_last_log_index",

@@ -343,3 +343,77 @@ async fn invalid_configurations_are_refused() {
         assert!(err.to_string().contains(what), "{err}");
     }
 }
+
+/// Drops n3 from the in-sync set through a failed write, then heals it.
+async fn with_n3_out(rig: &Rig) {
+    rig.engine.activate(5).await.unwrap();
+    rig.replicas[2].set(Fault::Fail);
+    rig.engine.write_at(0, block(1), false).await.unwrap();
+    assert!(!rig.committed().await.contains("n3"));
+    rig.replicas[2].set(Fault::None);
+}
+
+#[tokio::test]
+async fn a_rebuild_copies_differences_receives_new_writes_and_rejoins() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.write_at(8192, block(2), false).await.unwrap();
+    let term = rig.engine.begin_rebuild("n3").await.unwrap();
+    assert_eq!(term, 5);
+    let states = rig.engine.replicas();
+    assert_eq!(states[2].state, ReplicaState::Rebuilding);
+    // A write during the rebuild reaches the rebuilding replica too.
+    rig.engine.write_at(1 << 20, block(3), false).await.unwrap();
+    assert_eq!(rig.on(2, 1 << 20, 4096).await, block(3));
+    let copied = rig.engine.copy_extent("n3", 0).await.unwrap();
+    assert_eq!(copied, 1 << 20, "extent 0 differed and was copied whole");
+    assert_eq!(
+        rig.engine.copy_extent("n3", 1).await.unwrap(),
+        0,
+        "extent 1 was equal"
+    );
+    rig.engine.finish_rebuild("n3").await.unwrap();
+    assert!(rig.committed().await.contains("n3"));
+    assert_eq!(rig.on(2, 0, 16384).await, rig.on(0, 0, 16384).await);
+    assert!(rig.events.lock().unwrap().iter().any(|e| e == "add:n3"));
+}
+
+#[tokio::test]
+async fn a_write_the_rebuilding_replica_fails_keeps_it_out() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.begin_rebuild("n3").await.unwrap();
+    rig.replicas[2].set(Fault::Fail);
+    // The write is acknowledged (n1, n2 in sync) but the rebuild is spoiled.
+    rig.engine.write_at(4096, block(4), false).await.unwrap();
+    rig.replicas[2].set(Fault::None);
+    assert!(rig.engine.rebuild_failed("n3"));
+    assert!(rig.engine.copy_extent("n3", 0).await.is_err());
+    assert!(rig.engine.finish_rebuild("n3").await.is_err());
+    assert!(!rig.committed().await.contains("n3"));
+    assert!(
+        !rig.events
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| e.starts_with("add:"))
+    );
+}
+
+#[tokio::test]
+async fn a_rebuild_does_not_survive_a_new_term() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.begin_rebuild("n3").await.unwrap();
+    rig.engine.deactivate();
+    rig.engine.activate(6).await.unwrap();
+    assert!(
+        rig.engine.rebuild_failed("n3"),
+        "the old term's rebuild is gone"
+    );
+    assert!(rig.engine.finish_rebuild("n3").await.is_err());
+    assert!(
+        rig.engine.begin_rebuild("n1").await.is_err(),
+        "n1 is in sync"
+    );
+}

@@ -59,6 +59,8 @@ pub struct ConfigFile {
     pub size: Option<toml::Value>,
     /// The fewest in-sync replicas a write is acknowledged on.
     pub min_in_sync: Option<usize>,
+    /// The most bytes per second a resync copies ("0" for no limit).
+    pub resync_rate: Option<toml::Value>,
     /// Raft timing, in milliseconds.
     pub raft: Option<RaftFile>,
 }
@@ -106,8 +108,14 @@ pub struct NodeConfig {
     pub peers: BTreeMap<NodeId, SocketAddr>,
     pub size: u64,
     pub min_in_sync: usize,
+    /// Bytes per second a resync may copy (0: no limit).
+    pub resync_rate: u64,
     pub timing: RaftTiming,
 }
+
+/// The default resync copy limit: 128 MiB/s, well under a disk's speed so
+/// client I/O keeps its share.
+pub const DEFAULT_RESYNC_RATE: u64 = 128 * 1024 * 1024;
 
 impl NodeConfig {
     /// Reads `path` (if given), applies `overrides` and validates.
@@ -212,6 +220,14 @@ impl NodeConfig {
             ));
         }
 
+        let resync_rate = match file.resync_rate {
+            None => DEFAULT_RESYNC_RATE,
+            Some(toml::Value::Integer(n)) if n >= 0 => n as u64,
+            Some(toml::Value::String(text)) if text.trim() == "0" => 0,
+            Some(toml::Value::String(text)) => parse_size(text.trim_end_matches("/s"))?,
+            Some(other) => return fail(format!("resync_rate {other} is not a rate")),
+        };
+
         let raft = file.raft.unwrap_or_default();
         let defaults = RaftTiming::default();
         let ms = |value: Option<u64>, default: Duration| {
@@ -241,6 +257,7 @@ impl NodeConfig {
             peers,
             size,
             min_in_sync,
+            resync_rate,
             timing,
         })
     }

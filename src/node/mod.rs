@@ -38,6 +38,7 @@ use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
 use crate::replica::fencer::TokenFencer;
 use crate::replica::remote::RemoteReplica;
+use crate::replica::resync::{ResyncConfig, Resyncer};
 use crate::replica::service::ReplicaService;
 use crate::replica::{
     Engine, EngineConfig, InSyncTracker, LocalReplica, Replica, ReplicaError, ReplicaStore,
@@ -134,13 +135,22 @@ impl Node {
         );
 
         let store = Arc::new(open_replica(&config).await?);
-        let (controller, replicas) = start_controller(&config, &store, &coordinator)?;
+        let (controller, engine, replicas) = start_controller(&config, &store, &coordinator)?;
+        let resync = Arc::new(Resyncer::new(
+            engine,
+            replicas.clone(),
+            ResyncConfig {
+                rate: config.resync_rate,
+                ..ResyncConfig::default()
+            },
+        ));
         let io = Arc::new(DeviceMetrics::default());
         let view = Arc::new(NodeView {
             config: config.clone(),
             coordinator: Arc::clone(&coordinator),
             controller: Arc::clone(&controller),
             replicas,
+            resync: Arc::clone(&resync),
             device: Arc::new(MeteredDevice::new(controller.device(), Arc::clone(&io))),
             io,
             nbd: Arc::default(),
@@ -193,6 +203,7 @@ impl Node {
 
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(report_health(health, Arc::clone(&view))));
+        tasks.push(tokio::spawn(resync.run()));
         if let Some(listener) = nbd_listener {
             let description = format!(
                 "replica-ha volume {} of cluster {}",
@@ -360,7 +371,7 @@ fn start_controller(
     config: &NodeConfig,
     store: &Arc<ReplicaStore>,
     coordinator: &Arc<RaftCoordinator>,
-) -> Result<(Arc<Controller>, Replicas), NodeError> {
+) -> Result<(Arc<Controller>, Arc<Engine>, Replicas), NodeError> {
     let local_id = config.id.to_string();
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
@@ -397,8 +408,9 @@ fn start_controller(
         config.size,
         REPLICA_TIMEOUT,
     );
+    let engine = Arc::new(engine);
     let controller = Controller::new(
-        Arc::new(engine),
+        Arc::clone(&engine) as Arc<dyn crate::ha::WriterEngine>,
         Arc::clone(coordinator) as Arc<dyn Coordinator>,
         Arc::new(fencer),
         ControllerConfig {
@@ -406,7 +418,7 @@ fn start_controller(
             retry_interval: Duration::from_millis(200),
         },
     );
-    Ok((Arc::new(controller), replicas))
+    Ok((Arc::new(controller), engine, replicas))
 }
 
 async fn bind(

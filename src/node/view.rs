@@ -17,6 +17,7 @@ use crate::ha::{Controller, ReplicaState};
 use crate::metrics::DeviceMetrics;
 use crate::nbd::NbdStats;
 use crate::raft::RaftCoordinator;
+use crate::replica::resync::{Progress, Resyncer};
 use crate::replica::{Replica, ReplicaInfo};
 use crate::volume::Device;
 
@@ -30,6 +31,8 @@ pub struct NodeView {
     pub controller: Arc<Controller>,
     /// Every replica, this node's own first.
     pub replicas: Vec<Arc<dyn Replica>>,
+    /// The resync of out-of-sync replicas (progress).
+    pub resync: Arc<Resyncer>,
     /// The data path: the gate, counted. NBD and admin writes use it.
     pub device: Arc<dyn Device>,
     /// The data path's counters.
@@ -39,7 +42,7 @@ pub struct NodeView {
 }
 
 /// One replica's line in a report.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaReport {
     pub id: String,
     pub state: ReplicaState,
@@ -47,6 +50,8 @@ pub struct ReplicaReport {
     pub local: bool,
     /// Its floor and dirty marks, or why they could not be read.
     pub info: Result<ReplicaInfo, String>,
+    /// Its latest rebuild on this node, if any.
+    pub resync: Option<Progress>,
 }
 
 impl NodeView {
@@ -62,6 +67,7 @@ impl NodeView {
         let committed = self.coordinator.state_machine().current().control.in_sync;
         let engine: Vec<_> = self.controller.status().replicas;
         let active = self.is_active_writer();
+        let progress = self.resync.progress();
         let infos = futures::future::join_all(self.replicas.iter().map(|replica| async move {
             match tokio::time::timeout(INFO_TIMEOUT, replica.info()).await {
                 Ok(Ok(info)) => Ok(info),
@@ -80,16 +86,20 @@ impl NodeView {
                     && engine
                         .iter()
                         .any(|r| r.id == id && r.state == ReplicaState::Degraded);
-                let state = match (in_sync, degraded) {
-                    (true, true) => ReplicaState::Degraded,
-                    (true, false) => ReplicaState::InSync,
-                    (false, _) => ReplicaState::Offline,
+                let resync = progress.get(&id).copied();
+                let rebuilding = active && resync.is_some_and(|p| p.running);
+                let state = match (in_sync, degraded, rebuilding) {
+                    (true, true, _) => ReplicaState::Degraded,
+                    (true, false, _) => ReplicaState::InSync,
+                    (false, _, true) => ReplicaState::Rebuilding,
+                    (false, _, false) => ReplicaState::Offline,
                 };
                 ReplicaReport {
                     local: id == self.config.id.to_string(),
                     id,
                     state,
                     info,
+                    resync,
                 }
             })
             .collect()

@@ -452,8 +452,30 @@ impl InSyncTracker for RaftCoordinator {
         replicas: &BTreeSet<String>,
     ) -> Result<BTreeSet<String>, String> {
         let remove = parse_ids(replicas)?;
+        self.commit_in_sync(term, Request::ShrinkInSync { term, remove })
+            .await
+    }
+
+    async fn add(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        let add = parse_ids(replicas)?;
+        self.commit_in_sync(term, Request::GrowInSync { term, add })
+            .await
+    }
+}
+
+impl RaftCoordinator {
+    /// Commits an in-sync change in `term` and returns the committed set.
+    async fn commit_in_sync(
+        &self,
+        term: u64,
+        request: Request,
+    ) -> Result<BTreeSet<String>, String> {
         let response = self
-            .commit(term, Request::ShrinkInSync { term, remove })
+            .commit(term, request)
             .await
             .map_err(|err| err.to_string())?;
         Ok(format_ids(&response.in_sync))

@@ -118,6 +118,16 @@ pub enum Request {
         /// The replicas to remove.
         remove: BTreeSet<NodeId>,
     },
+    /// Returns rebuilt replicas to the in-sync set on behalf of the writer
+    /// of `term`. Refused unless `term` is the recorded writer's own term:
+    /// only the writer that rebuilt them knows they hold every write it
+    /// acknowledged (S5).
+    GrowInSync {
+        /// The writer's term.
+        term: u64,
+        /// The replicas to add.
+        add: BTreeSet<NodeId>,
+    },
 }
 
 /// What applying a [`Request`] did.
@@ -177,6 +187,15 @@ impl ControlState {
                     None
                 }
             },
+            Request::GrowInSync { term, add } => match self.writer {
+                Some(current) if current.term == *term => {
+                    self.in_sync.extend(add.iter().copied());
+                    None
+                }
+                current => Some(format!(
+                    "only the writer of term {term} may grow the in-sync set; the recorded writer is {current:?}"
+                )),
+            },
         };
         Response {
             applied: refused.is_none(),
@@ -197,6 +216,33 @@ mod tests {
             size,
             min_in_sync: 2,
         }
+    }
+
+    #[test]
+    fn only_the_recorded_writer_grows_the_in_sync_set() {
+        let mut state = ControlState::default();
+        state.apply(&Request::Init {
+            volume: volume(4096),
+            replicas: [1, 2, 3].into(),
+        });
+        state.apply(&Request::Promote(WriterRecord { node: 1, term: 4 }));
+        state.apply(&Request::ShrinkInSync {
+            term: 4,
+            remove: [3].into(),
+        });
+        for stale in [3, 5] {
+            let grow = Request::GrowInSync {
+                term: stale,
+                add: [3].into(),
+            };
+            assert!(!state.apply(&grow).applied, "term {stale}");
+        }
+        assert_eq!(state.in_sync, [1, 2].into());
+        let grow = Request::GrowInSync {
+            term: 4,
+            add: [3].into(),
+        };
+        assert_eq!(state.apply(&grow).in_sync, [1, 2, 3].into());
     }
 
     #[test]

@@ -20,10 +20,23 @@
 //!
 //! Reads come from the local replica when it is in sync, else from the other
 //! in-sync replicas in turn.
+//!
+//! **Rebuilding** ([`super::resync`]). A replica outside the in-sync set can
+//! be rebuilt online: [`Engine::begin_rebuild`] makes it a write-only member
+//! (it receives every write, but its answers do not count for S5), and a
+//! barrier waits out the writes that began without it. Extents are then
+//! compared and copied with [`Engine::copy_extent`], which holds the
+//! extent's stripe exclusively so no write to that extent interleaves with
+//! the copy. [`Engine::finish_rebuild`] marks it joining — from then on a
+//! write it fails is not acknowledged — waits out the writes that began
+//! before, and commits its return through the tracker. A write it failed
+//! while rebuilding aborts the rebuild; the replica stays out.
 
 use std::collections::{BTreeMap, BTreeSet};
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::{RwLock, RwLockReadGuard};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -60,6 +73,23 @@ pub struct Engine {
     state: Mutex<EngineState>,
     /// Serializes in-sync shrinks (see the module docs).
     shrink: tokio::sync::Mutex<()>,
+    /// Extent stripes: a write holds the stripes of its extents shared, a
+    /// rebuild's extent copy holds one exclusively.
+    stripes: Vec<RwLock<()>>,
+    /// The extent size the stripes are counted in.
+    extent_size: u64,
+}
+
+/// How many stripes the extents map onto.
+const STRIPES: u64 = 64;
+
+/// A replica being rebuilt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Rebuild {
+    /// Its return is being committed: a write it fails is not acknowledged.
+    joining: bool,
+    /// A write to it failed: the rebuild must not finish.
+    failed: bool,
 }
 
 struct EngineState {
@@ -69,6 +99,8 @@ struct EngineState {
     in_sync: BTreeSet<String>,
     /// Members whose last request failed but could not be dropped.
     degraded: BTreeSet<String>,
+    /// Replicas being rebuilt (write-only members).
+    rebuilding: BTreeMap<String, Rebuild>,
 }
 
 impl Engine {
@@ -105,8 +137,11 @@ impl Engine {
                 term: None,
                 in_sync: ids,
                 degraded: BTreeSet::new(),
+                rebuilding: BTreeMap::new(),
             }),
             shrink: tokio::sync::Mutex::new(()),
+            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            extent_size: super::store::DEFAULT_EXTENT_SIZE,
         })
     }
 
@@ -119,35 +154,63 @@ impl Engine {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The active term and the replicas a request must reach.
-    fn targets(&self) -> Result<(u64, Vec<Arc<dyn Replica>>), DeviceError> {
+    /// The active term, the in-sync replicas a request must reach, and the
+    /// replicas being rebuilt that it also goes to.
+    #[allow(clippy::type_complexity)]
+    fn targets(&self) -> Result<(u64, Vec<Arc<dyn Replica>>, Vec<Arc<dyn Replica>>), DeviceError> {
         let state = self.lock();
         let term = state.term.ok_or(DeviceError::Inactive)?;
-        let targets: Vec<_> = self
-            .replicas
-            .iter()
-            .filter(|r| state.in_sync.contains(r.id()))
-            .cloned()
-            .collect();
+        let pick = |keep: &dyn Fn(&str) -> bool| -> Vec<Arc<dyn Replica>> {
+            self.replicas
+                .iter()
+                .filter(|r| keep(r.id()))
+                .cloned()
+                .collect()
+        };
+        let targets = pick(&|id| state.in_sync.contains(id));
         if targets.len() < self.config.min_in_sync {
             return Err(DeviceError::InsufficientReplicas {
                 have: targets.len(),
                 need: self.config.min_in_sync,
             });
         }
-        Ok((term, targets))
+        let rebuilding = pick(&|id| state.rebuilding.contains_key(id));
+        Ok((term, targets, rebuilding))
     }
 
-    /// Sends one request to every target at once, each bounded by the
-    /// replica timeout, and settles the outcome (S5).
+    /// The stripes of `[offset, offset+len)`, held shared, in order.
+    async fn lock_span(&self, offset: u64, len: u64) -> Vec<RwLockReadGuard<'_, ()>> {
+        let first = offset / self.extent_size;
+        let last = (offset + len.max(1) - 1) / self.extent_size;
+        let mut stripes: Vec<u64> = (first..=last).map(|e| e % STRIPES).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let mut guards = Vec::with_capacity(stripes.len());
+        for stripe in stripes {
+            guards.push(self.stripes[stripe as usize].read().await);
+        }
+        guards
+    }
+
+    /// Waits until every write that started before this call has finished.
+    async fn barrier(&self) {
+        for stripe in &self.stripes {
+            drop(stripe.write().await);
+        }
+    }
+
+    /// Sends one request to every target (and every replica being rebuilt)
+    /// at once, each bounded by the replica timeout, and settles the
+    /// outcome (S5).
     async fn mirror<F, Fut>(&self, op: F) -> Result<(), DeviceError>
     where
         F: Fn(u64, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
-        let (term, targets) = self.targets()?;
+        let (term, targets, rebuilding) = self.targets()?;
         let timeout = self.config.replica_timeout;
-        let outcomes = join_all(targets.iter().map(|replica| {
+        let everyone: Vec<Arc<dyn Replica>> = targets.iter().chain(&rebuilding).cloned().collect();
+        let mut outcomes = join_all(everyone.iter().map(|replica| {
             let call = op(term, Arc::clone(replica));
             async move {
                 match tokio::time::timeout(timeout, call).await {
@@ -159,12 +222,179 @@ impl Engine {
             }
         }))
         .await;
+        let rebuilt = outcomes.split_off(targets.len());
         let outcomes: Vec<(String, Result<(), ReplicaError>)> = targets
             .iter()
             .map(|r| r.id().to_string())
             .zip(outcomes)
             .collect();
-        self.settle(term, outcomes).await
+        let rebuilt: Vec<(String, Result<(), ReplicaError>)> = rebuilding
+            .iter()
+            .map(|r| r.id().to_string())
+            .zip(rebuilt)
+            .collect();
+        let joining_failed = self.note_rebuilt(term, &rebuilt)?;
+        self.settle(term, outcomes).await?;
+        match joining_failed {
+            Some(id) => Err(DeviceError::Io(format!(
+                "replica {id} failed the write while rejoining the in-sync set"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Records the outcomes on replicas being rebuilt: a failure marks the
+    /// rebuild failed; on a joining replica it also fails the request
+    /// (returned as the replica's id). A stale term deactivates as usual.
+    fn note_rebuilt(
+        &self,
+        term: u64,
+        outcomes: &[(String, Result<(), ReplicaError>)],
+    ) -> Result<Option<String>, DeviceError> {
+        let mut joining_failed = None;
+        for (id, outcome) in outcomes {
+            match outcome {
+                Ok(()) => {}
+                Err(ReplicaError::StaleTerm { term: stale, floor }) => {
+                    tracing::warn!(term, floor, replica = %id, "fenced by a newer writer; deactivating");
+                    self.deactivate_term(*stale);
+                    return Err(DeviceError::StaleTerm {
+                        term: *stale,
+                        floor: *floor,
+                    });
+                }
+                Err(err) => {
+                    let mut state = self.lock();
+                    if let Some(rebuild) = state.rebuilding.get_mut(id) {
+                        if !rebuild.failed {
+                            tracing::warn!(replica = %id, %err, "a write to a replica being rebuilt failed");
+                        }
+                        rebuild.failed = true;
+                        if rebuild.joining {
+                            joining_failed = Some(id.clone());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(joining_failed)
+    }
+
+    /// Starts rebuilding `id`: from now on it receives every write. Returns
+    /// the term the rebuild runs under, once every write that began without
+    /// it has finished.
+    pub async fn begin_rebuild(&self, id: &str) -> Result<u64, DeviceError> {
+        let term = {
+            let mut state = self.lock();
+            let term = state.term.ok_or(DeviceError::Inactive)?;
+            if state.in_sync.contains(id) || !self.replicas.iter().any(|r| r.id() == id) {
+                return Err(DeviceError::Io(format!("{id} is in sync or unknown")));
+            }
+            state.rebuilding.insert(id.to_string(), Rebuild::default());
+            term
+        };
+        self.barrier().await;
+        Ok(term)
+    }
+
+    /// Compares extent `extent` of the first in-sync replica and `id`
+    /// under the extent's stripe, and copies it to `id` when they differ.
+    /// Returns the bytes copied.
+    pub async fn copy_extent(&self, id: &str, extent: u64) -> Result<u64, String> {
+        let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
+        let term = self.term().ok_or("the engine is not active")?;
+        if self.rebuild_failed(id) {
+            return Err(format!("the rebuild of {id} failed or was abandoned"));
+        }
+        let source = self
+            .read_order()
+            .into_iter()
+            .next()
+            .ok_or("no in-sync replica to copy from")?;
+        let target = self.replica(id).ok_or("unknown replica")?;
+        let offset = extent * self.extent_size;
+        if offset >= self.config.size {
+            return Ok(0);
+        }
+        let len = self.extent_size.min(self.config.size - offset);
+        let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
+        let (a, b) = (a.map_err(|e| e.to_string())?, b.map_err(|e| e.to_string())?);
+        if a == b {
+            return Ok(0);
+        }
+        let data = source.read(offset, len).await.map_err(|e| e.to_string())?;
+        target
+            .write(term, offset, data, false)
+            .await
+            .map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
+        Ok(len)
+    }
+
+    /// Commits the return of `id` to the in-sync set, once no write it
+    /// failed could have been acknowledged without it.
+    pub async fn finish_rebuild(&self, id: &str) -> Result<(), String> {
+        let term = {
+            let mut state = self.lock();
+            let term = state.term.ok_or("the engine is not active")?;
+            let rebuild = state.rebuilding.get_mut(id).ok_or("not rebuilding")?;
+            rebuild.joining = true;
+            term
+        };
+        // Writes that began before `joining` may have been acknowledged
+        // without it; wait for them, then check none failed on it.
+        self.barrier().await;
+        if self.rebuild_failed(id) {
+            self.abort_rebuild(id);
+            return Err(format!("a write to {id} failed during its rebuild"));
+        }
+        let ids: BTreeSet<String> = [id.to_string()].into();
+        let committed = match self.tracker.add(term, &ids).await {
+            Ok(committed) => committed,
+            Err(err) => {
+                self.abort_rebuild(id);
+                return Err(err);
+            }
+        };
+        let failed_meanwhile = {
+            let mut state = self.lock();
+            let rebuild = state.rebuilding.remove(id);
+            state.in_sync = committed;
+            rebuild.is_some_and(|r| r.failed)
+        };
+        if failed_meanwhile {
+            // A write it failed while joining was not acknowledged; drop it
+            // again before it serves as a full copy.
+            let committed = self.tracker.remove(term, &ids).await?;
+            self.lock().in_sync = committed;
+            return Err(format!("a write to {id} failed while it rejoined"));
+        }
+        tracing::info!(term, replica = %id, "replica back in the in-sync set");
+        Ok(())
+    }
+
+    /// Stops rebuilding `id` (it stays out of the in-sync set).
+    pub fn abort_rebuild(&self, id: &str) {
+        self.lock().rebuilding.remove(id);
+    }
+
+    /// Whether a write to `id` failed since its rebuild began (or it is no
+    /// longer being rebuilt).
+    pub fn rebuild_failed(&self, id: &str) -> bool {
+        self.lock().rebuilding.get(id).is_none_or(|r| r.failed)
+    }
+
+    /// The committed in-sync set as this engine last learned it.
+    pub fn in_sync(&self) -> BTreeSet<String> {
+        self.lock().in_sync.clone()
+    }
+
+    /// The extent size the engine copies in.
+    pub fn extent_size(&self) -> u64 {
+        self.extent_size
+    }
+
+    fn replica(&self, id: &str) -> Option<Arc<dyn Replica>> {
+        self.replicas.iter().find(|r| r.id() == id).cloned()
     }
 
     /// Decides whether a mirrored request may be acknowledged.
@@ -283,6 +513,7 @@ impl Device for Engine {
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.size)?;
+        let _span = self.lock_span(offset, data.len() as u64).await;
         self.mirror(|term, replica| {
             let data = data.clone();
             async move { replica.write(term, offset, data, fua).await }
@@ -315,13 +546,16 @@ impl WriterEngine for Engine {
         let mut state = self.lock();
         state.in_sync = committed;
         state.degraded.clear();
+        state.rebuilding.clear();
         state.term = Some(term);
         tracing::info!(term, in_sync = ?state.in_sync, "engine active");
         Ok(())
     }
 
     fn deactivate(&self) {
-        self.lock().term = None;
+        let mut state = self.lock();
+        state.term = None;
+        state.rebuilding.clear();
     }
 
     fn replicas(&self) -> Vec<ReplicaStatus> {
@@ -332,6 +566,8 @@ impl WriterEngine for Engine {
                 let id = r.id();
                 let state = if state.degraded.contains(id) {
                     ReplicaState::Degraded
+                } else if state.rebuilding.contains_key(id) {
+                    ReplicaState::Rebuilding
                 } else if state.in_sync.contains(id) {
                     ReplicaState::InSync
                 } else {

@@ -12,10 +12,12 @@
 //! - [`service`] and [`remote`]: a store served over gRPC, and the
 //!   [`Replica`] client that reaches it (S2 and S3 hold over the wire).
 //! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
+//! - [`resync`]: online rebuild of a replica that is out of sync (S5).
 
 pub mod engine;
 pub mod fencer;
 pub mod remote;
+pub mod resync;
 pub mod service;
 pub mod store;
 
@@ -122,6 +124,9 @@ pub trait Replica: Send + Sync {
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError>;
     /// Its fence floor and dirty-mark count.
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError>;
+    /// BLAKE3 digests of the extents that `[offset, offset+len)` covers:
+    /// the index of the first extent and one digest per extent.
+    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError>;
 }
 
 /// A replica in this process: the store without a network hop.
@@ -174,6 +179,16 @@ impl Replica for LocalReplica {
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
         self.store.info().await
     }
+    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
+        let (first, digests) = self.store.digests(offset, len).await?;
+        Ok((
+            first,
+            digests
+                .iter()
+                .map(|d| Bytes::copy_from_slice(d.as_ref()))
+                .collect(),
+        ))
+    }
 }
 
 /// The committed in-sync set, and the only way the engine may change it.
@@ -186,6 +201,11 @@ impl Replica for LocalReplica {
 pub trait InSyncTracker: Send + Sync {
     /// The committed in-sync set.
     async fn in_sync(&self) -> Result<BTreeSet<String>, String>;
+    /// Commits the return of rebuilt `replicas` on behalf of the writer of
+    /// `term` and returns the committed set. Fails, changing nothing, unless
+    /// `term` is the recorded writer's.
+    async fn add(&self, term: u64, replicas: &BTreeSet<String>)
+    -> Result<BTreeSet<String>, String>;
     /// Commits the removal of `replicas` on behalf of the writer of `term`
     /// and returns the committed set. Fails, changing nothing, when the
     /// writer of `term` can no longer commit (it was deposed).
@@ -243,6 +263,18 @@ impl InSyncTracker for MemoryInSync {
         }
         let mut set = self.lock();
         set.retain(|member| !replicas.contains(member));
+        Ok(set.clone())
+    }
+    async fn add(
+        &self,
+        _term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("in-sync commit refused".into());
+        }
+        let mut set = self.lock();
+        set.extend(replicas.iter().cloned());
         Ok(set.clone())
     }
 }

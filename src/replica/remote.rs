@@ -60,23 +60,6 @@ impl RemoteReplica {
     fn volume(&self) -> Option<pb::VolumeRef> {
         Some(self.volume.clone())
     }
-
-    /// The peer's extent digests over `[offset, offset + len)`.
-    pub async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
-        let request = self.request(pb::DigestRequest {
-            volume: self.volume(),
-            offset,
-            length: len,
-        });
-        let reply = self
-            .client
-            .clone()
-            .digest(request)
-            .await
-            .map_err(|status| error_of(&status, 0))?
-            .into_inner();
-        Ok((reply.first_extent, reply.digests))
-    }
 }
 
 #[async_trait]
@@ -197,5 +180,21 @@ impl Replica for RemoteReplica {
             floor: reply.floor,
             dirty_extents: reply.dirty_extents,
         })
+    }
+
+    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
+        let request = self.request(pb::DigestRequest {
+            volume: self.volume(),
+            offset,
+            length: len,
+        });
+        let reply = self
+            .client
+            .clone()
+            .digest(request)
+            .await
+            .map_err(|status| error_of(&status, 0))?
+            .into_inner();
+        Ok((reply.first_extent, reply.digests))
     }
 }

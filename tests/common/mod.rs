@@ -104,6 +104,10 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.info().await
     }
+    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
+        self.gate(None).await?;
+        self.inner.digests(offset, len).await
+    }
 }
 
 /// An in-memory tracker that appends "remove:<ids>" to a shared event log
@@ -139,6 +143,21 @@ impl InSyncTracker for LoggingTracker {
                 .lock()
                 .unwrap()
                 .push(format!("remove:{}", ids.join(",")));
+        }
+        result
+    }
+    async fn add(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, String> {
+        let result = self.inner.add(term, replicas).await;
+        if result.is_ok() {
+            let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("add:{}", ids.join(",")));
         }
         result
     }
