@@ -185,3 +185,156 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
     );
     verify_identical(&cluster, writer).await;
 }
+
+/// A cluster whose resync copies at most 8 MiB/s, so a 64 MiB rebuild
+/// lasts long enough to interrupt.
+async fn slow_resync_cluster() -> (Cluster, u64, u64) {
+    let mut cluster = Cluster::new(3);
+    cluster.extra_args = vec![
+        "--size".into(),
+        "128MiB".into(),
+        "--resync-rate".into(),
+        "8MiB".into(),
+    ];
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    cluster.kill(follower);
+    for i in 0..16u64 {
+        let data = Bytes::from(vec![(i + 7) as u8; 4 * MIB as usize]);
+        cluster.write(writer, i * 4 * MIB, data).await.unwrap();
+    }
+    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    (cluster, writer, follower)
+}
+
+/// Waits until `writer` is rebuilding `id` and has copied something.
+async fn wait_rebuilding(cluster: &Cluster, writer: u64, id: u64) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(status) = cluster.status(writer).await {
+            let replica = status.replicas.iter().find(|r| r.id == id.to_string());
+            if replica.is_some_and(|r| r.resync_running && r.resync_copied_bytes > 0) {
+                assert_eq!(replica.unwrap().state, "rebuilding");
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "no rebuild of {id} started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn verify_identical_among(cluster: &Cluster, ids: &[u64]) {
+    let reference = digests(cluster, ids[0]).await;
+    for id in &ids[1..] {
+        let theirs = digests(cluster, *id).await;
+        for (extent, (a, b)) in reference.iter().zip(&theirs).enumerate() {
+            assert!(
+                a == b,
+                "extent {extent} differs between node {} and node {id}",
+                ids[0]
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_interrupted_by_a_target_restart_finishes_correctly() {
+    let _one = one_cluster_at_a_time().await;
+    let (mut cluster, writer, follower) = slow_resync_cluster().await;
+    cluster.spawn(follower);
+    wait_rebuilding(&cluster, writer, follower).await;
+    cluster.kill(follower);
+    // Writes go on while it is down again; they fail on it, which ends the
+    // rebuild without returning it.
+    for i in 0..4u64 {
+        cluster
+            .write(writer, 100 * MIB + i * 4096, Bytes::from(vec![0x5c; 4096]))
+            .await
+            .unwrap();
+    }
+    assert!(!in_sync(&cluster, writer).await.contains(&follower));
+    cluster.spawn(follower);
+    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    verify_identical(&cluster, writer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_interrupted_by_a_failover_is_finished_by_the_new_writer() {
+    let _one = one_cluster_at_a_time().await;
+    let (mut cluster, writer, follower) = slow_resync_cluster().await;
+    cluster.spawn(follower);
+    wait_rebuilding(&cluster, writer, follower).await;
+    cluster.kill(writer);
+    let survivors: Vec<u64> = cluster
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| *id != writer)
+        .collect();
+    let (new_writer, _) = cluster.wait_for_writer(&survivors, WAIT).await;
+    // Either survivor may lead, the half-rebuilt one too: it fences, then
+    // rebuilds its own replica from the one in-sync survivor. Until that
+    // finishes only one replica is in sync, below min_in_sync, so writes
+    // are refused (S5) — they succeed once the rebuild is done.
+    wait_in_sync(
+        &cluster,
+        new_writer,
+        follower,
+        true,
+        Duration::from_secs(60),
+    )
+    .await;
+    let data = Bytes::from(vec![0x77; 4096]);
+    cluster
+        .write(new_writer, 120 * MIB, data.clone())
+        .await
+        .unwrap();
+    verify_identical_among(&cluster, &survivors).await;
+    assert_eq!(cluster.read(follower, 120 * MIB, 4096).await.unwrap(), data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster.extra_args = vec!["--size".into(), "128MiB".into()];
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    cluster
+        .write(writer, 0, Bytes::from(vec![0x11; 4096]))
+        .await
+        .unwrap();
+    cluster.kill(follower);
+    cluster
+        .write(writer, 4096, Bytes::from(vec![0x22; 4096]))
+        .await
+        .unwrap();
+    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    // Bytes no writer acknowledged, on the down replica's disk (as a write
+    // that reached only it before its writer died would leave).
+    let image = cluster
+        .data_dir(follower)
+        .join("replica")
+        .join("volume.img");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap();
+    use std::io::{Seek, SeekFrom, Write};
+    file.seek(SeekFrom::Start(50 * MIB)).unwrap();
+    file.write_all(&[0xbd; 8192]).unwrap();
+    drop(file);
+    cluster.spawn(follower);
+    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    verify_identical(&cluster, writer).await;
+    assert_eq!(
+        cluster.read(follower, 50 * MIB, 8192).await.unwrap(),
+        Bytes::from(vec![0; 8192])
+    );
+}

@@ -106,6 +106,10 @@ struct NodeArgs {
     /// The fewest in-sync replicas a write is acknowledged on.
     #[arg(long)]
     min_in_sync: Option<usize>,
+    /// The most bytes per second a resync copies to a returning replica
+    /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
+    #[arg(long)]
+    resync_rate: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -188,6 +192,7 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         peers: args.peers,
         size: args.size,
         min_in_sync: args.min_in_sync,
+        resync_rate: args.resync_rate,
     };
     let config = match NodeConfig::load(args.config.as_deref(), overrides) {
         Ok(config) => config,

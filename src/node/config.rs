@@ -92,6 +92,8 @@ pub struct Overrides {
     pub peers: Vec<String>,
     pub size: Option<String>,
     pub min_in_sync: Option<usize>,
+    /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for none.
+    pub resync_rate: Option<String>,
 }
 
 /// A validated node configuration.
@@ -220,7 +222,11 @@ impl NodeConfig {
             ));
         }
 
-        let resync_rate = match file.resync_rate {
+        let rate = flags
+            .resync_rate
+            .map(toml::Value::String)
+            .or(file.resync_rate);
+        let resync_rate = match rate {
             None => DEFAULT_RESYNC_RATE,
             Some(toml::Value::Integer(n)) if n >= 0 => n as u64,
             Some(toml::Value::String(text)) if text.trim() == "0" => 0,
