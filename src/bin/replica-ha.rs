@@ -281,8 +281,14 @@ fn status_json(reply: &StatusReply) -> String {
             "fence_floor": r.reachable.then_some(r.fence_floor),
             "dirty_extents": r.reachable.then_some(r.dirty_extents),
             "error": (!r.error.is_empty()).then_some(&r.error),
-            "resync_done_bytes": r.resync_done_bytes,
-            "resync_total_bytes": r.resync_total_bytes,
+            "resync": (r.resync_total_bytes > 0).then(|| serde_json::json!({
+                "running": r.resync_running,
+                "done_bytes": r.resync_done_bytes,
+                "total_bytes": r.resync_total_bytes,
+                "copied_bytes": r.resync_copied_bytes,
+                "rate_bytes_per_second": r.resync_rate_bytes_per_second,
+                "eta_seconds": r.resync_eta_seconds,
+            })),
         })).collect::<Vec<_>>(),
     })
     .to_string()
@@ -352,10 +358,20 @@ fn print_status_table(reply: &StatusReply) {
         } else {
             ("?".into(), "?".into(), format!("unreachable: {}", r.error))
         };
-        let note = if r.resync_total_bytes > 0 {
+        let note = if r.resync_running {
             format!(
-                "{note} resync {}/{} bytes",
-                r.resync_done_bytes, r.resync_total_bytes
+                "{note} resync {:.0}% ({} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
+                100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
+                r.resync_done_bytes >> 20,
+                r.resync_total_bytes >> 20,
+                r.resync_copied_bytes >> 20,
+                r.resync_rate_bytes_per_second / 1048576.0,
+                r.resync_eta_seconds
+            )
+        } else if r.resync_total_bytes > 0 {
+            format!(
+                "{note} last resync copied {} MiB",
+                r.resync_copied_bytes >> 20
             )
         } else {
             note
