@@ -262,6 +262,21 @@ pub async fn render(view: &NodeView) -> String {
         }
     }
 
+    text.family(
+        "replica_ha_replica_stale_accepts",
+        "gauge",
+        "Requests each reachable replica admitted below its fence floor (must be 0).",
+    );
+    for report in &reports {
+        if let Ok(info) = &report.info {
+            text.sample(
+                "replica_ha_replica_stale_accepts",
+                &[("replica", &report.id)],
+                info.stale_accepts as f64,
+            );
+        }
+    }
+
     let last_log = raft.last_log_index.unwrap_or(0);
     text.single(
         "replica_ha_raft_last_log_index",

@@ -11,6 +11,12 @@
 //! - [`nbd`]: the NBD server through which programs use the volume;
 //! - [`proto`]: the generated gRPC types.
 
+#[cfg(all(feature = "unsafe-skip-term-check", not(debug_assertions)))]
+compile_error!(
+    "the feature unsafe-skip-term-check breaks S2 on purpose, for the fault campaign's \
+     checker; it must never be built in release"
+);
+
 pub mod admin;
 pub mod ha;
 pub mod http;

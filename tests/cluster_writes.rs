@@ -117,6 +117,12 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
     }
     let status = cluster.status(old).await.unwrap();
     assert!(!status.gate_open);
+    // The replicas' own audit: none admitted a request below its floor.
+    for replica in &cluster.status(new).await.unwrap().replicas {
+        if replica.reachable {
+            assert_eq!(replica.stale_accepts, 0, "replica {} audit", replica.id);
+        }
+    }
 }
 
 /// S5: every write acknowledged before the writer is killed reads back from

@@ -280,6 +280,7 @@ fn status_json(reply: &StatusReply) -> String {
             "reachable": r.reachable,
             "fence_floor": r.reachable.then_some(r.fence_floor),
             "dirty_extents": r.reachable.then_some(r.dirty_extents),
+            "stale_accepts": r.reachable.then_some(r.stale_accepts),
             "error": (!r.error.is_empty()).then_some(&r.error),
             "resync": (r.resync_total_bytes > 0).then(|| serde_json::json!({
                 "running": r.resync_running,

@@ -61,6 +61,9 @@ pub struct ReplicaInfo {
     pub floor: u64,
     /// How many (term, extent) dirty marks it holds.
     pub dirty_extents: u64,
+    /// Requests it admitted below its fence floor (the S2 audit; always 0
+    /// outside the deliberately broken test build).
+    pub stale_accepts: u64,
 }
 
 /// Errors of the replica layer: the store, and any transport to it.

@@ -179,6 +179,7 @@ impl Replica for RemoteReplica {
         Ok(ReplicaInfo {
             floor: reply.floor,
             dirty_extents: reply.dirty_extents,
+            stale_accepts: reply.stale_accepts,
         })
     }
 

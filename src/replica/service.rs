@@ -224,6 +224,7 @@ impl ReplicaRpc for ReplicaService {
             size: self.store.size(),
             extent_size: self.store.identity().extent_size,
             dirty_extents: info.dirty_extents,
+            stale_accepts: info.stale_accepts,
         }))
     }
 }

@@ -25,6 +25,11 @@
 //!   acknowledgement. `clear_dirty_below(T)` drops marks once converged.
 //! - **S7, durable metadata first.** Every floor raise and every new dirty
 //!   mark is flushed to disk (`sled` flush) before the request proceeds.
+//! - **Audit.** [`ReplicaStore::stale_accepts`] counts requests admitted
+//!   with a term below the floor. It is 0 by construction; only the
+//!   deliberately broken test build (feature `unsafe-skip-term-check`, which
+//!   refuses to compile in release) admits them, so the fault campaign's
+//!   checker can show that it notices.
 //! - **Identity.** Cluster id, volume and size are written on first open;
 //!   opening with another identity fails with a clear error and touches
 //!   nothing.
@@ -34,6 +39,7 @@ use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -114,6 +120,8 @@ pub struct ReplicaStore {
     /// Dirty marks known to be durable, so only a term's first write into an
     /// extent pays for a metadata flush.
     marked: Mutex<HashSet<DirtyExtent>>,
+    /// Requests admitted with a term below the floor (see the module docs).
+    stale_accepts: AtomicU64,
     /// Tests slow the data I/O down to hold requests in flight.
     #[cfg(test)]
     io_delay: Mutex<std::time::Duration>,
@@ -213,6 +221,7 @@ impl ReplicaStore {
             dirty_tree,
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
+            stale_accepts: AtomicU64::new(0),
             #[cfg(test)]
             io_delay: Mutex::default(),
         })
@@ -360,12 +369,19 @@ impl ReplicaStore {
         Ok((first, digests))
     }
 
-    /// The fence floor and the number of dirty marks.
+    /// The fence floor, the number of dirty marks and the audit counter.
     pub async fn info(&self) -> Result<super::ReplicaInfo, ReplicaError> {
         Ok(super::ReplicaInfo {
             floor: self.floor().await,
             dirty_extents: self.dirty_tree.len() as u64,
+            stale_accepts: self.stale_accepts(),
         })
+    }
+
+    /// Requests admitted with a term below the fence floor since open: 0
+    /// unless built with `unsafe-skip-term-check`.
+    pub fn stale_accepts(&self) -> u64 {
+        self.stale_accepts.load(Ordering::SeqCst)
     }
 
     /// Every durable dirty mark, ordered by term then extent.
@@ -401,6 +417,12 @@ impl ReplicaStore {
             let guard = Arc::clone(&self.floor).read_owned().await;
             let floor = *guard;
             if term < floor {
+                if cfg!(feature = "unsafe-skip-term-check") {
+                    // The deliberately broken build: admit it, and count it
+                    // where the fault campaign's checker looks.
+                    self.stale_accepts.fetch_add(1, Ordering::SeqCst);
+                    return Ok(guard);
+                }
                 return Err(ReplicaError::StaleTerm { term, floor });
             }
             if term == floor {
@@ -605,6 +627,25 @@ mod tests {
 
     fn block(byte: u8, len: usize) -> Bytes {
         Bytes::from(vec![byte; len])
+    }
+
+    #[tokio::test]
+    async fn the_audit_counts_stale_admissions_only_in_the_broken_build() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        store.fence(5).await.unwrap();
+        let stale = store.write(4, 0, block(9, 512), false).await;
+        if cfg!(feature = "unsafe-skip-term-check") {
+            assert_eq!(stale, Ok(()));
+            assert_eq!(store.stale_accepts(), 1);
+        } else {
+            assert_eq!(stale, Err(ReplicaError::StaleTerm { term: 4, floor: 5 }));
+            assert_eq!(store.stale_accepts(), 0);
+        }
+        assert_eq!(
+            store.info().await.unwrap().stale_accepts,
+            store.stale_accepts()
+        );
     }
 
     #[tokio::test]
