@@ -279,6 +279,12 @@ async fn a_data_dir_of_another_cluster_is_refused() {
 async fn a_healed_partitioned_follower_does_not_disturb_the_leader() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start_with_proxies(3).await;
+    // Start from a settled cluster: the volume config and the first
+    // promotion committed. Before that, log entries whose fsync outlasts
+    // openraft's 50 ms AppendEntries deadline on a busy disk (CI, right
+    // after a build) can cost the first leader its lease, which is not
+    // what this test is about.
+    cluster.wait_for_writer(&[1, 2, 3], ELECTION * 2).await;
     let (leader, term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     let follower = [1, 2, 3].into_iter().find(|id| *id != leader).unwrap();
     cluster.isolate(follower, true);
