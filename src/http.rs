@@ -25,6 +25,7 @@ use tokio::net::TcpListener;
 use crate::ha::ReplicaState;
 use crate::metrics::{Text, load};
 use crate::node::view::NodeView;
+use crate::replica::ReplicaInfo;
 
 /// The routes over a node's view.
 pub fn router(view: Arc<NodeView>) -> Router {
@@ -206,32 +207,32 @@ pub async fn render(view: &NodeView) -> String {
             );
         }
     }
-    text.family(
-        "replica_ha_replica_fence_floor",
-        "gauge",
-        "Each reachable replica's durable fence floor.",
-    );
-    for report in &reports {
-        if let Ok(info) = &report.info {
-            text.sample(
-                "replica_ha_replica_fence_floor",
-                &[("replica", &report.id)],
-                info.floor as f64,
-            );
-        }
-    }
-    text.family(
-        "replica_ha_replica_dirty_extents",
-        "gauge",
-        "Dirty (term, extent) marks each reachable replica holds.",
-    );
-    for report in &reports {
-        if let Ok(info) = &report.info {
-            text.sample(
-                "replica_ha_replica_dirty_extents",
-                &[("replica", &report.id)],
-                info.dirty_extents as f64,
-            );
+    let infos: Vec<(&str, ReplicaInfo)> = reports
+        .iter()
+        .filter_map(|r| r.info.as_ref().ok().map(|info| (r.id.as_str(), *info)))
+        .collect();
+    type Field = fn(&ReplicaInfo) -> u64;
+    let per_replica: [(&str, &str, Field); 3] = [
+        (
+            "replica_ha_replica_fence_floor",
+            "Each reachable replica's durable fence floor.",
+            |i| i.floor,
+        ),
+        (
+            "replica_ha_replica_dirty_extents",
+            "Dirty (term, extent) marks each reachable replica holds.",
+            |i| i.dirty_extents,
+        ),
+        (
+            "replica_ha_replica_stale_accepts",
+            "Requests each reachable replica admitted below its fence floor (must be 0).",
+            |i| i.stale_accepts,
+        ),
+    ];
+    for (name, help, value) in per_replica {
+        text.family(name, "gauge", help);
+        for (id, info) in &infos {
+            text.sample(name, &[("replica", id)], value(info) as f64);
         }
     }
 
@@ -258,21 +259,6 @@ pub async fn render(view: &NodeView) -> String {
                 "replica_ha_resync_eta_seconds",
                 &[("replica", &report.id)],
                 p.eta,
-            );
-        }
-    }
-
-    text.family(
-        "replica_ha_replica_stale_accepts",
-        "gauge",
-        "Requests each reachable replica admitted below its fence floor (must be 0).",
-    );
-    for report in &reports {
-        if let Ok(info) = &report.info {
-            text.sample(
-                "replica_ha_replica_stale_accepts",
-                &[("replica", &report.id)],
-                info.stale_accepts as f64,
             );
         }
     }

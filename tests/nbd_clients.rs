@@ -73,11 +73,7 @@ fn qemu_io_ok(output: &Output) -> bool {
 }
 
 async fn started(size: &str) -> (Cluster, u64) {
-    let mut cluster = Cluster::new(3);
-    cluster.extra_args = vec!["--size".into(), size.into()];
-    for id in cluster.ids.clone() {
-        cluster.spawn(id);
-    }
+    let cluster = Cluster::start_with(3, &["--size", size]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WRITER_WAIT).await;
     (cluster, writer)
 }
@@ -314,6 +310,8 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
         "replica_ha_write_latency_seconds_count 1",
         "replica_ha_replica_state{replica=\"1\",state=\"in_sync\"} 1",
         "replica_ha_raft_replication_lag{peer=\"",
+        "replica_ha_replica_fence_floor{replica=\"",
+        "replica_ha_replica_stale_accepts{replica=\"1\"} 0",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }

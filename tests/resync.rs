@@ -116,11 +116,7 @@ async fn copied_bytes(cluster: &Cluster, writer: u64, id: u64) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
     let _one = one_cluster_at_a_time().await;
-    let mut cluster = Cluster::new(3);
-    cluster.extra_args = vec!["--size".into(), "128MiB".into()];
-    for id in cluster.ids.clone() {
-        cluster.spawn(id);
-    }
+    let mut cluster = Cluster::start_with(3, &["--size", "128MiB"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
 
@@ -189,16 +185,7 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
 /// A cluster whose resync copies at most 8 MiB/s, so a 64 MiB rebuild
 /// lasts long enough to interrupt.
 async fn slow_resync_cluster() -> (Cluster, u64, u64) {
-    let mut cluster = Cluster::new(3);
-    cluster.extra_args = vec![
-        "--size".into(),
-        "128MiB".into(),
-        "--resync-rate".into(),
-        "8MiB".into(),
-    ];
-    for id in cluster.ids.clone() {
-        cluster.spawn(id);
-    }
+    let mut cluster = Cluster::start_with(3, &["--size", "128MiB", "--resync-rate", "8MiB"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     cluster.kill(follower);
@@ -299,11 +286,7 @@ async fn a_rebuild_interrupted_by_a_failover_is_finished_by_the_new_writer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
     let _one = one_cluster_at_a_time().await;
-    let mut cluster = Cluster::new(3);
-    cluster.extra_args = vec!["--size".into(), "128MiB".into()];
-    for id in cluster.ids.clone() {
-        cluster.spawn(id);
-    }
+    let mut cluster = Cluster::start_with(3, &["--size", "128MiB"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     cluster

@@ -58,6 +58,16 @@ impl Cluster {
         cluster
     }
 
+    /// `n` nodes started with `extra_args` (replacing the default size).
+    pub async fn start_with(n: u64, extra_args: &[&str]) -> Cluster {
+        let mut cluster = Cluster::new(n);
+        cluster.extra_args = extra_args.iter().map(|a| a.to_string()).collect();
+        for id in cluster.ids.clone() {
+            cluster.spawn(id);
+        }
+        cluster
+    }
+
     /// `n` nodes where every node dials every peer through its own proxy.
     pub async fn start_with_proxies(n: u64) -> Cluster {
         let mut cluster = Cluster::new(n);
