@@ -171,6 +171,9 @@ async fn real_clients_use_the_writer_and_a_follower_is_read_only() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // Otherwise fio leaves its verify state file in the working
+            // directory (the checkout).
+            "--verify_state_save=0",
         ],
     )
     .await;

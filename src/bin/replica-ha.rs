@@ -110,6 +110,11 @@ struct NodeArgs {
     /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
     #[arg(long)]
     resync_rate: Option<String>,
+    /// Append a line to FILE each time the write gate opens or closes and
+    /// each time a write passes it under a later lease deadline: an audit
+    /// record of when this node could write (used by cluster/chaos).
+    #[arg(long, value_name = "FILE")]
+    gate_journal: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -193,6 +198,7 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         size: args.size,
         min_in_sync: args.min_in_sync,
         resync_rate: args.resync_rate,
+        gate_journal: args.gate_journal,
     };
     let config = match NodeConfig::load(args.config.as_deref(), overrides) {
         Ok(config) => config,

@@ -14,9 +14,15 @@
 //! passed the gate just before it closed may still complete; it carries the
 //! old term, so the replicas refuse it once the next writer fenced them (S2,
 //! S3).
+//!
+//! A [`GateJournal`], when one is attached, is told of every opening and
+//! closing and of each write admitted, with the lease deadline it was
+//! admitted under. From that record an auditor (the fault campaign) can
+//! reconstruct when each node's gate was usable and check that no two nodes'
+//! intervals overlapped.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -25,12 +31,26 @@ use tokio::time::Instant;
 use super::{Coordinator, WriterEngine};
 use crate::volume::{Device, DeviceError};
 
+/// Receives the gate's history (see the module docs). Calls are made on the
+/// write path, so an implementation must be quick and must not block long.
+pub trait GateJournal: Send + Sync {
+    /// The controller opened the gate for `term`, whose lease then ran
+    /// until `deadline` (if there was one for that term).
+    fn opened(&self, term: u64, deadline: Option<Instant>);
+    /// A write or flush of `term` passed the gate under a lease that runs
+    /// out at `deadline` (in the past only in a deliberately broken build).
+    fn admitted(&self, term: u64, deadline: Instant);
+    /// The controller closed the gate (it was open for `term`).
+    fn closed(&self, term: u64);
+}
+
 /// The gated device. See the module docs.
 pub struct ActiveDevice {
     engine: Arc<dyn WriterEngine>,
     coordinator: Arc<dyn Coordinator>,
     /// The term the gate is open for; 0 when closed (0 is never a term).
     open_term: AtomicU64,
+    journal: OnceLock<Arc<dyn GateJournal>>,
 }
 
 impl ActiveDevice {
@@ -39,15 +59,31 @@ impl ActiveDevice {
             engine,
             coordinator,
             open_term: AtomicU64::new(0),
+            journal: OnceLock::new(),
         }
     }
 
+    /// Records the gate's history to `journal` from now on. A second call
+    /// is refused: the history must not be split between two journals.
+    pub fn record_to(&self, journal: Arc<dyn GateJournal>) -> Result<(), &'static str> {
+        self.journal
+            .set(journal)
+            .map_err(|_| "the gate already has a journal")
+    }
+
     pub(super) fn open(&self, term: u64) {
+        if let Some(journal) = self.journal.get() {
+            let lease = self.coordinator.lease().filter(|lease| lease.term == term);
+            journal.opened(term, lease.map(|lease| lease.deadline));
+        }
         self.open_term.store(term, Ordering::SeqCst);
     }
 
     pub(super) fn close(&self) {
-        self.open_term.store(0, Ordering::SeqCst);
+        let term = self.open_term.swap(0, Ordering::SeqCst);
+        if let (Some(journal), true) = (self.journal.get(), term != 0) {
+            journal.closed(term);
+        }
     }
 
     /// Whether the controller has the gate open (the lease may still have
@@ -69,6 +105,16 @@ impl ActiveDevice {
         self.admit().ok().map(|(_, deadline)| deadline)
     }
 
+    /// [`ActiveDevice::admit`] for a request that will run: tells the
+    /// journal.
+    fn admit_and_record(&self) -> Result<(), DeviceError> {
+        let (term, deadline) = self.admit()?;
+        if let Some(journal) = self.journal.get() {
+            journal.admitted(term, deadline);
+        }
+        Ok(())
+    }
+
     /// The gate's term and lease deadline if a write may pass now.
     fn admit(&self) -> Result<(u64, Instant), DeviceError> {
         let term = self.open_term().ok_or(DeviceError::NotLeader)?;
@@ -86,12 +132,12 @@ impl Device for ActiveDevice {
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        self.admit()?;
+        self.admit_and_record()?;
         self.engine.write_at(offset, data, fua).await
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
-        self.admit()?;
+        self.admit_and_record()?;
         self.engine.flush().await
     }
 

@@ -36,7 +36,7 @@ use async_trait::async_trait;
 
 pub use controller::{Controller, ControllerConfig, Role, Status};
 pub use coordinator::{Coordinator, Fencer, Leadership, Lease, Writer};
-pub use gate::ActiveDevice;
+pub use gate::{ActiveDevice, GateJournal};
 
 use crate::volume::{Device, DeviceError};
 

@@ -61,6 +61,8 @@ pub struct ConfigFile {
     pub min_in_sync: Option<usize>,
     /// The most bytes per second a resync copies ("0" for no limit).
     pub resync_rate: Option<toml::Value>,
+    /// Append the gate's history to this file (see `node::journal`).
+    pub gate_journal: Option<PathBuf>,
     /// Raft timing, in milliseconds.
     pub raft: Option<RaftFile>,
 }
@@ -94,6 +96,7 @@ pub struct Overrides {
     pub min_in_sync: Option<usize>,
     /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for none.
     pub resync_rate: Option<String>,
+    pub gate_journal: Option<PathBuf>,
 }
 
 /// A validated node configuration.
@@ -112,6 +115,8 @@ pub struct NodeConfig {
     pub min_in_sync: usize,
     /// Bytes per second a resync may copy (0: no limit).
     pub resync_rate: u64,
+    /// Where the gate journal goes, if anywhere.
+    pub gate_journal: Option<PathBuf>,
     pub timing: RaftTiming,
 }
 
@@ -264,6 +269,7 @@ impl NodeConfig {
             size,
             min_in_sync,
             resync_rate,
+            gate_journal: flags.gate_journal.or(file.gate_journal),
             timing,
         })
     }

@@ -19,6 +19,7 @@
 //! peer), stop Raft and the server, flush the Db, exit 0.
 
 pub mod config;
+pub mod journal;
 pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -136,6 +137,14 @@ impl Node {
 
         let store = Arc::new(open_replica(&config).await?);
         let (controller, engine, replicas) = start_controller(&config, &store, &coordinator)?;
+        if let Some(path) = &config.gate_journal {
+            let journal = journal::FileJournal::open(path)
+                .map_err(|err| ConfigError(format!("gate journal {}: {err}", path.display())))?;
+            controller
+                .device()
+                .record_to(Arc::new(journal))
+                .map_err(|err| failed(err.to_string()))?;
+        }
         let resync = Arc::new(Resyncer::new(
             engine,
             replicas.clone(),

@@ -26,7 +26,8 @@
 //! - **S7, durable metadata first.** Every floor raise and every new dirty
 //!   mark is flushed to disk (`sled` flush) before the request proceeds.
 //! - **Audit.** [`ReplicaStore::stale_accepts`] counts requests admitted
-//!   with a term below the floor. It is 0 by construction; only the
+//!   with a term below the floor, durably (it survives a restart). It is 0
+//!   by construction; only the
 //!   deliberately broken test build (feature `unsafe-skip-term-check`, which
 //!   refuses to compile in release) admits them, so the fault campaign's
 //!   checker can show that it notices.
@@ -57,6 +58,9 @@ pub const MAX_DIGEST_EXTENTS: u64 = 256;
 const DATA_FILE: &str = "volume.img";
 const META_DIR: &str = "meta";
 const FLOOR_KEY: &[u8] = b"floor";
+/// The audit counter's key in the `fence` tree (only the broken build
+/// writes it).
+const STALE_ACCEPTS_KEY: &[u8] = b"stale_accepts";
 
 /// Which cluster and volume a store belongs to, and its shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,6 +216,10 @@ impl ReplicaStore {
             Some(bytes) => decode_u64(&bytes, "fence floor")?,
             None => 0,
         };
+        let stale_accepts = match fence_tree.get(STALE_ACCEPTS_KEY)? {
+            Some(bytes) => decode_u64(&bytes, "stale-accept count")?,
+            None => 0,
+        };
         Ok(Self {
             dir,
             identity,
@@ -221,7 +229,7 @@ impl ReplicaStore {
             dirty_tree,
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
-            stale_accepts: AtomicU64::new(0),
+            stale_accepts: AtomicU64::new(stale_accepts),
             #[cfg(test)]
             io_delay: Mutex::default(),
         })
@@ -378,8 +386,8 @@ impl ReplicaStore {
         })
     }
 
-    /// Requests admitted with a term below the fence floor since open: 0
-    /// unless built with `unsafe-skip-term-check`.
+    /// Requests ever admitted with a term below the fence floor: 0 unless
+    /// built with `unsafe-skip-term-check`.
     pub fn stale_accepts(&self) -> u64 {
         self.stale_accepts.load(Ordering::SeqCst)
     }
@@ -419,8 +427,17 @@ impl ReplicaStore {
             if term < floor {
                 if cfg!(feature = "unsafe-skip-term-check") {
                     // The deliberately broken build: admit it, and count it
-                    // where the fault campaign's checker looks.
-                    self.stale_accepts.fetch_add(1, Ordering::SeqCst);
+                    // durably (a restart must not hide it) where the fault
+                    // campaign's checker looks.
+                    let count = self.stale_accepts.fetch_add(1, Ordering::SeqCst) + 1;
+                    tracing::warn!(
+                        term,
+                        floor,
+                        "admitted a stale term (unsafe-skip-term-check)"
+                    );
+                    self.fence_tree
+                        .insert(STALE_ACCEPTS_KEY, &count.to_be_bytes())?;
+                    self.flusher.flush().await?;
                     return Ok(guard);
                 }
                 return Err(ReplicaError::StaleTerm { term, floor });

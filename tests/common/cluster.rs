@@ -71,18 +71,24 @@ impl Cluster {
     /// `n` nodes where every node dials every peer through its own proxy.
     pub async fn start_with_proxies(n: u64) -> Cluster {
         let mut cluster = Cluster::new(n);
-        for from in cluster.ids.clone() {
-            for to in cluster.ids.clone() {
-                if from != to {
-                    let proxy = Proxy::start(cluster.addrs[&to]).await;
-                    cluster.proxies.insert((from, to), proxy);
-                }
-            }
-        }
+        cluster.add_proxies().await;
         for id in cluster.ids.clone() {
             cluster.spawn(id);
         }
         cluster
+    }
+
+    /// Routes every node-to-node link through its own proxy (call before
+    /// the nodes start).
+    pub async fn add_proxies(&mut self) {
+        for from in self.ids.clone() {
+            for to in self.ids.clone() {
+                if from != to {
+                    let proxy = Proxy::start(self.addrs[&to]).await;
+                    self.proxies.insert((from, to), proxy);
+                }
+            }
+        }
     }
 
     pub fn new(n: u64) -> Cluster {
@@ -118,6 +124,16 @@ impl Cluster {
         std::fs::read_to_string(self.log_path(id)).unwrap_or_default()
     }
 
+    /// Node `id`'s gate journal (every test node keeps one).
+    pub fn journal_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.journal"))
+    }
+
+    /// Whether node `id` is running (started and not killed or stopped).
+    pub fn is_running(&self, id: u64) -> bool {
+        self.children.contains_key(&id)
+    }
+
     /// The arguments node `id` starts with.
     pub fn args(&self, id: u64) -> Vec<String> {
         let mut args = vec![
@@ -134,6 +150,8 @@ impl Cluster {
             self.nbd_addrs[&id].to_string(),
             "--http".into(),
             self.http_addrs[&id].to_string(),
+            "--gate-journal".into(),
+            self.journal_path(id).display().to_string(),
         ];
         for peer in &self.ids {
             let addr = match self.proxies.get(&(id, *peer)) {
@@ -212,6 +230,15 @@ impl Cluster {
     pub fn isolate(&self, id: u64, cut: bool) {
         for ((from, to), proxy) in &self.proxies {
             if *from == id || *to == id {
+                proxy.set_blocked(cut);
+            }
+        }
+    }
+
+    /// Cuts (or restores) the link between `a` and `b`, both ways.
+    pub fn cut_link(&self, a: u64, b: u64, cut: bool) {
+        for ((from, to), proxy) in &self.proxies {
+            if (*from, *to) == (a, b) || (*from, *to) == (b, a) {
                 proxy.set_blocked(cut);
             }
         }

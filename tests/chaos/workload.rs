@@ -1,0 +1,255 @@
+//! The campaign's workload: clients that write self-describing blocks over
+//! NBD to whichever node is the writer, and record every outcome.
+//!
+//! - Every block a client writes names itself: a header with the client,
+//!   its sequence number and the block, and a body derived from all three,
+//!   so the checker can tell which write a block holds, or that it holds
+//!   none (torn or foreign bytes).
+//! - Each client owns its blocks and writes one request at a time, with FUA:
+//!   an acknowledgement means the write is durable on the in-sync replicas.
+//! - A write that was not acknowledged (an NBD error, a timeout, a dropped
+//!   connection) may or may not have landed. The client never writes that
+//!   block again, so for every block the history is a run of acknowledged
+//!   writes followed by at most one write of unknown outcome — and the final
+//!   content must be the last acknowledged write or that later one.
+//! - On any failure the client reconnects, trying the nodes in turn until
+//!   one offers a writable export (a passive node's export is read-only).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::nbd::{Connection, Reply};
+
+pub const BLOCK: usize = 4096;
+const MAGIC: &[u8; 8] = b"RHACHAOS";
+/// How long one write may take before the client gives up on it (longer
+/// than a failover, so a write stalled by one usually still ends with an
+/// answer rather than a timeout).
+const WRITE_LIMIT: Duration = Duration::from_secs(4);
+
+/// Which write a block holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WriteId {
+    pub client: u32,
+    pub seq: u64,
+}
+
+/// The contents of `id`'s write to `block`.
+pub fn encode(id: WriteId, block: u64) -> Vec<u8> {
+    let mut data = Vec::with_capacity(BLOCK);
+    data.extend_from_slice(MAGIC);
+    data.extend_from_slice(&id.client.to_be_bytes());
+    data.extend_from_slice(&id.seq.to_be_bytes());
+    data.extend_from_slice(&block.to_be_bytes());
+    let mut state =
+        (u64::from(id.client) << 48) ^ id.seq.rotate_left(17) ^ block.wrapping_mul(0x9e37_79b9);
+    while data.len() < BLOCK {
+        state = super::rng::splitmix(state);
+        data.extend_from_slice(&state.to_be_bytes());
+    }
+    data.truncate(BLOCK);
+    data
+}
+
+/// What a block holds: all zeroes, exactly one recorded write, or neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Content {
+    Zero,
+    Write(WriteId),
+    Garbage,
+}
+
+pub fn decode(data: &[u8], block: u64) -> Content {
+    if data.iter().all(|b| *b == 0) {
+        return Content::Zero;
+    }
+    if data.len() != BLOCK || &data[..8] != MAGIC {
+        return Content::Garbage;
+    }
+    let client = u32::from_be_bytes(data[8..12].try_into().unwrap());
+    let seq = u64::from_be_bytes(data[12..20].try_into().unwrap());
+    let id = WriteId { client, seq };
+    if encode(id, block) == data {
+        Content::Write(id)
+    } else {
+        Content::Garbage
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Acked,
+    /// The server answered with an NBD error number.
+    Refused(u32),
+    /// No answer: a timeout or a dropped connection.
+    Unknown(String),
+}
+
+/// One write as the client saw it. Times are since the workload started.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub id: WriteId,
+    pub block: u64,
+    pub node: u64,
+    pub invoked: Duration,
+    pub completed: Duration,
+    pub outcome: Outcome,
+}
+
+/// The blocks of the volume the workload uses: `clients × per_client`
+/// blocks spread evenly over the volume, so writes touch many extents.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    pub clients: u32,
+    pub per_client: u64,
+    pub size: u64,
+}
+
+impl Layout {
+    pub fn offset(&self, block: u64) -> u64 {
+        let stride = self.size / (u64::from(self.clients) * self.per_client);
+        block * (stride / BLOCK as u64 * BLOCK as u64)
+    }
+
+    pub fn blocks_of(&self, client: u32) -> std::ops::Range<u64> {
+        let first = u64::from(client) * self.per_client;
+        first..first + self.per_client
+    }
+
+    pub fn all_blocks(&self) -> std::ops::Range<u64> {
+        0..u64::from(self.clients) * self.per_client
+    }
+}
+
+pub struct Workload {
+    pub history: Arc<Mutex<Vec<Record>>>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Workload {
+    /// Starts `layout.clients` clients against the NBD addresses `nodes`.
+    pub fn start(layout: Layout, nodes: BTreeMap<u64, SocketAddr>, seed: u64) -> Workload {
+        let history = Arc::new(Mutex::new(Vec::new()));
+        let (stop, stopped) = watch::channel(false);
+        let started = Instant::now();
+        let tasks = (0..layout.clients)
+            .map(|client| {
+                let client = Client {
+                    id: client,
+                    layout,
+                    nodes: nodes.clone(),
+                    history: Arc::clone(&history),
+                    stopped: stopped.clone(),
+                    started,
+                    rng: super::rng::Rng::new(seed ^ ((u64::from(client) + 1) * 0x5851_f42d)),
+                };
+                tokio::spawn(client.run())
+            })
+            .collect();
+        Workload {
+            history,
+            stop,
+            tasks,
+        }
+    }
+
+    /// Writes acknowledged so far.
+    pub fn acked(&self) -> usize {
+        let history = self.history.lock().unwrap();
+        history
+            .iter()
+            .filter(|r| r.outcome == Outcome::Acked)
+            .count()
+    }
+
+    /// Stops every client (each finishes or abandons its current write) and
+    /// returns the history.
+    pub async fn stop(self) -> Vec<Record> {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        let history = self.history.lock().unwrap();
+        history.clone()
+    }
+}
+
+struct Client {
+    id: u32,
+    layout: Layout,
+    nodes: BTreeMap<u64, SocketAddr>,
+    history: Arc<Mutex<Vec<Record>>>,
+    stopped: watch::Receiver<bool>,
+    started: Instant,
+    rng: super::rng::Rng,
+}
+
+impl Client {
+    async fn run(mut self) {
+        let mut usable: Vec<u64> = self.layout.blocks_of(self.id).collect();
+        let mut seq = 0u64;
+        let mut connection: Option<(u64, Connection)> = None;
+        while !*self.stopped.borrow() && !usable.is_empty() {
+            let Some((node, conn)) = connection.as_mut() else {
+                connection = self.find_writer().await;
+                continue;
+            };
+            seq += 1;
+            let block = usable[self.rng.below(usable.len() as u64) as usize];
+            let id = WriteId {
+                client: self.id,
+                seq,
+            };
+            let invoked = self.started.elapsed();
+            let result = conn
+                .write_fua(self.layout.offset(block), &encode(id, block), WRITE_LIMIT)
+                .await;
+            let outcome = match result {
+                Ok(Reply::Ok(_)) => Outcome::Acked,
+                Ok(Reply::Error(errno)) => Outcome::Refused(errno),
+                Err(err) => Outcome::Unknown(err.to_string()),
+            };
+            let failed = outcome != Outcome::Acked;
+            self.history.lock().unwrap().push(Record {
+                id,
+                block,
+                node: *node,
+                invoked,
+                completed: self.started.elapsed(),
+                outcome,
+            });
+            if failed {
+                usable.retain(|b| *b != block);
+                connection = None;
+            }
+        }
+    }
+
+    /// Tries every node (starting at a random one) until one offers a
+    /// writable export, pausing between rounds; `None` once stopped.
+    async fn find_writer(&mut self) -> Option<(u64, Connection)> {
+        let ids: Vec<u64> = self.nodes.keys().copied().collect();
+        let first = self.rng.below(ids.len() as u64) as usize;
+        for i in 0..ids.len() {
+            if *self.stopped.borrow() {
+                return None;
+            }
+            let node = ids[(first + i) % ids.len()];
+            if let Ok(conn) = Connection::open(self.nodes[&node], Duration::from_secs(1)).await {
+                if !conn.read_only {
+                    return Some((node, conn));
+                }
+            }
+        }
+        let mut stopped = self.stopped.clone();
+        let _ = tokio::time::timeout(Duration::from_millis(100), stopped.wait_for(|s| *s)).await;
+        None
+    }
+}
