@@ -79,14 +79,18 @@ pub fn wall_now_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// The wall-clock time of a monotonic instant.
+/// The wall-clock time of a monotonic instant, rounded up to the next
+/// microsecond: reading the two clocks jitters by nanoseconds, and without
+/// rounding every admission under the same lease would look like a later
+/// one. Rounding up keeps the journal an upper bound.
 fn wall_ns(instant: Instant) -> u64 {
     let (now, wall) = (Instant::now(), wall_now_ns());
-    if instant >= now {
+    let ns = if instant >= now {
         wall.saturating_add((instant - now).as_nanos() as u64)
     } else {
         wall.saturating_sub((now - instant).as_nanos() as u64)
-    }
+    };
+    ns.div_ceil(1000).saturating_mul(1000)
 }
 
 impl GateJournal for FileJournal {

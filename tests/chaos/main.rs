@@ -14,6 +14,7 @@
 //! `cluster/chaos --seed N --schedules K [--faults F]`, which sets
 //! `CHAOS_SEED`, `CHAOS_SCHEDULES` and `CHAOS_FAULTS` for this test. Every
 //! schedule prints its own seed; `--seed S --schedules 1` replays it.
+//! `CHAOS_KEEP=1` keeps every schedule's evidence, not only a failed one's.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -40,9 +41,78 @@ const SIZE: u64 = 32 * 1024 * 1024;
 const EXTENT: u64 = 1024 * 1024;
 const LAYOUT: Layout = Layout {
     clients: 3,
-    per_client: 48,
+    per_client: 600,
+    hot: 40,
     size: SIZE,
 };
+
+/// Each node's replica directory on its own small tmpfs, so a schedule can
+/// fill it up (a real ENOSPC, not a simulated one). Needs root; without it
+/// disk faults are replaced by isolations, and the run says so.
+struct Disks {
+    mounts: Vec<std::path::PathBuf>,
+    keep: bool,
+}
+
+impl Disks {
+    fn mount(cluster: &Cluster) -> Result<Disks, String> {
+        let mut disks = Disks {
+            mounts: Vec::new(),
+            keep: false,
+        };
+        for id in &cluster.ids {
+            let dir = cluster.data_dir(*id).join("replica");
+            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+            let size = format!("size={}", SIZE + 32 * 1024 * 1024);
+            let out = std::process::Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &size, "tmpfs"])
+                .arg(&dir)
+                .output()
+                .map_err(|e| format!("mount: {e}"))?;
+            if !out.status.success() {
+                return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+            }
+            disks.mounts.push(dir);
+        }
+        Ok(disks)
+    }
+
+    fn filler(cluster: &Cluster, id: u64) -> std::path::PathBuf {
+        cluster.data_dir(id).join("replica").join("fill")
+    }
+
+    /// Fills node `id`'s replica file system to the last byte.
+    fn fill(cluster: &Cluster, id: u64) {
+        use std::io::Write;
+        let mut file = std::fs::File::create(Self::filler(cluster, id)).expect("create the filler");
+        let chunk = vec![0u8; 1 << 20];
+        let mut size = chunk.len();
+        while size > 0 {
+            if file.write_all(&chunk[..size]).is_err() {
+                size /= 2;
+            }
+        }
+    }
+
+    fn free(cluster: &Cluster, id: u64) {
+        let _ = std::fs::remove_file(Self::filler(cluster, id));
+    }
+}
+
+impl Drop for Disks {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        for dir in &self.mounts {
+            // Lazy: a node may still hold files open for a moment.
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(dir)
+                .status();
+        }
+    }
+}
 
 /// What one schedule did and found.
 struct Outcome {
@@ -163,6 +233,13 @@ async fn run_schedule(seed: u64, faults: usize) -> Outcome {
     let mut cluster = Cluster::new(NODES);
     cluster.extra_args = vec!["--size".into(), SIZE.to_string()];
     cluster.add_proxies().await;
+    let mut disks = match Disks::mount(&cluster) {
+        Ok(disks) => Some(disks),
+        Err(why) => {
+            eprintln!("chaos: no disk faults (cannot mount a tmpfs: {why}); isolating instead");
+            None
+        }
+    };
     for id in cluster.ids.clone() {
         cluster.spawn(id);
     }
@@ -172,8 +249,9 @@ async fn run_schedule(seed: u64, faults: usize) -> Outcome {
 
     let workload = Workload::start(LAYOUT, cluster.nbd_addrs.clone(), seed);
     wait_for_acks(&workload, 20, Duration::from_secs(20)).await;
+    let mut injected = Vec::new();
     for step in &steps {
-        inject(&mut cluster, step).await;
+        injected.push(inject(&mut cluster, step, disks.is_some()).await);
     }
     heal(&mut cluster);
     // The healed cluster must take writes again before the clients stop.
@@ -229,8 +307,12 @@ async fn run_schedule(seed: u64, faults: usize) -> Outcome {
             }
         }
     }
-    if !violations.is_empty() || stuck.is_some() {
+    let keep = std::env::var_os("CHAOS_KEEP").is_some();
+    if !violations.is_empty() || stuck.is_some() || keep {
         // Keep the evidence: the data dirs, logs and journals.
+        if let Some(disks) = disks.as_mut() {
+            disks.keep = true;
+        }
         let kept = cluster.dir.path().to_path_buf();
         std::mem::forget(std::mem::replace(
             &mut cluster.dir,
@@ -243,7 +325,7 @@ async fn run_schedule(seed: u64, faults: usize) -> Outcome {
     };
     Outcome {
         seed,
-        faults: steps.iter().map(|s| s.fault).collect(),
+        faults: injected,
         acked: count(|o| *o == workload::Outcome::Acked),
         refused: count(|o| matches!(o, workload::Outcome::Refused(_))),
         unknown: count(|o| matches!(o, workload::Outcome::Unknown(_))),
@@ -292,9 +374,18 @@ async fn resolve(cluster: &Cluster, target: Target, pick: u64) -> u64 {
     }
 }
 
-async fn inject(cluster: &mut Cluster, step: &Step) {
+/// Injects, holds and heals one step's fault; returns the fault injected.
+async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
     let pick = step.hold.as_millis() as u64;
-    match step.fault {
+    let fault = match step.fault {
+        Fault::DiskFull(target) if !disks => Fault::Isolate(target),
+        fault => fault,
+    };
+    eprintln!(
+        "chaos:   {fault} (hold {:?}, settle {:?})",
+        step.hold, step.settle
+    );
+    match fault {
         Fault::Kill(target) => {
             let id = resolve(cluster, target, pick).await;
             cluster.kill(id);
@@ -332,8 +423,16 @@ async fn inject(cluster: &mut Cluster, step: &Step) {
             // Best effort: a transfer during an election may be refused.
             let _ = transfer(cluster, leader, to).await;
         }
+        Fault::DiskFull(target) => {
+            let id = resolve(cluster, target, pick).await;
+            Disks::fill(cluster, id);
+            eprintln!("chaos:   node {id}'s replica disk is full");
+            tokio::time::sleep(step.hold).await;
+            Disks::free(cluster, id);
+        }
     }
     tokio::time::sleep(step.settle).await;
+    fault
 }
 
 async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {
@@ -352,6 +451,7 @@ async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {
 /// Undoes whatever is still broken: stopped processes, cut links, dead nodes.
 fn heal(cluster: &mut Cluster) {
     for id in cluster.ids.clone() {
+        Disks::free(cluster, id);
         cluster.resume(id);
         cluster.isolate(id, false);
         if !cluster.is_running(id) {

@@ -32,6 +32,9 @@ pub enum Fault {
     Restart(Target),
     /// A graceful leadership transfer to a follower.
     Transfer,
+    /// The node's replica file system is full: writes that allocate fail
+    /// with ENOSPC (and so do metadata writes) until it is healed.
+    DiskFull(Target),
 }
 
 impl fmt::Display for Fault {
@@ -47,6 +50,7 @@ impl fmt::Display for Fault {
             Fault::CutLink => write!(f, "cut-link"),
             Fault::Restart(t) => write!(f, "restart-{}", target(t)),
             Fault::Transfer => write!(f, "transfer"),
+            Fault::DiskFull(t) => write!(f, "disk-full-{}", target(t)),
         }
     }
 }
@@ -70,7 +74,7 @@ pub fn generate(seed: u64, faults: usize) -> Vec<Step> {
             } else {
                 Target::Follower
             };
-            let (fault, hold) = match rng.below(6) {
+            let (fault, hold) = match rng.below(7) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
                 // lease runs out while the process is stopped.
@@ -78,6 +82,7 @@ pub fn generate(seed: u64, faults: usize) -> Vec<Step> {
                 2 => (Fault::Isolate(target), rng.millis(400, 3000)),
                 3 => (Fault::CutLink, rng.millis(400, 2500)),
                 4 => (Fault::Restart(target), rng.millis(100, 1500)),
+                5 => (Fault::DiskFull(target), rng.millis(400, 3000)),
                 _ => (Fault::Transfer, Duration::ZERO),
             };
             Step {

@@ -8,12 +8,21 @@
 //! - Each client owns its blocks and writes one request at a time, with FUA:
 //!   an acknowledgement means the write is durable on the in-sync replicas.
 //! - A write that was not acknowledged (an NBD error, a timeout, a dropped
-//!   connection) may or may not have landed. The client never writes that
-//!   block again, so for every block the history is a run of acknowledged
-//!   writes followed by at most one write of unknown outcome — and the final
-//!   content must be the last acknowledged write or that later one.
-//! - On any failure the client reconnects, trying the nodes in turn until
+//!   connection) may or may not have landed, and may still be on its way.
+//!   On any failure the client reconnects, trying the nodes in turn until
 //!   one offers a writable export (a passive node's export is read-only).
+//! - If that is another node — necessarily a writer of another term, as a
+//!   term has one leader — the client writes the failed block again there,
+//!   once. A write of the old term must never land after that one (S1–S3):
+//!   this is how a stale write shows up as a lost acknowledged write.
+//!   Otherwise (the same node again, or the retry failed too) the block is
+//!   retired: the outcome of a write still in flight at a live writer of the
+//!   same term is undefined against a later one, so no rule could judge it.
+//! - For every block the final content must therefore be its last
+//!   acknowledged write or a write after that one.
+//! - Half the writes go to a few hot blocks (overwritten often, so ordering
+//!   errors show) and half to many cold ones (mostly first writes, so a
+//!   replica whose disk cannot allocate fails them).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -103,11 +112,13 @@ pub struct Record {
 }
 
 /// The blocks of the volume the workload uses: `clients × per_client`
-/// blocks spread evenly over the volume, so writes touch many extents.
+/// blocks spread evenly over the volume, so writes touch many extents; the
+/// first `hot` of each client's blocks are written half of the time.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     pub clients: u32,
     pub per_client: u64,
+    pub hot: u64,
     pub size: u64,
 }
 
@@ -193,16 +204,42 @@ struct Client {
 
 impl Client {
     async fn run(mut self) {
-        let mut usable: Vec<u64> = self.layout.blocks_of(self.id).collect();
+        let blocks = self.layout.blocks_of(self.id);
+        let hot_end = blocks.start + self.layout.hot;
+        let mut hot: Vec<u64> = (blocks.start..hot_end).collect();
+        let mut cold: Vec<u64> = (hot_end..blocks.end).collect();
         let mut seq = 0u64;
         let mut connection: Option<(u64, Connection)> = None;
-        while !*self.stopped.borrow() && !usable.is_empty() {
+        // The block whose write failed, and the node it failed on.
+        let mut failed: Option<(u64, u64)> = None;
+        let mut retrying = None;
+        while !*self.stopped.borrow() && (!hot.is_empty() || !cold.is_empty()) {
             let Some((node, conn)) = connection.as_mut() else {
                 connection = self.find_writer().await;
+                let found = connection.as_ref().map(|(node, _)| *node);
+                if let (Some(node), Some((block, on))) = (found, failed) {
+                    failed = None;
+                    if node != on {
+                        retrying = Some(block);
+                    } else {
+                        hot.retain(|b| *b != block);
+                        cold.retain(|b| *b != block);
+                    }
+                }
                 continue;
             };
             seq += 1;
-            let block = usable[self.rng.below(usable.len() as u64) as usize];
+            let block = match retrying {
+                Some(block) => block,
+                None => {
+                    let pool = if cold.is_empty() || (!hot.is_empty() && self.rng.below(2) == 0) {
+                        &hot
+                    } else {
+                        &cold
+                    };
+                    pool[self.rng.below(pool.len() as u64) as usize]
+                }
+            };
             let id = WriteId {
                 client: self.id,
                 seq,
@@ -216,19 +253,26 @@ impl Client {
                 Ok(Reply::Error(errno)) => Outcome::Refused(errno),
                 Err(err) => Outcome::Unknown(err.to_string()),
             };
-            let failed = outcome != Outcome::Acked;
+            let acked = outcome == Outcome::Acked;
+            let node = *node;
             self.history.lock().unwrap().push(Record {
                 id,
                 block,
-                node: *node,
+                node,
                 invoked,
                 completed: self.started.elapsed(),
                 outcome,
             });
-            if failed {
-                usable.retain(|b| *b != block);
+            if !acked {
+                if retrying.is_some() {
+                    hot.retain(|b| *b != block);
+                    cold.retain(|b| *b != block);
+                } else {
+                    failed = Some((block, node));
+                }
                 connection = None;
             }
+            retrying = None;
         }
     }
 
