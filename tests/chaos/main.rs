@@ -120,6 +120,8 @@ struct Outcome {
     faults: Vec<Fault>,
     acked: usize,
     refused: usize,
+    /// The NBD error of each refused write.
+    errnos: Vec<u32>,
     unknown: usize,
     violations: Vec<Violation>,
     /// A failure to recover (not a safety violation, but a failed run).
@@ -143,10 +145,25 @@ async fn a_seeded_fault_campaign_keeps_every_safety_rule() {
     let seed = env_u64("CHAOS_SEED", 20261202);
     let schedules = env_u64("CHAOS_SCHEDULES", 5);
     let faults = env_u64("CHAOS_FAULTS", 3) as usize;
-    eprintln!("chaos: base seed {seed}, {schedules} schedule(s) of {faults} fault(s)");
+    let only: Vec<String> = std::env::var("CHAOS_ONLY")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|name| !name.is_empty())
+        .map(str::to_string)
+        .collect();
+    eprintln!(
+        "chaos: base seed {seed}, {schedules} schedule(s) of {faults} fault(s){}",
+        if only.is_empty() {
+            String::new()
+        } else {
+            format!(" among {only:?}")
+        }
+    );
     let mut outcomes = Vec::new();
     for i in 0..schedules {
-        let outcome = run_schedule(seed + i, faults).await;
+        let steps = schedule::generate(seed + i, faults, &only);
+        assert!(!steps.is_empty(), "CHAOS_ONLY={only:?} names no fault");
+        let outcome = run_schedule(seed + i, steps).await;
         report(&outcome);
         outcomes.push(outcome);
     }
@@ -209,6 +226,13 @@ fn summary(outcomes: &[Outcome]) -> String {
     }
     row("writes acknowledged", sum(|o| o.acked).to_string());
     row("writes refused (NBD error)", sum(|o| o.refused).to_string());
+    let mut errnos: BTreeMap<u32, usize> = BTreeMap::new();
+    for errno in outcomes.iter().flat_map(|o| &o.errnos) {
+        *errnos.entry(*errno).or_default() += 1;
+    }
+    for (errno, n) in errnos {
+        row(&format!("  errno {errno} ({})", errno_name(errno)), n.to_string());
+    }
     row("writes of unknown outcome", sum(|o| o.unknown).to_string());
     row(
         "schedules that did not recover",
@@ -228,8 +252,18 @@ fn summary(outcomes: &[Outcome]) -> String {
     text
 }
 
-async fn run_schedule(seed: u64, faults: usize) -> Outcome {
-    let steps = schedule::generate(seed, faults);
+fn errno_name(errno: u32) -> &'static str {
+    match errno {
+        1 => "EPERM",
+        5 => "EIO",
+        22 => "EINVAL",
+        28 => "ENOSPC",
+        108 => "ESHUTDOWN",
+        _ => "?",
+    }
+}
+
+async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut cluster = Cluster::new(NODES);
     cluster.extra_args = vec!["--size".into(), SIZE.to_string()];
     cluster.add_proxies().await;
@@ -328,6 +362,14 @@ async fn run_schedule(seed: u64, faults: usize) -> Outcome {
         faults: injected,
         acked: count(|o| *o == workload::Outcome::Acked),
         refused: count(|o| matches!(o, workload::Outcome::Refused(_))),
+        errnos: evidence
+            .history
+            .iter()
+            .filter_map(|r| match r.outcome {
+                workload::Outcome::Refused(errno) => Some(errno),
+                _ => None,
+            })
+            .collect(),
         unknown: count(|o| matches!(o, workload::Outcome::Unknown(_))),
         violations,
         stuck,

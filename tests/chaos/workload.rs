@@ -271,6 +271,10 @@ impl Client {
                     failed = Some((block, node));
                 }
                 connection = None;
+                // As a real client would: back off before reconnecting, or
+                // a writer that refuses at once (fewer in-sync replicas
+                // than min_in_sync) turns the client into a busy loop.
+                self.pause(Duration::from_millis(100)).await;
             }
             retrying = None;
         }
@@ -292,8 +296,13 @@ impl Client {
                 }
             }
         }
-        let mut stopped = self.stopped.clone();
-        let _ = tokio::time::timeout(Duration::from_millis(100), stopped.wait_for(|s| *s)).await;
+        self.pause(Duration::from_millis(100)).await;
         None
+    }
+
+    /// Sleeps for `how_long`, or until the workload stops.
+    async fn pause(&self, how_long: Duration) {
+        let mut stopped = self.stopped.clone();
+        let _ = tokio::time::timeout(how_long, stopped.wait_for(|s| *s)).await;
     }
 }
