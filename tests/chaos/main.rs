@@ -348,6 +348,17 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
             disks.keep = true;
         }
         let kept = cluster.dir.path().to_path_buf();
+        let history: String = evidence
+            .history
+            .iter()
+            .map(|r| {
+                format!(
+                    "block {} {:?} node {} {:?}..{:?} {:?}\n",
+                    r.block, r.id, r.node, r.invoked, r.completed, r.outcome
+                )
+            })
+            .collect();
+        let _ = std::fs::write(kept.join("history.txt"), history);
         std::mem::forget(std::mem::replace(
             &mut cluster.dir,
             tempfile::tempdir().unwrap(),

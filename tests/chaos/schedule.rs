@@ -93,8 +93,11 @@ fn draw(rng: &mut Rng) -> Step {
             let (fault, hold) = match rng.below(7) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
-                // lease runs out while the process is stopped.
-                1 => (Fault::Pause(target), rng.millis(700, 2500)),
+                // lease runs out while the process is stopped; up to longer
+                // than the workload's 4 s write timeout, so a client gives
+                // up, rewrites the block on the next writer, and then the
+                // stopped writer resumes with the old write in hand.
+                1 => (Fault::Pause(target), rng.millis(700, 6000)),
                 2 => (Fault::Isolate(target), rng.millis(400, 3000)),
                 3 => (Fault::CutLink, rng.millis(400, 2500)),
                 4 => (Fault::Restart(target), rng.millis(100, 1500)),

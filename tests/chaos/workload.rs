@@ -14,10 +14,11 @@
 //! - If that is another node — necessarily a writer of another term, as a
 //!   term has one leader — the client writes the failed block again there,
 //!   once. A write of the old term must never land after that one (S1–S3):
-//!   this is how a stale write shows up as a lost acknowledged write.
-//!   Otherwise (the same node again, or the retry failed too) the block is
-//!   retired: the outcome of a write still in flight at a live writer of the
-//!   same term is undefined against a later one, so no rule could judge it.
+//!   this is how a stale write shows up as a lost acknowledged write. The
+//!   block is then never written again, so such a late write stays visible
+//!   at the end. Otherwise (the same node again) the block is retired too:
+//!   the outcome of a write still in flight at a live writer of the same
+//!   term is undefined against a later one, so no rule could judge it.
 //! - For every block the final content must therefore be its last
 //!   acknowledged write or a write after that one.
 //! - Half the writes go to a few hot blocks (overwritten often, so ordering
@@ -263,13 +264,15 @@ impl Client {
                 completed: self.started.elapsed(),
                 outcome,
             });
+            if retrying.is_some() {
+                // Frozen, whatever the outcome: a stale write that lands
+                // later stays visible to the checker.
+                hot.retain(|b| *b != block);
+                cold.retain(|b| *b != block);
+            } else if !acked {
+                failed = Some((block, node));
+            }
             if !acked {
-                if retrying.is_some() {
-                    hot.retain(|b| *b != block);
-                    cold.retain(|b| *b != block);
-                } else {
-                    failed = Some((block, node));
-                }
                 connection = None;
                 // As a real client would: back off before reconnecting, or
                 // a writer that refuses at once (fewer in-sync replicas
