@@ -124,7 +124,8 @@ struct Outcome {
     errnos: Vec<u32>,
     unknown: usize,
     violations: Vec<Violation>,
-    /// A failure to recover (not a safety violation, but a failed run).
+    /// A crash or a failure to recover: not a safety violation, but a
+    /// failed schedule.
     stuck: Option<String>,
 }
 
@@ -197,7 +198,7 @@ fn report(outcome: &Outcome) {
         outcome
             .stuck
             .as_ref()
-            .map(|why| format!(", DID NOT RECOVER: {why}"))
+            .map(|why| format!(", FAILED: {why}"))
             .unwrap_or_default()
     );
     for violation in &outcome.violations {
@@ -231,11 +232,14 @@ fn summary(outcomes: &[Outcome]) -> String {
         *errnos.entry(*errno).or_default() += 1;
     }
     for (errno, n) in errnos {
-        row(&format!("  errno {errno} ({})", errno_name(errno)), n.to_string());
+        row(
+            &format!("  errno {errno} ({})", errno_name(errno)),
+            n.to_string(),
+        );
     }
     row("writes of unknown outcome", sum(|o| o.unknown).to_string());
     row(
-        "schedules that did not recover",
+        "schedules failed otherwise (a crash, no writer, no convergence)",
         outcomes
             .iter()
             .filter(|o| o.stuck.is_some())
@@ -279,14 +283,21 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     }
     let all = cluster.ids.clone();
     let mut stuck = None;
-    cluster.wait_for_writer(&all, Duration::from_secs(30)).await;
+    if let Err(why) = writer_within(&cluster, Duration::from_secs(30)).await {
+        // Not a safety question, but the schedule cannot run: report it
+        // and go on with the campaign.
+        stuck = Some(format!("the new cluster elected no writer: {why}"));
+    }
 
     let workload = Workload::start(LAYOUT, cluster.nbd_addrs.clone(), seed);
     wait_for_acks(&workload, 20, Duration::from_secs(20)).await;
     let mut injected = Vec::new();
+    let mut crashes = Vec::new();
     for step in &steps {
         injected.push(inject(&mut cluster, step, disks.is_some()).await);
+        crashes.extend(cluster.exited());
     }
+    crashes.extend(cluster.exited());
     heal(&mut cluster);
     // The healed cluster must take writes again before the clients stop.
     let before = workload.acked();
@@ -294,16 +305,36 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         stuck = Some("no writes acknowledged within 30 s of the heal".into());
     }
     let history = workload.stop().await;
+    crashes.extend(cluster.exited());
+    if !crashes.is_empty() {
+        // A node that exits by itself is a bug whatever the checker says.
+        let tails: Vec<String> = crashes
+            .iter()
+            .map(|(id, status)| {
+                let log = cluster.log(*id);
+                let last = log.lines().last().unwrap_or_default().to_string();
+                format!("node {id} exited by itself ({status}): {last}")
+            })
+            .collect();
+        stuck = Some(tails.join("; "));
+    }
 
     let mut evidence = Evidence {
         history,
         ..Evidence::default()
     };
-    let in_sync = match converge(&cluster, Duration::from_secs(90)).await {
-        Ok((writer, in_sync)) => {
-            evidence.final_blocks = read_blocks(&cluster, writer).await;
-            in_sync
-        }
+    let converged = converge(&cluster, Duration::from_secs(90)).await;
+    let in_sync = match converged {
+        Ok((writer, in_sync)) => match read_blocks(&cluster, writer).await {
+            Ok(blocks) => {
+                evidence.final_blocks = blocks;
+                in_sync
+            }
+            Err(why) => {
+                stuck.get_or_insert(why);
+                Vec::new()
+            }
+        },
         Err(why) => {
             stuck.get_or_insert(why);
             Vec::new()
@@ -548,11 +579,11 @@ async fn converge(cluster: &Cluster, within: Duration) -> Result<(u64, Vec<u64>)
 }
 
 /// Every workload block, read through the writer's NBD export.
-async fn read_blocks(cluster: &Cluster, writer: u64) -> BTreeMap<u64, Vec<u8>> {
+async fn read_blocks(cluster: &Cluster, writer: u64) -> Result<BTreeMap<u64, Vec<u8>>, String> {
     let limit = Duration::from_secs(5);
     let mut conn = nbd::Connection::open(cluster.nbd_addrs[&writer], limit)
         .await
-        .expect("connect to the writer's export");
+        .map_err(|err| format!("connecting to the writer's export: {err}"))?;
     assert_eq!(conn.size, SIZE, "the export's size");
     let mut blocks = BTreeMap::new();
     for block in LAYOUT.all_blocks() {
@@ -560,10 +591,28 @@ async fn read_blocks(cluster: &Cluster, writer: u64) -> BTreeMap<u64, Vec<u8>> {
             Ok(nbd::Reply::Ok(data)) => {
                 blocks.insert(block, data);
             }
-            other => panic!("reading block {block} from the writer: {other:?}"),
+            other => return Err(format!("reading block {block} from the writer: {other:?}")),
         }
     }
-    blocks
+    Ok(blocks)
+}
+
+/// Waits for a node with its gate open.
+async fn writer_within(cluster: &Cluster, within: Duration) -> Result<u64, String> {
+    let deadline = Instant::now() + within;
+    loop {
+        for id in &cluster.ids {
+            if let Some(status) = cluster.status(*id).await {
+                if status.role == "leader" && status.gate_open {
+                    return Ok(*id);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no writer within {within:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// BLAKE3 of each 1 MiB extent of node `id`'s replica file (node stopped).

@@ -25,13 +25,31 @@ pub async fn one_cluster_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
     ONE_CLUSTER_AT_A_TIME.lock().await
 }
 
-/// A free loopback port (bound and released; good enough on a test box).
+/// A free loopback port for a node to listen on, from below Linux's
+/// ephemeral range (32768-60999). A port from that range (`bind` to port 0)
+/// can be handed out again, between our release and the node's bind, to a
+/// proxy listener or to the source port of any outgoing connection — the
+/// fault campaign saw a node fail to start that way. Below the range only
+/// another explicit bind can take it, and ports are tried in turn from a
+/// per-process start.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id() % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LOW + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {LOW}..{}", LOW + SPAN);
 }
 
 pub struct Cluster {
@@ -132,6 +150,21 @@ impl Cluster {
     /// Whether node `id` is running (started and not killed or stopped).
     pub fn is_running(&self, id: u64) -> bool {
         self.children.contains_key(&id)
+    }
+
+    /// The nodes that exited by themselves (not killed or terminated by the
+    /// test) since the last call, with their exit status; they are reaped.
+    pub fn exited(&mut self) -> Vec<(u64, ExitStatus)> {
+        let mut exited = Vec::new();
+        for (id, child) in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                exited.push((*id, status));
+            }
+        }
+        for (id, _) in &exited {
+            self.children.remove(id);
+        }
+        exited
     }
 
     /// The arguments node `id` starts with.
