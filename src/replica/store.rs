@@ -429,14 +429,23 @@ impl ReplicaStore {
                     // The deliberately broken build: admit it, and count it
                     // durably (a restart must not hide it) where the fault
                     // campaign's checker looks.
-                    let count = self.stale_accepts.fetch_add(1, Ordering::SeqCst) + 1;
                     tracing::warn!(
                         term,
                         floor,
                         "admitted a stale term (unsafe-skip-term-check)"
                     );
-                    self.fence_tree
-                        .insert(STALE_ACCEPTS_KEY, &count.to_be_bytes())?;
+                    // One atomic read-modify-write, so concurrent stale
+                    // admissions cannot store their counts out of order.
+                    let stored = self.fence_tree.update_and_fetch(STALE_ACCEPTS_KEY, |old| {
+                        let count = old
+                            .and_then(|bytes| <[u8; 8]>::try_from(bytes).ok())
+                            .map_or(0, u64::from_be_bytes);
+                        Some((count + 1).to_be_bytes().to_vec())
+                    })?;
+                    let count = stored
+                        .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_ref()).ok())
+                        .map_or(0, u64::from_be_bytes);
+                    self.stale_accepts.fetch_max(count, Ordering::SeqCst);
                     self.flusher.flush().await?;
                     return Ok(guard);
                 }
@@ -663,6 +672,11 @@ mod tests {
             store.info().await.unwrap().stale_accepts,
             store.stale_accepts()
         );
+        // The count is durable: a restart must not hide a stale admission.
+        let before = store.stale_accepts();
+        drop(store);
+        let reopened = open(dir.path()).await;
+        assert_eq!(reopened.stale_accepts(), before);
     }
 
     #[tokio::test]
