@@ -417,3 +417,98 @@ async fn a_rebuild_does_not_survive_a_new_term() {
         "n1 is in sync"
     );
 }
+
+/// S5 across a join: the write W reaches the joining n3 and is held there
+/// while n3's return commits; then n3 fails W. W may be acknowledged only
+/// if every member of the set committed by then has it.
+#[tokio::test]
+async fn a_write_that_fails_on_a_replica_whose_return_just_committed_is_not_acknowledged_without_it()
+ {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.begin_rebuild("n3").await.unwrap();
+    for extent in 0..(SIZE >> 20) {
+        rig.engine.copy_extent("n3", extent).await.unwrap();
+    }
+    let commit = rig.tracker.hold_adds();
+    let finish = tokio::spawn({
+        let engine = Arc::clone(&rig.engine);
+        async move { engine.finish_rebuild("n3").await }
+    });
+    // finish_rebuild is now waiting on the held commit, past its barrier.
+    common::wait_until("the return is being committed", || {
+        rig.engine.replicas()[2].state == ReplicaState::Rebuilding
+    })
+    .await;
+    rig.replicas[2].set(Fault::HoldWrites { pass: false });
+    let write = tokio::spawn({
+        let engine = Arc::clone(&rig.engine);
+        async move { engine.write_at(3 << 20, block(0x5a), false).await }
+    });
+    rig.replicas[2].wait_held(1).await;
+    commit.add_permits(1);
+    finish.await.unwrap().unwrap();
+    assert!(rig.committed().await.contains("n3"), "n3 returned");
+    rig.replicas[2].release(1);
+    let acked = write.await.unwrap();
+    rig.replicas[2].set(Fault::None);
+    if acked.is_ok() {
+        for (i, id) in IDS.iter().enumerate() {
+            if rig.committed().await.contains(*id) {
+                assert!(
+                    rig.on(i, 3 << 20, 4096).await == block(0x5a),
+                    "{id} is in the committed in-sync set but lacks an acknowledged write"
+                );
+            }
+        }
+    }
+}
+
+/// S5 and S7 for a rebuild: copied extents are durable on the target before
+/// its return is committed, so a power cut right after the return loses no
+/// acknowledged byte.
+#[tokio::test]
+async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
+    use common::power::PowerCutReplica;
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = FaultyReplica::new("n1", store(dir.path(), "n1").await);
+    let n2 = FaultyReplica::new("n2", store(dir.path(), "n2").await);
+    let n3 = PowerCutReplica::new("n3", store(dir.path(), "n3").await).await;
+    let replicas: Vec<Arc<dyn Replica>> = vec![n1.clone(), n2.clone(), n3.clone()];
+    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::default());
+    let engine = Arc::new(
+        Engine::new(
+            EngineConfig {
+                local_id: "n1".into(),
+                min_in_sync: 2,
+                replica_timeout: SHORT,
+                size: SIZE,
+            },
+            replicas.clone(),
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    engine.activate(3).await.unwrap();
+    let data = |i: u64| Bytes::from(vec![0x10 + i as u8; 64 << 10]);
+    for i in 0..4u64 {
+        engine.write_at(i << 20, data(i), false).await.unwrap();
+    }
+    engine.flush().await.unwrap();
+    let resync = Resyncer::new(Arc::clone(&engine), replicas, ResyncConfig::default());
+    let copied = resync
+        .rebuild(&(n3.clone() as Arc<dyn Replica>))
+        .await
+        .unwrap();
+    assert!(copied >= 4 << 20, "copied {copied}");
+    assert!(tracker.in_sync().await.unwrap().contains("n3"));
+    n3.power_cut().await;
+    for i in 0..4u64 {
+        assert!(
+            n3.store().read(i << 20, 64 << 10).await.unwrap() == data(i),
+            "extent {i} on the returned replica lost acknowledged bytes in a power cut"
+        );
+    }
+}

@@ -5,14 +5,18 @@
 //! term (S2) and sent to all members of the in-sync set at once.
 //!
 //! **S5, ack means replicated.** A write returns Ok only when every member of
-//! the in-sync set has it and the set still has at least `min_in_sync`
-//! members. When some members fail or time out, the engine asks the
-//! [`InSyncTracker`] to commit their removal and acknowledges only after that
-//! commit, and only if every member of the committed set got the write. If
-//! removing them would leave fewer than `min_in_sync` members, nothing is
-//! committed and the write fails: the set keeps members that hold every
-//! acknowledged write, so availability returns with them. Shrinks are
-//! serialized, so two concurrent failures cannot both see "enough" members.
+//! the in-sync set *as committed at the moment of the acknowledgement* has
+//! it, and the set still has at least `min_in_sync` members. The decision is
+//! made under the in-sync lock that every change of the set also takes, so
+//! the set cannot change between the check and the answer. A member that
+//! joined while the request was in flight, and so was never sent it, is sent
+//! it before the request may be acknowledged. When some members fail or time
+//! out, the engine asks the [`InSyncTracker`] to commit their removal and
+//! acknowledges only after that commit, and only if every member of the
+//! committed set got the write. If removing them would leave fewer than
+//! `min_in_sync` members, nothing is committed and the write fails: the set
+//! keeps members that hold every acknowledged write, so availability returns
+//! with them.
 //!
 //! A replica that refuses a write with "stale term" means a newer writer has
 //! fenced this one: the engine deactivates itself and fails the write, and
@@ -29,8 +33,11 @@
 //! extent's stripe exclusively so no write to that extent interleaves with
 //! the copy. [`Engine::finish_rebuild`] marks it joining — from then on a
 //! write it fails is not acknowledged — waits out the writes that began
-//! before, and commits its return through the tracker. A write it failed
-//! while rebuilding aborts the rebuild; the replica stays out.
+//! before, **flushes the target** (the copies were written without FUA, and
+//! the set must not count on bytes a power cut would take; S7), and commits
+//! its return through the tracker. A write it failed while rebuilding aborts
+//! the rebuild; the replica stays out. A write it fails after its return
+//! committed is judged as for any member.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -82,6 +89,17 @@ pub struct Engine {
 
 /// How many stripes the extents map onto.
 const STRIPES: u64 = 64;
+
+/// Each replica's answer to one mirrored request, by replica id.
+type Outcomes = BTreeMap<String, Result<(), ReplicaError>>;
+
+/// What [`Engine::settle`] decided.
+enum Settled {
+    /// Every member of the committed in-sync set has the request.
+    Acknowledged,
+    /// These members joined after the request was sent: send it to them.
+    Missing(Vec<Arc<dyn Replica>>),
+}
 
 /// A replica being rebuilt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -199,18 +217,48 @@ impl Engine {
         }
     }
 
-    /// Sends one request to every target (and every replica being rebuilt)
-    /// at once, each bounded by the replica timeout, and settles the
-    /// outcome (S5).
+    /// Sends one request to every in-sync replica and every replica being
+    /// rebuilt at once, each bounded by the replica timeout, and settles the
+    /// outcome (S5). A replica that joined the in-sync set while the request
+    /// was in flight, without having been sent it, is sent it too before the
+    /// request may be acknowledged: the ack needs every member of the set as
+    /// committed *at the ack*, not as it was when the request began.
     async fn mirror<F, Fut>(&self, op: F) -> Result<(), DeviceError>
     where
         F: Fn(u64, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
         let (term, targets, rebuilding) = self.targets()?;
+        let mut outcomes = Outcomes::new();
+        let mut send: Vec<Arc<dyn Replica>> = targets.into_iter().chain(rebuilding).collect();
+        let mut joining_failed = None;
+        loop {
+            let sent = self.send_all(term, &send, &op).await;
+            self.check_stale(&sent)?;
+            joining_failed = joining_failed.or(self.note_rebuilt(&sent));
+            outcomes.extend(sent);
+            match self.settle(term, &outcomes).await? {
+                Settled::Acknowledged => break,
+                Settled::Missing(missing) => send = missing,
+            }
+        }
+        match joining_failed {
+            Some(id) => Err(DeviceError::Io(format!(
+                "replica {id} failed the write while rejoining the in-sync set"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends `op` to each of `replicas` at once, each call bounded by the
+    /// replica timeout, and returns every outcome.
+    async fn send_all<F, Fut>(&self, term: u64, replicas: &[Arc<dyn Replica>], op: &F) -> Outcomes
+    where
+        F: Fn(u64, Arc<dyn Replica>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), ReplicaError>>,
+    {
         let timeout = self.config.replica_timeout;
-        let everyone: Vec<Arc<dyn Replica>> = targets.iter().chain(&rebuilding).cloned().collect();
-        let mut outcomes = join_all(everyone.iter().map(|replica| {
+        let results = join_all(replicas.iter().map(|replica| {
             let call = op(term, Arc::clone(replica));
             async move {
                 match tokio::time::timeout(timeout, call).await {
@@ -222,62 +270,49 @@ impl Engine {
             }
         }))
         .await;
-        let rebuilt = outcomes.split_off(targets.len());
-        let outcomes: Vec<(String, Result<(), ReplicaError>)> = targets
+        replicas
             .iter()
             .map(|r| r.id().to_string())
-            .zip(outcomes)
-            .collect();
-        let rebuilt: Vec<(String, Result<(), ReplicaError>)> = rebuilding
-            .iter()
-            .map(|r| r.id().to_string())
-            .zip(rebuilt)
-            .collect();
-        let joining_failed = self.note_rebuilt(term, &rebuilt)?;
-        self.settle(term, outcomes).await?;
-        match joining_failed {
-            Some(id) => Err(DeviceError::Io(format!(
-                "replica {id} failed the write while rejoining the in-sync set"
-            ))),
-            None => Ok(()),
-        }
+            .zip(results)
+            .collect()
     }
 
-    /// Records the outcomes on replicas being rebuilt: a failure marks the
-    /// rebuild failed; on a joining replica it also fails the request
-    /// (returned as the replica's id). A stale term deactivates as usual.
-    fn note_rebuilt(
-        &self,
-        term: u64,
-        outcomes: &[(String, Result<(), ReplicaError>)],
-    ) -> Result<Option<String>, DeviceError> {
-        let mut joining_failed = None;
+    /// A replica that refused the term means a newer writer fenced this
+    /// one: deactivate and fail, shrinking nothing.
+    fn check_stale(&self, outcomes: &Outcomes) -> Result<(), DeviceError> {
         for (id, outcome) in outcomes {
-            match outcome {
-                Ok(()) => {}
-                Err(ReplicaError::StaleTerm { term: stale, floor }) => {
-                    tracing::warn!(term, floor, replica = %id, "fenced by a newer writer; deactivating");
-                    self.deactivate_term(*stale);
-                    return Err(DeviceError::StaleTerm {
-                        term: *stale,
-                        floor: *floor,
-                    });
-                }
-                Err(err) => {
-                    let mut state = self.lock();
-                    if let Some(rebuild) = state.rebuilding.get_mut(id) {
-                        if !rebuild.failed {
-                            tracing::warn!(replica = %id, %err, "a write to a replica being rebuilt failed");
-                        }
-                        rebuild.failed = true;
-                        if rebuild.joining {
-                            joining_failed = Some(id.clone());
-                        }
-                    }
-                }
+            if let Err(ReplicaError::StaleTerm { term, floor }) = outcome {
+                tracing::warn!(term, floor, replica = %id, "fenced by a newer writer; deactivating");
+                self.deactivate_term(*term);
+                return Err(DeviceError::StaleTerm {
+                    term: *term,
+                    floor: *floor,
+                });
             }
         }
-        Ok(joining_failed)
+        Ok(())
+    }
+
+    /// Records failures on replicas still being rebuilt: the rebuild is
+    /// spoiled, and a failure on a joining replica fails the request
+    /// (returned as the replica's id). A replica whose return has already
+    /// committed is a member by now, and [`Engine::settle`] judges it.
+    fn note_rebuilt(&self, outcomes: &Outcomes) -> Option<String> {
+        let mut joining_failed = None;
+        let mut state = self.lock();
+        for (id, outcome) in outcomes {
+            let (Err(err), Some(rebuild)) = (outcome, state.rebuilding.get_mut(id)) else {
+                continue;
+            };
+            if !rebuild.failed {
+                tracing::warn!(replica = %id, %err, "a write to a replica being rebuilt failed");
+            }
+            rebuild.failed = true;
+            if rebuild.joining {
+                joining_failed = Some(id.clone());
+            }
+        }
+        joining_failed
     }
 
     /// Starts rebuilding `id`: from now on it receives every write. Returns
@@ -347,7 +382,20 @@ impl Engine {
             self.abort_rebuild(id);
             return Err(format!("a write to {id} failed during its rebuild"));
         }
+        // S5 and S7: the copies were written without FUA; make them durable
+        // on the target before the set counts on it.
+        let target = self.replica(id).ok_or("unknown replica")?;
+        let flushed = tokio::time::timeout(self.config.replica_timeout, target.flush(term)).await;
+        if let Err(err) =
+            flushed.unwrap_or_else(|_| Err(ReplicaError::Unavailable("the flush timed out".into())))
+        {
+            self.abort_rebuild(id);
+            return Err(format!("flushing {id} before its return: {err}"));
+        }
         let ids: BTreeSet<String> = [id.to_string()].into();
+        // In-sync changes are serialized with the acknowledgement decisions
+        // of [`Engine::settle`].
+        let _serialized = self.shrink.lock().await;
         let committed = match self.tracker.add(term, &ids).await {
             Ok(committed) => committed,
             Err(err) => {
@@ -397,73 +445,64 @@ impl Engine {
         self.replicas.iter().find(|r| r.id() == id).cloned()
     }
 
-    /// Decides whether a mirrored request may be acknowledged.
-    async fn settle(
-        &self,
-        term: u64,
-        outcomes: Vec<(String, Result<(), ReplicaError>)>,
-    ) -> Result<(), DeviceError> {
-        let mut succeeded = BTreeSet::new();
-        let mut failed = BTreeMap::new();
-        for (id, outcome) in outcomes {
-            match outcome {
-                Ok(()) => {
-                    succeeded.insert(id);
-                }
-                Err(ReplicaError::StaleTerm { term, floor }) => {
-                    tracing::warn!(term, floor, replica = %id, "fenced by a newer writer; deactivating");
-                    self.deactivate_term(term);
-                    return Err(DeviceError::StaleTerm { term, floor });
-                }
-                Err(err) => {
-                    failed.insert(id, err);
-                }
-            }
-        }
-        if failed.is_empty() {
-            return Ok(());
-        }
+    /// Decides whether a mirrored request may be acknowledged: every member
+    /// of the committed in-sync set must have succeeded, after the failed
+    /// ones were removed by a commit, and at least `min_in_sync` must
+    /// remain. Runs under the in-sync lock, so the set cannot change between
+    /// the check and the answer. Members that were never sent the request
+    /// are returned, to be sent it.
+    async fn settle(&self, term: u64, outcomes: &Outcomes) -> Result<Settled, DeviceError> {
         let _serialized = self.shrink.lock().await;
         let current = self.lock().in_sync.clone();
-        let remaining: BTreeSet<String> = current
+        let missing: Vec<Arc<dyn Replica>> = current
             .iter()
-            .filter(|id| !failed.contains_key(*id))
-            .cloned()
+            .filter(|id| !outcomes.contains_key(*id))
+            .filter_map(|id| self.replica(id))
             .collect();
+        if !missing.is_empty() {
+            return Ok(Settled::Missing(missing));
+        }
+        let failed: BTreeMap<&String, &ReplicaError> = current
+            .iter()
+            .filter_map(|id| match outcomes.get(id) {
+                Some(Err(err)) => Some((id, err)),
+                _ => None,
+            })
+            .collect();
+        if failed.is_empty() {
+            return Ok(Settled::Acknowledged);
+        }
         let need = self.config.min_in_sync;
-        if remaining.len() < need || !remaining.is_subset(&succeeded) {
+        let have = current.len() - failed.len();
+        if have < need {
             let mut state = self.lock();
-            state.degraded.extend(failed.keys().cloned());
-            let have = remaining.intersection(&succeeded).count();
+            state
+                .degraded
+                .extend(failed.keys().map(|id| id.to_string()));
             tracing::warn!(term, have, need, failed = ?failed, "write not acknowledged: too few in-sync replicas");
             return Err(DeviceError::InsufficientReplicas { have, need });
         }
-        let to_remove: BTreeSet<String> = current
-            .iter()
-            .filter(|id| failed.contains_key(*id))
-            .cloned()
-            .collect();
-        if to_remove.is_empty() {
-            // A concurrent request already committed their removal.
-            return Ok(());
-        }
+        let to_remove: BTreeSet<String> = failed.keys().map(|id| id.to_string()).collect();
         tracing::warn!(term, removed = ?to_remove, errors = ?failed, "dropping replicas from the in-sync set");
         let committed = self
             .tracker
             .remove(term, &to_remove)
             .await
             .map_err(DeviceError::InSyncCommit)?;
-        let acknowledged = committed.len() >= need && committed.is_subset(&succeeded);
         {
             let mut state = self.lock();
             state.in_sync = committed.clone();
             state.degraded.retain(|id| committed.contains(id));
         }
-        if acknowledged {
-            Ok(())
+        let succeeded = committed
+            .iter()
+            .filter(|id| matches!(outcomes.get(*id), Some(Ok(()))))
+            .count();
+        if succeeded == committed.len() && succeeded >= need {
+            Ok(Settled::Acknowledged)
         } else {
             Err(DeviceError::InsufficientReplicas {
-                have: committed.intersection(&succeeded).count(),
+                have: succeeded,
                 need,
             })
         }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod power;
 pub mod proxy;
 
 use std::collections::BTreeSet;
@@ -28,12 +29,19 @@ pub enum Fault {
     Hang,
     /// Fail only writes at this offset.
     FailWritesAt(u64),
+    /// Hold each write until [`FaultyReplica::release`], then fail it
+    /// (`pass: false`) or pass it to the store (`pass: true`).
+    HoldWrites { pass: bool },
 }
 
 /// A local replica with a switchable fault.
 pub struct FaultyReplica {
     inner: LocalReplica,
     fault: Mutex<Fault>,
+    /// Writes held by [`Fault::HoldWrites`] so far.
+    held: tokio::sync::watch::Sender<u64>,
+    /// Opened by [`FaultyReplica::release`].
+    released: tokio::sync::Semaphore,
 }
 
 impl FaultyReplica {
@@ -41,7 +49,23 @@ impl FaultyReplica {
         Arc::new(Self {
             inner: LocalReplica::new(id, store),
             fault: Mutex::new(Fault::None),
+            held: tokio::sync::watch::channel(0).0,
+            released: tokio::sync::Semaphore::new(0),
         })
+    }
+
+    /// Waits (bounded) until `count` writes have been held in all.
+    pub async fn wait_held(&self, count: u64) {
+        let mut held = self.held.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), held.wait_for(|n| *n >= count))
+            .await
+            .expect("the write reached the held replica in time")
+            .expect("the replica is alive");
+    }
+
+    /// Lets `count` held writes go on.
+    pub fn release(&self, count: usize) {
+        self.released.add_permits(count);
     }
 
     pub fn set(&self, fault: Fault) {
@@ -65,6 +89,20 @@ impl FaultyReplica {
                 Err(ReplicaError::Unavailable("injected".into()))
             }
             Fault::FailWritesAt(_) => Ok(()),
+            Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
+            Fault::HoldWrites { pass } => {
+                self.held.send_modify(|n| *n += 1);
+                self.released
+                    .acquire()
+                    .await
+                    .expect("the semaphore is never closed")
+                    .forget();
+                if pass {
+                    Ok(())
+                } else {
+                    Err(ReplicaError::Unavailable("injected after a hold".into()))
+                }
+            }
         }
     }
 }
@@ -115,6 +153,8 @@ impl Replica for FaultyReplica {
 pub struct LoggingTracker {
     pub inner: MemoryInSync,
     pub events: Arc<Mutex<Vec<String>>>,
+    /// While set, each `add` waits for a permit before it commits.
+    hold_adds: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
 }
 
 impl LoggingTracker {
@@ -122,7 +162,16 @@ impl LoggingTracker {
         Arc::new(Self {
             inner: MemoryInSync::new(members.iter().copied()),
             events,
+            hold_adds: Mutex::new(None),
         })
+    }
+
+    /// Makes every later `add` wait for a permit of the returned semaphore
+    /// before it commits (a slow Raft commit).
+    pub fn hold_adds(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *self.hold_adds.lock().unwrap() = Some(Arc::clone(&gate));
+        gate
     }
 }
 
@@ -151,6 +200,10 @@ impl InSyncTracker for LoggingTracker {
         term: u64,
         replicas: &BTreeSet<String>,
     ) -> Result<BTreeSet<String>, String> {
+        let hold = self.hold_adds.lock().unwrap().clone();
+        if let Some(hold) = hold {
+            hold.acquire().await.expect("never closed").forget();
+        }
         let result = self.inner.add(term, replicas).await;
         if result.is_ok() {
             let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
@@ -187,3 +240,16 @@ pub fn init_tracing() {
 /// fsync of a dirty mark on a busy CI disk (200 ms was not, once), short
 /// enough that the tests with a hanging replica stay quick.
 pub const SHORT: Duration = Duration::from_secs(1);
+
+/// Polls `condition` every few milliseconds until it holds; panics naming
+/// `what` after ten seconds.
+pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -1,0 +1,146 @@
+//! A replica that forgets what was never made durable, the way LazyFS
+//! drops a file's unsynced writes: every write that completed without FUA
+//! and was not covered by a later flush is undone by [`PowerCutReplica::power_cut`].
+//!
+//! The durable image is kept in memory beside the real store. A write with
+//! FUA becomes durable at once; a flush makes durable every write that had
+//! completed when the flush began. A power cut writes the durable image
+//! back over each range written since, so the store then holds exactly what
+//! a machine would find on its disk after losing power.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use replica_ha::replica::{
+    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore,
+};
+
+/// See the module docs.
+pub struct PowerCutReplica {
+    inner: LocalReplica,
+    state: Mutex<Durability>,
+}
+
+struct Durability {
+    /// What the disk would hold after a power cut.
+    image: Vec<u8>,
+    /// Writes that completed but are not durable yet, oldest first.
+    pending: Vec<(u64, Bytes)>,
+    /// Flushes that reached the store, and writes that became durable
+    /// through one.
+    flushes: u64,
+}
+
+impl PowerCutReplica {
+    /// Wraps `store`, whose current content counts as durable.
+    pub async fn new(id: &str, store: Arc<ReplicaStore>) -> Arc<Self> {
+        let size = store.size();
+        let mut image = Vec::with_capacity(size as usize);
+        let chunk = 4 << 20;
+        let mut offset = 0;
+        while offset < size {
+            let len = chunk.min(size - offset);
+            image.extend_from_slice(&store.read(offset, len).await.expect("read the store"));
+            offset += len;
+        }
+        Arc::new(Self {
+            inner: LocalReplica::new(id, store),
+            state: Mutex::new(Durability {
+                image,
+                pending: Vec::new(),
+                flushes: 0,
+            }),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<ReplicaStore> {
+        self.inner.store()
+    }
+
+    /// How many flushes reached the store.
+    pub fn flushes(&self) -> u64 {
+        self.state.lock().unwrap().flushes
+    }
+
+    /// Bytes written but not yet durable.
+    pub fn unflushed_bytes(&self) -> u64 {
+        let state = self.state.lock().unwrap();
+        state.pending.iter().map(|(_, d)| d.len() as u64).sum()
+    }
+
+    /// Loses every write that was not durable, as a power cut would.
+    pub async fn power_cut(&self) {
+        let (restore, image) = {
+            let mut state = self.state.lock().unwrap();
+            let ranges: Vec<(u64, u64)> = state
+                .pending
+                .drain(..)
+                .map(|(offset, data)| (offset, data.len() as u64))
+                .collect();
+            (ranges, state.image.clone())
+        };
+        let store = self.inner.store();
+        let term = store.floor().await.max(1);
+        for (offset, len) in restore {
+            let old = Bytes::copy_from_slice(&image[offset as usize..(offset + len) as usize]);
+            store
+                .write(term, offset, old, true)
+                .await
+                .expect("restore the durable image");
+        }
+    }
+}
+
+fn apply(image: &mut [u8], offset: u64, data: &[u8]) {
+    image[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+}
+
+#[async_trait]
+impl Replica for PowerCutReplica {
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+    async fn write(
+        &self,
+        term: u64,
+        offset: u64,
+        data: Bytes,
+        fua: bool,
+    ) -> Result<(), ReplicaError> {
+        self.inner.write(term, offset, data.clone(), fua).await?;
+        let mut state = self.state.lock().unwrap();
+        if fua {
+            apply(&mut state.image, offset, &data);
+        } else {
+            state.pending.push((offset, data));
+        }
+        Ok(())
+    }
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        self.inner.read(offset, len).await
+    }
+    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+        let covered = self.state.lock().unwrap().pending.len();
+        self.inner.flush(term).await?;
+        let mut state = self.state.lock().unwrap();
+        let durable: Vec<(u64, Bytes)> = state.pending.drain(..covered).collect();
+        for (offset, data) in durable {
+            apply(&mut state.image, offset, &data);
+        }
+        state.flushes += 1;
+        Ok(())
+    }
+    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+        self.inner.fence(term).await
+    }
+    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+        self.inner.clear_dirty_below(term).await
+    }
+    async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
+        self.inner.info().await
+    }
+    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
+        self.inner.digests(offset, len).await
+    }
+}
