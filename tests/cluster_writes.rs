@@ -93,6 +93,7 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
                 offset: 0,
                 data: block(4),
                 fua: false,
+                generation: 0,
             })
             .await
             .unwrap_err();
@@ -303,6 +304,7 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
         offset,
         data,
         fua: false,
+        generation: 0,
     };
     let size = 16u64 << 20;
     let cases = [

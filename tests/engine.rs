@@ -512,3 +512,62 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
         );
     }
 }
+
+/// No late landing: W1 reaches n3 but is held there past the replica
+/// timeout, so the engine never learns its outcome. The client then writes
+/// W2 to the same block and it is acknowledged with n3 in the set; only then
+/// is W1 released. No in-sync replica may end up holding W1.
+#[tokio::test]
+async fn a_write_the_engine_gave_up_on_never_lands_over_a_later_acknowledged_one() {
+    let rig = Rig::new(3).await;
+    rig.engine.activate(4).await.unwrap();
+    rig.replicas[2].set(Fault::HoldWrites { pass: true });
+    let w1 = rig.engine.write_at(0, block(0x01), false).await;
+    assert!(w1.is_err(), "n3 cannot be dropped below min_in_sync 3");
+    rig.replicas[2].set(Fault::None);
+    rig.engine.write_at(0, block(0x02), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&IDS));
+    rig.replicas[2].release(1);
+    let late = rig.replicas[2].late_outcomes(1).await;
+    assert!(late[0].is_err(), "the disowned W1 was admitted: {late:?}");
+    for i in 0..3 {
+        assert!(
+            rig.on(i, 0, 4096).await == block(0x02),
+            "{} holds the disowned W1 over the acknowledged W2",
+            IDS[i]
+        );
+    }
+}
+
+/// The same across a rebuild: W1 times out on n3, n3 is dropped, rebuilt
+/// and returned; W1 must not land on it afterwards.
+#[tokio::test]
+async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    rig.engine.activate(4).await.unwrap();
+    rig.replicas[2].set(Fault::HoldWrites { pass: true });
+    rig.engine.write_at(0, block(0x01), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&["n1", "n2"]));
+    rig.replicas[2].set(Fault::None);
+    let replicas: Vec<Arc<dyn Replica>> = rig
+        .replicas
+        .iter()
+        .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+        .collect();
+    let resync = Resyncer::new(
+        Arc::clone(&rig.engine),
+        replicas.clone(),
+        ResyncConfig::default(),
+    );
+    resync.rebuild(&replicas[2]).await.unwrap();
+    rig.engine.write_at(0, block(0x02), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&IDS));
+    rig.replicas[2].release(1);
+    let late = rig.replicas[2].late_outcomes(1).await;
+    assert!(late[0].is_err(), "the disowned W1 was admitted: {late:?}");
+    assert!(
+        rig.on(2, 0, 4096).await == block(0x02),
+        "the rebuilt n3 holds the disowned W1"
+    );
+}

@@ -23,7 +23,7 @@ use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
     Engine, EngineConfig, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError,
-    ReplicaStore,
+    ReplicaStore, Stamp,
 };
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
 use tonic::Code;
@@ -86,20 +86,37 @@ async fn the_fence_floor_holds_over_grpc() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), "n1").await;
     let replica = remote(serve(Arc::clone(&local)).await, "n1");
-    replica.write(1, 0, block(1), false).await.unwrap();
+    replica
+        .write(Stamp::from(1), 0, block(1), false)
+        .await
+        .unwrap();
     let reply = replica.fence(3).await.unwrap();
     assert_eq!(reply.floor, 3);
     assert_eq!(reply.dirty.len(), 1);
     assert_eq!(
-        replica.write(2, 0, block(2), false).await,
+        replica.write(Stamp::from(2), 0, block(2), false).await,
         Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
     );
     assert_eq!(
-        replica.flush(2).await,
+        replica.flush(Stamp::from(2)).await,
         Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
     );
     assert_eq!(replica.read(0, 4096).await.unwrap(), block(1));
-    replica.write(3, 0, block(3), true).await.unwrap();
+    // A newer generation of the floor's term raises it; the older one is
+    // then refused, and the refusal keeps its kind over the wire.
+    let newer = Stamp {
+        term: 3,
+        generation: 1,
+    };
+    replica.flush(newer).await.unwrap();
+    assert_eq!(
+        replica.write(Stamp::from(3), 0, block(2), false).await,
+        Err(ReplicaError::StaleGeneration {
+            stamp: Stamp::from(3),
+            floor: newer
+        })
+    );
+    replica.write(newer, 0, block(3), true).await.unwrap();
     replica.clear_dirty_below(3).await.unwrap();
     assert_eq!(local.dirty_extents().unwrap().len(), 1);
     assert_eq!(local.read(0, 4096).await.unwrap(), block(3));
@@ -121,6 +138,7 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
             offset,
             data,
             fua: false,
+            generation: 0,
         };
     let cases = [
         (
@@ -214,7 +232,7 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
     )
     .unwrap();
     assert!(matches!(
-        replica.write(1, 0, block(1), false).await,
+        replica.write(Stamp::from(1), 0, block(1), false).await,
         Err(ReplicaError::Unavailable(_))
     ));
     assert!(matches!(

@@ -18,6 +18,15 @@
 //! keeps members that hold every acknowledged write, so availability returns
 //! with them.
 //!
+//! **No late landing.** A request whose outcome the engine never learned (a
+//! timeout, a broken connection) may still be applied by its replica later.
+//! The engine disowns it: it raises the generation it stamps that replica's
+//! requests with (see [`Stamp`]), so the next request there — a write, a
+//! flush, or the flush that opens a rebuild — drains the lost one if the
+//! replica admitted it, and makes the replica refuse it if it arrives later.
+//! No write the engine gave up on can land after a later write on the same
+//! replica.
+//!
 //! A replica that refuses a write with "stale term" means a newer writer has
 //! fenced this one: the engine deactivates itself and fails the write, and
 //! never shrinks the set on that account.
@@ -49,7 +58,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::{InSyncTracker, Replica, ReplicaError};
+use super::{InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{ReplicaState, ReplicaStatus, WriterEngine};
 use crate::volume::{Device, DeviceError, check_request};
 
@@ -119,6 +128,9 @@ struct EngineState {
     degraded: BTreeSet<String>,
     /// Replicas being rebuilt (write-only members).
     rebuilding: BTreeMap<String, Rebuild>,
+    /// The generation each replica's requests are stamped with in this term
+    /// (0 when absent); raised past any request whose outcome was lost.
+    generations: BTreeMap<String, u64>,
 }
 
 impl Engine {
@@ -156,6 +168,7 @@ impl Engine {
                 in_sync: ids,
                 degraded: BTreeSet::new(),
                 rebuilding: BTreeMap::new(),
+                generations: BTreeMap::new(),
             }),
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
@@ -225,7 +238,7 @@ impl Engine {
     /// committed *at the ack*, not as it was when the request began.
     async fn mirror<F, Fut>(&self, op: F) -> Result<(), DeviceError>
     where
-        F: Fn(u64, Arc<dyn Replica>) -> Fut,
+        F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
         let (term, targets, rebuilding) = self.targets()?;
@@ -250,31 +263,67 @@ impl Engine {
         }
     }
 
-    /// Sends `op` to each of `replicas` at once, each call bounded by the
-    /// replica timeout, and returns every outcome.
+    /// Sends `op` to each of `replicas` at once, each stamped with the
+    /// replica's current generation and bounded by the replica timeout, and
+    /// returns every outcome. A request whose outcome was lost is disowned.
     async fn send_all<F, Fut>(&self, term: u64, replicas: &[Arc<dyn Replica>], op: &F) -> Outcomes
     where
-        F: Fn(u64, Arc<dyn Replica>) -> Fut,
+        F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
-        let timeout = self.config.replica_timeout;
         let results = join_all(replicas.iter().map(|replica| {
-            let call = op(term, Arc::clone(replica));
-            async move {
-                match tokio::time::timeout(timeout, call).await {
-                    Ok(result) => result,
-                    Err(_) => Err(ReplicaError::Unavailable(format!(
-                        "no answer within {timeout:?}"
-                    ))),
-                }
-            }
+            let stamp = self.stamp(term, replica.id());
+            let call = op(stamp, Arc::clone(replica));
+            async move { (stamp, self.bounded(call).await) }
         }))
         .await;
         replicas
             .iter()
-            .map(|r| r.id().to_string())
             .zip(results)
+            .map(|(replica, (stamp, result))| {
+                self.disown_if_lost(replica.id(), stamp, &result);
+                (replica.id().to_string(), result)
+            })
             .collect()
+    }
+
+    /// `call`, bounded by the replica timeout.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, ReplicaError>>,
+    ) -> Result<T, ReplicaError> {
+        let timeout = self.config.replica_timeout;
+        tokio::time::timeout(timeout, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(ReplicaError::Unavailable(format!(
+                    "no answer within {timeout:?}"
+                )))
+            })
+    }
+
+    /// The stamp a request of `term` to replica `id` carries now.
+    fn stamp(&self, term: u64, id: &str) -> Stamp {
+        Stamp {
+            term,
+            generation: self.lock().generations.get(id).copied().unwrap_or(0),
+        }
+    }
+
+    /// No late landing: when the outcome of a request stamped `used` on
+    /// `id` is unknown (a timeout, a broken connection), raise the
+    /// generation for `id`, so the next request there drains the lost one
+    /// if it was admitted and makes the replica refuse it if it arrives
+    /// later. Until then `id` counts as failed for that request.
+    fn disown_if_lost<T>(&self, id: &str, used: Stamp, outcome: &Result<T, ReplicaError>) {
+        if let Err(ReplicaError::Unavailable(why)) = outcome {
+            let mut state = self.lock();
+            let generation = state.generations.entry(id.to_string()).or_insert(0);
+            if *generation <= used.generation {
+                *generation = used.generation + 1;
+                tracing::info!(replica = %id, lost = %used, %why, "disowned a request whose outcome is unknown");
+            }
+        }
     }
 
     /// A replica that refused the term means a newer writer fenced this
@@ -329,6 +378,21 @@ impl Engine {
             term
         };
         self.barrier().await;
+        // A request to the target whose outcome was lost (see
+        // `disown_if_lost`) must not land after the comparison: a flush with
+        // the target's current stamp drains it or makes it refused.
+        let target = self
+            .replica(id)
+            .ok_or_else(|| DeviceError::Io(format!("{id} is unknown")))?;
+        let stamp = self.stamp(term, id);
+        let drained = self.bounded(target.flush(stamp)).await;
+        self.disown_if_lost(id, stamp, &drained);
+        if let Err(err) = drained {
+            self.abort_rebuild(id);
+            return Err(DeviceError::Io(format!(
+                "draining {id} before its rebuild: {err}"
+            )));
+        }
         Ok(term)
     }
 
@@ -358,10 +422,10 @@ impl Engine {
             return Ok(0);
         }
         let data = source.read(offset, len).await.map_err(|e| e.to_string())?;
-        target
-            .write(term, offset, data, false)
-            .await
-            .map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
+        let stamp = self.stamp(term, id);
+        let written = self.bounded(target.write(stamp, offset, data, false)).await;
+        self.disown_if_lost(id, stamp, &written);
+        written.map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
         Ok(len)
     }
 
@@ -385,10 +449,10 @@ impl Engine {
         // S5 and S7: the copies were written without FUA; make them durable
         // on the target before the set counts on it.
         let target = self.replica(id).ok_or("unknown replica")?;
-        let flushed = tokio::time::timeout(self.config.replica_timeout, target.flush(term)).await;
-        if let Err(err) =
-            flushed.unwrap_or_else(|_| Err(ReplicaError::Unavailable("the flush timed out".into())))
-        {
+        let stamp = self.stamp(term, id);
+        let flushed = self.bounded(target.flush(stamp)).await;
+        self.disown_if_lost(id, stamp, &flushed);
+        if let Err(err) = flushed {
             self.abort_rebuild(id);
             return Err(format!("flushing {id} before its return: {err}"));
         }
@@ -553,15 +617,15 @@ impl Device for Engine {
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.size)?;
         let _span = self.lock_span(offset, data.len() as u64).await;
-        self.mirror(|term, replica| {
+        self.mirror(|stamp, replica| {
             let data = data.clone();
-            async move { replica.write(term, offset, data, fua).await }
+            async move { replica.write(stamp, offset, data, fua).await }
         })
         .await
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
-        self.mirror(|term, replica| async move { replica.flush(term).await })
+        self.mirror(|stamp, replica| async move { replica.flush(stamp).await })
             .await
     }
 
@@ -586,6 +650,7 @@ impl WriterEngine for Engine {
         state.in_sync = committed;
         state.degraded.clear();
         state.rebuilding.clear();
+        state.generations.clear();
         state.term = Some(term);
         tracing::info!(term, in_sync = ?state.in_sync, "engine active");
         Ok(())

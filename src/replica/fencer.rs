@@ -31,7 +31,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::join_all;
 
-use super::{FenceReply, InSyncTracker, Replica, ReplicaError};
+use super::{FenceReply, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{Fencer, Writer};
 
 /// Fences by term and reconciles. See the module docs.
@@ -138,7 +138,7 @@ impl TokenFencer {
                 .map_err(|e| format!("reading extent {extent} from {source_id}: {e}"))?;
             for target in &targets {
                 target
-                    .write(term, offset, data.clone(), false)
+                    .write(Stamp::term(term), offset, data.clone(), false)
                     .await
                     .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))?;
             }
@@ -146,7 +146,7 @@ impl TokenFencer {
         for id in members {
             let replica = self.replica(id).ok_or("unknown replica")?;
             replica
-                .flush(term)
+                .flush(Stamp::term(term))
                 .await
                 .map_err(|e| format!("flushing {id}: {e}"))?;
             replica

@@ -32,6 +32,48 @@ pub use store::{ReplicaStore, StoreIdentity};
 
 use crate::volume::RangeError;
 
+/// What a write or flush is stamped with: the writer's term, the fencing
+/// token (S2), and the writer's *generation* for this one replica within the
+/// term. A replica orders stamps by term, then generation, and refuses any
+/// below its floor; a newer stamp first raises the floor, draining every
+/// request admitted under an older one (S3).
+///
+/// The generation is how a writer disowns a request whose outcome it never
+/// learned (a timeout, a broken connection): it raises the generation it
+/// uses for that replica, so the next request it sends there drains the
+/// lost one if it was admitted and refuses it if it arrives later. A
+/// request the writer gave up on can therefore never land after a later
+/// write to the same replica (no late landing).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Stamp {
+    /// The writer's term.
+    pub term: u64,
+    /// The writer's generation for the replica within the term.
+    pub generation: u64,
+}
+
+impl Stamp {
+    /// The first generation of `term`.
+    pub fn term(term: u64) -> Self {
+        Self {
+            term,
+            generation: 0,
+        }
+    }
+}
+
+impl From<u64> for Stamp {
+    fn from(term: u64) -> Self {
+        Self::term(term)
+    }
+}
+
+impl std::fmt::Display for Stamp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.term, self.generation)
+    }
+}
+
 /// An extent that a writer of `term` may have written without an
 /// acknowledgement reaching every replica; promotion makes it identical on
 /// all in-sync replicas (S6).
@@ -72,6 +114,10 @@ pub enum ReplicaError {
     /// The term is below the replica's durable fence floor (S2).
     #[error("stale term {term}: fence floor is {floor}")]
     StaleTerm { term: u64, floor: u64 },
+    /// The writer disowned this request's generation (see [`Stamp`]): a
+    /// later request of the same term already reached the replica.
+    #[error("stale generation {stamp}: the replica's floor is {floor}")]
+    StaleGeneration { stamp: Stamp, floor: Stamp },
     /// Term 0 is never a valid writer's term.
     #[error("term 0 is not a valid writer term")]
     InvalidTerm,
@@ -109,18 +155,19 @@ impl From<sled::Error> for ReplicaError {
 pub trait Replica: Send + Sync {
     /// The id of the node that holds this copy.
     fn id(&self) -> &str;
-    /// Writes `data` at `offset` on behalf of the writer of `term`.
+    /// Writes `data` at `offset` on behalf of the writer of `stamp`.
     async fn write(
         &self,
-        term: u64,
+        stamp: Stamp,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError>;
     /// Reads `len` bytes at `offset`.
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError>;
-    /// Makes the writes of `term` durable.
-    async fn flush(&self, term: u64) -> Result<(), ReplicaError>;
+    /// Makes the writes that finished before it durable, on behalf of the
+    /// writer of `stamp`.
+    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError>;
     /// Raises the fence floor to `term` and drains older writes (S3).
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
     /// Drops the dirty marks of terms below `term` (after convergence, S6).
@@ -160,18 +207,18 @@ impl Replica for LocalReplica {
     }
     async fn write(
         &self,
-        term: u64,
+        stamp: Stamp,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
-        self.store.write(term, offset, data, fua).await
+        self.store.write(stamp, offset, data, fua).await
     }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.store.read(offset, len).await
     }
-    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
-        self.store.flush(term).await
+    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
+        self.store.flush(stamp).await
     }
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
         self.store.fence(term).await

@@ -4,8 +4,9 @@
 //! Every call carries a deadline. A call that times out, or fails in
 //! transport, is an error for that request (`Unavailable`): the engine then
 //! drops the replica through a committed in-sync change before it
-//! acknowledges anything that skipped it (S5). A timeout is never taken for
-//! a success.
+//! acknowledges anything that skipped it (S5), and disowns the request by
+//! raising the replica's generation (see [`super::Stamp`]), since the peer
+//! may still apply it. A timeout is never taken for a success.
 
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use bytes::Bytes;
 use tonic::transport::Channel;
 
 use super::service::error_of;
-use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo};
+use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::volume::MAX_REQUEST;
@@ -70,24 +71,25 @@ impl Replica for RemoteReplica {
 
     async fn write(
         &self,
-        term: u64,
+        stamp: Stamp,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
         let request = self.request(pb::WriteRequest {
             volume: self.volume(),
-            term,
+            term: stamp.term,
             offset,
             data,
             fua,
+            generation: stamp.generation,
         });
         self.client
             .clone()
             .write(request)
             .await
             .map(|_| ())
-            .map_err(|status| error_of(&status, term))
+            .map_err(|status| error_of(&status, stamp))
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
@@ -113,17 +115,18 @@ impl Replica for RemoteReplica {
         Ok(reply.data)
     }
 
-    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         let request = self.request(pb::FlushRequest {
             volume: self.volume(),
-            term,
+            term: stamp.term,
+            generation: stamp.generation,
         });
         self.client
             .clone()
             .flush(request)
             .await
             .map(|_| ())
-            .map_err(|status| error_of(&status, term))
+            .map_err(|status| error_of(&status, stamp))
     }
 
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {

@@ -9,6 +9,7 @@
 //! | replica error | gRPC code |
 //! |---|---|
 //! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` |
+//! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` |
 //! | term 0, request too large | `INVALID_ARGUMENT` |
 //! | out of range | `OUT_OF_RANGE` |
 //! | identity mismatch | `FAILED_PRECONDITION` |
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
-use super::{DirtyExtent, ReplicaError, ReplicaStore};
+use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::volume::RangeError;
@@ -28,6 +29,10 @@ use crate::volume::RangeError;
 /// The metadata key that carries a replica's fence floor on a stale-term
 /// refusal.
 pub const FLOOR_KEY: &str = "x-fence-floor";
+
+/// The metadata key that carries the floor's generation on a
+/// stale-generation refusal.
+pub const GENERATION_KEY: &str = "x-fence-generation";
 
 /// Maps a replica error to a gRPC status (see the module table).
 pub fn status_of(err: &ReplicaError) -> Status {
@@ -37,6 +42,15 @@ pub fn status_of(err: &ReplicaError) -> Status {
             let mut status = Status::failed_precondition(message);
             if let Ok(value) = MetadataValue::try_from(floor.to_string()) {
                 status.metadata_mut().insert(FLOOR_KEY, value);
+            }
+            status
+        }
+        ReplicaError::StaleGeneration { floor, .. } => {
+            let mut status = Status::failed_precondition(message);
+            for (key, value) in [(FLOOR_KEY, floor.term), (GENERATION_KEY, floor.generation)] {
+                if let Ok(value) = MetadataValue::try_from(value.to_string()) {
+                    status.metadata_mut().insert(key, value);
+                }
             }
             status
         }
@@ -55,18 +69,29 @@ pub fn status_of(err: &ReplicaError) -> Status {
 /// Maps a gRPC status from a replica back to a replica error. Anything that
 /// is not a refusal the replica made on purpose counts as the replica being
 /// unavailable for this request.
-pub fn error_of(status: &Status, term: u64) -> ReplicaError {
-    let floor = status
-        .metadata()
-        .get(FLOOR_KEY)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok());
-    match (status.code(), floor) {
-        (Code::FailedPrecondition, Some(floor)) => ReplicaError::StaleTerm { term, floor },
-        (Code::InvalidArgument, _) | (Code::OutOfRange, _) => {
+pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
+    let stamp = stamp.into();
+    let number = |key: &str| -> Option<u64> {
+        status
+            .metadata()
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    };
+    let floor = number(FLOOR_KEY);
+    match (status.code(), floor, number(GENERATION_KEY)) {
+        (Code::FailedPrecondition, Some(term), Some(generation)) => ReplicaError::StaleGeneration {
+            stamp,
+            floor: Stamp { term, generation },
+        },
+        (Code::FailedPrecondition, Some(floor), None) => ReplicaError::StaleTerm {
+            term: stamp.term,
+            floor,
+        },
+        (Code::InvalidArgument, ..) | (Code::OutOfRange, ..) => {
             ReplicaError::Io(format!("refused: {}", status.message()))
         }
-        (Code::FailedPrecondition, None) | (Code::PermissionDenied, _) => {
+        (Code::FailedPrecondition, None, _) | (Code::PermissionDenied, ..) => {
             ReplicaError::IdentityMismatch(status.message().to_string())
         }
         _ => ReplicaError::Unavailable(format!("{}: {}", status.code(), status.message())),
@@ -119,6 +144,10 @@ impl ReplicaService {
     }
 }
 
+fn stamp(term: u64, generation: u64) -> Stamp {
+    Stamp { term, generation }
+}
+
 fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
     pb::DirtyExtent {
         term: mark.term,
@@ -135,7 +164,7 @@ impl ReplicaRpc for ReplicaService {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
         self.store
-            .write(r.term, r.offset, r.data, r.fua)
+            .write(stamp(r.term, r.generation), r.offset, r.data, r.fua)
             .await
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::WriteReply {}))
@@ -161,7 +190,10 @@ impl ReplicaRpc for ReplicaService {
     ) -> Result<Response<pb::FlushReply>, Status> {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
-        self.store.flush(r.term).await.map_err(|e| status_of(&e))?;
+        self.store
+            .flush(stamp(r.term, r.generation))
+            .await
+            .map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::FlushReply {}))
     }
 

@@ -10,7 +10,11 @@
 //! - **S2, token on every write.** `write` and `flush` carry the writer's
 //!   term. A term below the fence floor is refused with
 //!   [`ReplicaError::StaleTerm`]; a newer term first raises the floor
-//!   durably, then is applied.
+//!   durably, then is applied. The floor is a [`Stamp`]: within the floor's
+//!   term, a request of an older *generation* is refused too
+//!   ([`ReplicaError::StaleGeneration`]) and a newer one raises the floor
+//!   the same way. That is how a writer disowns a request whose outcome it
+//!   lost, so it can never land after a later write (no late landing).
 //! - **S3, fence drains.** The floor sits behind a read/write lock. Every
 //!   write and flush holds a read guard until its I/O has finished — the
 //!   guard is *owned* and moves into the blocking I/O closure, so a cancelled
@@ -46,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 
-use super::{DirtyExtent, FenceReply, ReplicaError};
+use super::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::volume::check_request;
 
 /// Default extent size for dirty tracking and digests: 1 MiB.
@@ -120,7 +124,7 @@ pub struct ReplicaStore {
     dirty_tree: sled::Tree,
     /// The durable fence floor, mirrored in memory. Read guard: a request in
     /// flight. Write guard: a fence or a floor raise (drains the readers).
-    floor: Arc<RwLock<u64>>,
+    floor: Arc<RwLock<Stamp>>,
     /// Dirty marks known to be durable, so only a term's first write into an
     /// extent pays for a metadata flush.
     marked: Mutex<HashSet<DirtyExtent>>,
@@ -213,8 +217,8 @@ impl ReplicaStore {
             }
         };
         let floor = match fence_tree.get(FLOOR_KEY)? {
-            Some(bytes) => decode_u64(&bytes, "fence floor")?,
-            None => 0,
+            Some(bytes) => decode_stamp(&bytes)?,
+            None => Stamp::default(),
         };
         let stale_accepts = match fence_tree.get(STALE_ACCEPTS_KEY)? {
             Some(bytes) => decode_u64(&bytes, "stale-accept count")?,
@@ -250,23 +254,30 @@ impl ReplicaStore {
         &self.dir
     }
 
-    /// The current fence floor. Waits for a fence in progress.
+    /// The current fence floor's term. Waits for a fence in progress.
     pub async fn floor(&self) -> u64 {
+        self.floor.read().await.term
+    }
+
+    /// The current floor with its generation (see [`Stamp`]).
+    pub async fn floor_stamp(&self) -> Stamp {
         *self.floor.read().await
     }
 
-    /// Writes `data` at `offset` for the writer of `term` (S2, S3, S6).
+    /// Writes `data` at `offset` for the writer of `stamp` (S2, S3, S6).
     pub async fn write(
         &self,
-        term: u64,
+        stamp: impl Into<Stamp>,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
-        check_term(term)?;
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
         check_request(offset, data.len() as u64, self.size())?;
-        let admitted = self.admit(term).await?;
-        self.mark_dirty(term, offset, data.len() as u64).await?;
+        let admitted = self.admit(stamp).await?;
+        self.mark_dirty(stamp.term, offset, data.len() as u64)
+            .await?;
         let file = Arc::clone(&self.file);
         #[cfg(test)]
         let delay = *self.io_delay.lock().unwrap_or_else(|p| p.into_inner());
@@ -300,10 +311,12 @@ impl ReplicaStore {
     }
 
     /// Makes every write that finished before this call durable, on behalf
-    /// of the writer of `term` (S2 applies as for writes).
-    pub async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
-        check_term(term)?;
-        let admitted = self.admit(term).await?;
+    /// of the writer of `stamp` (S2 applies as for writes, and so does the
+    /// raise of the floor to a newer generation).
+    pub async fn flush(&self, stamp: impl Into<Stamp>) -> Result<(), ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        let admitted = self.admit(stamp).await?;
         let file = Arc::clone(&self.file);
         run_io(move || {
             let _admitted = admitted;
@@ -319,9 +332,9 @@ impl ReplicaStore {
     /// reply's floor then tells the caller it is not the newest writer.
     pub async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
         check_term(term)?;
-        let floor = self.raise_floor(term).await?;
+        let floor = self.raise_floor(Stamp::term(term)).await?;
         Ok(FenceReply {
-            floor,
+            floor: floor.term,
             dirty: self.dirty_extents()?,
             extent_size: self.identity.extent_size,
         })
@@ -417,13 +430,20 @@ impl ReplicaStore {
         Ok(())
     }
 
-    /// Waits until a request of `term` may proceed and returns the guard it
-    /// must hold while its I/O runs. Raises the floor first when `term` is
-    /// newer (S2).
-    async fn admit(&self, term: u64) -> Result<OwnedRwLockReadGuard<u64>, ReplicaError> {
+    /// Waits until a request of `stamp` may proceed and returns the guard it
+    /// must hold while its I/O runs. Raises the floor first when `stamp` is
+    /// newer (S2); refuses an older generation of the floor's own term.
+    async fn admit(&self, stamp: Stamp) -> Result<OwnedRwLockReadGuard<Stamp>, ReplicaError> {
+        let term = stamp.term;
         loop {
             let guard = Arc::clone(&self.floor).read_owned().await;
-            let floor = *guard;
+            let floor = guard.term;
+            if term == floor && stamp < *guard {
+                return Err(ReplicaError::StaleGeneration {
+                    stamp,
+                    floor: *guard,
+                });
+            }
             if term < floor {
                 if cfg!(feature = "unsafe-skip-term-check") {
                     // The deliberately broken build: admit it, and count it
@@ -451,22 +471,22 @@ impl ReplicaStore {
                 }
                 return Err(ReplicaError::StaleTerm { term, floor });
             }
-            if term == floor {
+            if stamp == *guard {
                 return Ok(guard);
             }
             drop(guard);
-            self.raise_floor(term).await?;
+            self.raise_floor(stamp).await?;
         }
     }
 
     /// Takes the write guard (draining every request in flight), raises the
-    /// floor to `term` durably if it is newer, and returns the floor.
-    async fn raise_floor(&self, term: u64) -> Result<u64, ReplicaError> {
+    /// floor to `stamp` durably if it is newer, and returns the floor.
+    async fn raise_floor(&self, stamp: Stamp) -> Result<Stamp, ReplicaError> {
         let mut floor = self.floor.write().await;
-        if term > *floor {
-            self.fence_tree.insert(FLOOR_KEY, &term.to_be_bytes())?;
+        if stamp > *floor {
+            self.fence_tree.insert(FLOOR_KEY, &encode_stamp(stamp))?;
             self.flusher.flush().await?;
-            *floor = term;
+            *floor = stamp;
         }
         Ok(*floor)
     }
@@ -541,6 +561,26 @@ fn decode_dirty(key: &[u8]) -> Result<DirtyExtent, ReplicaError> {
         term: decode_u64(&key[..8], "dirty mark")?,
         extent: decode_u64(&key[8..], "dirty mark")?,
     })
+}
+
+/// The floor on disk: the term, then the generation (a floor written
+/// before generations existed is the term alone, generation 0).
+fn encode_stamp(stamp: Stamp) -> [u8; 16] {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&stamp.term.to_be_bytes());
+    bytes[8..].copy_from_slice(&stamp.generation.to_be_bytes());
+    bytes
+}
+
+fn decode_stamp(bytes: &[u8]) -> Result<Stamp, ReplicaError> {
+    match bytes.len() {
+        8 => Ok(Stamp::term(decode_u64(bytes, "fence floor")?)),
+        16 => Ok(Stamp {
+            term: decode_u64(&bytes[..8], "fence floor")?,
+            generation: decode_u64(&bytes[8..], "fence floor")?,
+        }),
+        n => Err(ReplicaError::Io(format!("corrupt fence floor: {n} bytes"))),
+    }
 }
 
 fn decode_u64(bytes: &[u8], what: &str) -> Result<u64, ReplicaError> {
@@ -735,6 +775,49 @@ mod tests {
             assert_eq!(store.floor().await, 9);
         }
         assert_eq!(open(dir.path()).await.floor().await, 9);
+    }
+
+    #[tokio::test]
+    async fn an_older_generation_of_the_floor_term_is_refused_and_survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let next = Stamp {
+            term: 4,
+            generation: 2,
+        };
+        {
+            let store = open(dir.path()).await;
+            store.write(4, 0, block(1, 512), false).await.unwrap();
+            store.flush(next).await.unwrap();
+            assert_eq!(store.floor_stamp().await, next);
+            assert_eq!(
+                store.write(4, 0, block(2, 512), false).await,
+                Err(ReplicaError::StaleGeneration {
+                    stamp: Stamp::term(4),
+                    floor: next
+                })
+            );
+            // A fence of the same term keeps the generation (it is no newer)
+            // and still reports the term as fenced.
+            assert_eq!(store.fence(4).await.unwrap().floor, 4);
+            assert_eq!(store.floor_stamp().await, next);
+        }
+        let store = open(dir.path()).await;
+        assert_eq!(store.floor_stamp().await, next);
+        assert_eq!(store.read(0, 512).await.unwrap(), block(1, 512));
+        // A newer term starts over at generation 0.
+        store.write(5, 0, block(3, 512), false).await.unwrap();
+        assert_eq!(store.floor_stamp().await, Stamp::term(5));
+    }
+
+    #[test]
+    fn a_floor_stored_before_generations_reads_as_generation_zero() {
+        assert_eq!(decode_stamp(&7u64.to_be_bytes()), Ok(Stamp::term(7)));
+        let stamp = Stamp {
+            term: 7,
+            generation: 3,
+        };
+        assert_eq!(decode_stamp(&encode_stamp(stamp)), Ok(stamp));
+        assert!(decode_stamp(&[1, 2, 3]).is_err());
     }
 
     #[tokio::test]

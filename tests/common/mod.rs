@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::replica::{
     FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaInfo,
-    ReplicaStore, StoreIdentity,
+    ReplicaStore, Stamp, StoreIdentity,
 };
 
 /// What a [`FaultyReplica`] does with the next requests.
@@ -30,7 +30,9 @@ pub enum Fault {
     /// Fail only writes at this offset.
     FailWritesAt(u64),
     /// Hold each write until [`FaultyReplica::release`], then fail it
-    /// (`pass: false`) or pass it to the store (`pass: true`).
+    /// (`pass: false`) or pass it to the store (`pass: true`). A write that
+    /// passes goes on even if its caller gave up on it, as a request already
+    /// on the wire would: see [`FaultyReplica::late_outcomes`].
     HoldWrites { pass: bool },
 }
 
@@ -41,7 +43,9 @@ pub struct FaultyReplica {
     /// Writes held by [`Fault::HoldWrites`] so far.
     held: tokio::sync::watch::Sender<u64>,
     /// Opened by [`FaultyReplica::release`].
-    released: tokio::sync::Semaphore,
+    released: Arc<tokio::sync::Semaphore>,
+    /// How the held writes that passed ended, in order.
+    late: Arc<Mutex<Vec<Result<(), ReplicaError>>>>,
 }
 
 impl FaultyReplica {
@@ -50,8 +54,19 @@ impl FaultyReplica {
             inner: LocalReplica::new(id, store),
             fault: Mutex::new(Fault::None),
             held: tokio::sync::watch::channel(0).0,
-            released: tokio::sync::Semaphore::new(0),
+            released: Arc::new(tokio::sync::Semaphore::new(0)),
+            late: Arc::default(),
         })
+    }
+
+    /// Waits (bounded) until `count` held writes that pass have ended, and
+    /// returns how each did.
+    pub async fn late_outcomes(&self, count: usize) -> Vec<Result<(), ReplicaError>> {
+        wait_until("the held writes ended", || {
+            self.late.lock().unwrap().len() >= count
+        })
+        .await;
+        self.late.lock().unwrap().clone()
     }
 
     /// Waits (bounded) until `count` writes have been held in all.
@@ -114,21 +129,36 @@ impl Replica for FaultyReplica {
     }
     async fn write(
         &self,
-        term: u64,
+        stamp: Stamp,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
+        if *self.fault.lock().unwrap() == (Fault::HoldWrites { pass: true }) {
+            // On the wire: it lands (or is refused) whatever the caller does.
+            self.held.send_modify(|n| *n += 1);
+            let (released, late) = (Arc::clone(&self.released), Arc::clone(&self.late));
+            let store = Arc::clone(self.inner.store());
+            let landing = tokio::spawn(async move {
+                released.acquire().await.expect("never closed").forget();
+                let outcome = store.write(stamp, offset, data, fua).await;
+                late.lock().unwrap().push(outcome.clone());
+                outcome
+            });
+            return landing
+                .await
+                .unwrap_or_else(|e| Err(ReplicaError::Io(e.to_string())));
+        }
         self.gate(Some(offset)).await?;
-        self.inner.write(term, offset, data, fua).await
+        self.inner.write(stamp, offset, data, fua).await
     }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.gate(None).await?;
         self.inner.read(offset, len).await
     }
-    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         self.gate(None).await?;
-        self.inner.flush(term).await
+        self.inner.flush(stamp).await
     }
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
         self.gate(None).await?;

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::replica::{
-    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore,
+    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
 };
 
 /// See the module docs.
@@ -103,12 +103,12 @@ impl Replica for PowerCutReplica {
     }
     async fn write(
         &self,
-        term: u64,
+        stamp: Stamp,
         offset: u64,
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
-        self.inner.write(term, offset, data.clone(), fua).await?;
+        self.inner.write(stamp, offset, data.clone(), fua).await?;
         let mut state = self.state.lock().unwrap();
         if fua {
             apply(&mut state.image, offset, &data);
@@ -120,9 +120,9 @@ impl Replica for PowerCutReplica {
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.inner.read(offset, len).await
     }
-    async fn flush(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         let covered = self.state.lock().unwrap().pending.len();
-        self.inner.flush(term).await?;
+        self.inner.flush(stamp).await?;
         let mut state = self.state.lock().unwrap();
         let durable: Vec<(u64, Bytes)> = state.pending.drain(..covered).collect();
         for (offset, data) in durable {
