@@ -530,11 +530,10 @@ async fn a_write_the_engine_gave_up_on_never_lands_over_a_later_acknowledged_one
     rig.replicas[2].release(1);
     let late = rig.replicas[2].late_outcomes(1).await;
     assert!(late[0].is_err(), "the disowned W1 was admitted: {late:?}");
-    for i in 0..3 {
+    for (i, id) in IDS.iter().enumerate() {
         assert!(
             rig.on(i, 0, 4096).await == block(0x02),
-            "{} holds the disowned W1 over the acknowledged W2",
-            IDS[i]
+            "{id} holds the disowned W1 over the acknowledged W2"
         );
     }
 }
