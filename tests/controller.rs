@@ -318,6 +318,39 @@ async fn a_lease_that_runs_out_and_returns_leads_to_a_new_fence() {
     );
 }
 
+/// One stint per term: a leader whose lease lapsed and then returned at the
+/// same term (no new election) must not open its gate at that term again;
+/// it resigns, and only a fresh term promotes it.
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again() {
+    let (cluster, script, nodes) = setup(&["a"]);
+    let a = &nodes[0];
+    let first = cluster.elect("a").unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    a.write().await.unwrap();
+    cluster.expire(false);
+    until("a demotes itself", || a.role() != Role::Leader).await;
+    cluster.renew();
+    cluster.republish();
+    until("a resigns for a fresh term", || cluster.resigns() == 1).await;
+    assert_eq!(a.controller.status().spent_terms, 1);
+    assert_eq!(a.controller.device().open_term(), None);
+    assert!(a.write().await.is_err());
+    assert_eq!(
+        a.controller.status().promotions,
+        1,
+        "no second stint at {first}"
+    );
+    let second = cluster.elect("a").unwrap();
+    until("a leads at the fresh term", || {
+        a.controller.device().open_term() == Some(second)
+    })
+    .await;
+    assert!(script.fenced("a", second));
+    a.write().await.unwrap();
+    assert_eq!(a.engine.writes().last().map(|w| w.0), Some(second));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_new_term_observed_while_leading_closes_the_gate_first() {
     let (cluster, script, nodes) = setup(&["a"]);

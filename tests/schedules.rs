@@ -8,7 +8,9 @@
 //! - every open gate's term was fenced by that node first (S1);
 //! - every write an engine accepted carries a term its node fenced;
 //! - accepted writes, in time order, never go back to an older term (the
-//!   gate's lease check, S4, with elections only after a lease ends).
+//!   gate's lease check, S4, with elections only after a lease ends);
+//! - a node opens its gate at most once per term (one stint per term: a
+//!   lease that lapses and returns at the same term must not re-promote).
 //!
 //! `PROPTEST_CASES=1000 cargo test --test schedules` runs a longer campaign.
 
@@ -20,7 +22,7 @@ use proptest::prelude::*;
 use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
-use replica_ha::ha::{Controller, ControllerConfig, Coordinator};
+use replica_ha::ha::{Controller, ControllerConfig, Coordinator, GateJournal};
 use replica_ha::volume::Device;
 use tokio::time::Instant;
 
@@ -61,12 +63,25 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Records every term a gate was opened for, in order.
+#[derive(Default)]
+struct Openings(std::sync::Mutex<Vec<u64>>);
+
+impl GateJournal for Openings {
+    fn opened(&self, term: u64, _deadline: Option<Instant>) {
+        self.0.lock().unwrap().push(term);
+    }
+    fn admitted(&self, _term: u64, _deadline: Instant) {}
+    fn closed(&self, _term: u64) {}
+}
+
 struct World {
     cluster: FakeCluster,
     script: Arc<FenceScript>,
     controllers: Vec<Arc<Controller>>,
     coordinators: Vec<Arc<FakeCoordinator>>,
     engines: Vec<Arc<MemoryEngine>>,
+    openings: Vec<Arc<Openings>>,
     /// (node, term) of every write a gate let through, in time order.
     accepted: Vec<(usize, u64)>,
 }
@@ -78,6 +93,7 @@ impl World {
         let mut controllers = Vec::new();
         let mut coordinators = Vec::new();
         let mut engines = Vec::new();
+        let mut openings = Vec::new();
         for id in NODES {
             let engine = MemoryEngine::new(1 << 16);
             let coordinator = cluster.coordinator(id);
@@ -91,6 +107,12 @@ impl World {
                     retry_interval: Duration::from_millis(100),
                 },
             ));
+            let journal = Arc::new(Openings::default());
+            controller
+                .device()
+                .record_to(Arc::clone(&journal) as Arc<dyn GateJournal>)
+                .expect("a fresh gate");
+            openings.push(journal);
             tokio::spawn({
                 let controller = Arc::clone(&controller);
                 async move { controller.run().await }
@@ -104,6 +126,7 @@ impl World {
             controllers,
             coordinators,
             engines,
+            openings,
             accepted: Vec::new(),
         }
     }
@@ -132,6 +155,14 @@ impl World {
                     NODES[i]
                 );
             }
+            let opened = self.openings[i].0.lock().unwrap().clone();
+            let mut distinct = opened.clone();
+            distinct.dedup();
+            prop_assert!(
+                distinct.len() == opened.len(),
+                "{} opened its gate twice for one term: {opened:?}",
+                NODES[i]
+            );
             for (term, _) in self.engines[i].writes() {
                 prop_assert!(
                     self.script.fenced(NODES[i], term),
@@ -251,4 +282,28 @@ fn a_plain_failover_schedule_accepts_writes_of_two_terms() {
         }
         assert_eq!(world.accepted, vec![(0, 1), (1, 2)]);
     });
+}
+
+/// A lease that lapses unobserved and then returns at the same term (a
+/// leader whose heartbeats were late): the node must not open its gate for
+/// that term a second time.
+#[test]
+fn a_lease_that_lapses_and_returns_does_not_reopen_the_same_term() {
+    let ops = vec![
+        Op::Elect(0),
+        Op::Advance(10),
+        Op::Write(0),
+        Op::Expire { notify: false },
+        // Past the deadline the controller was waiting for: it demotes.
+        Op::Advance(1100),
+        Op::Renew,
+        Op::Republish,
+        Op::Advance(300),
+        Op::Write(0),
+        Op::Elect(0),
+        Op::Advance(10),
+        Op::Write(0),
+    ];
+    let accepted = run_schedule(ops).expect("the invariants hold");
+    assert_eq!(accepted, 2, "one write per stint, at terms 1 and 2");
 }

@@ -21,6 +21,17 @@
 //!   state lock only if no observation is pending, the controller is not
 //!   stopped, and the lease of the term is still valid. The gate's own
 //!   per-write lease check (S4) is the second wall.
+//! - **One stint per term.** A node never opens its gate twice for the same
+//!   term. Writes of an earlier stint carry the same token, so a fence at
+//!   that term neither drains nor refuses those still in flight, and
+//!   convergence would not see their marks as older. When the recorded
+//!   writer is this node at the very term it leads (its lease lapsed while
+//!   it stayed leader, or it restarted and was restored as leader of that
+//!   term), it resigns instead, and the next election brings a fresh term —
+//!   unless this controller itself recorded that promotion and never opened
+//!   its gate for it (nothing was written), in which case it finishes it.
+//!   The Raft state machine refuses a second promotion at a recorded term
+//!   as well.
 //! - **Demotion is immediate.** `!is_self`, a newer term, or a lease that ran
 //!   out without an observation closes the gate before anything else.
 //! - **Stop** closes the gate, deactivates the engine and resigns, once;
@@ -94,6 +105,9 @@ pub struct Status {
     pub fence_failures: u64,
     /// Promotions (gate openings) since start.
     pub promotions: u64,
+    /// Promotions refused because this node had already written at the
+    /// term (see the module docs); each resigned for a fresh term.
+    pub spent_terms: u64,
     /// The engine's replicas.
     pub replicas: Vec<ReplicaStatus>,
 }
@@ -107,6 +121,11 @@ struct Inner {
     running: bool,
     fence_failures: u64,
     promotions: u64,
+    spent_terms: u64,
+    /// The last term this controller recorded a promotion for.
+    last_recorded: Option<u64>,
+    /// The last term this controller opened its gate for.
+    last_opened: Option<u64>,
 }
 
 /// What the run loop does after a reconcile step.
@@ -156,6 +175,9 @@ impl Controller {
                 running: false,
                 fence_failures: 0,
                 promotions: 0,
+                spent_terms: 0,
+                last_recorded: None,
+                last_opened: None,
             }),
             stop: watch::channel(false).0,
         }
@@ -177,6 +199,7 @@ impl Controller {
             active: self.device.is_open(),
             fence_failures: inner.fence_failures,
             promotions: inner.promotions,
+            spent_terms: inner.spent_terms,
             replicas: self.engine.replicas(),
         }
     }
@@ -334,6 +357,34 @@ impl Controller {
             }
             Some(Ok(prev)) => prev,
         };
+        let recorded_self = prev
+            .as_ref()
+            .is_some_and(|w| w.term == term && w.node == self.coordinator.node_id());
+        // A promotion this very controller recorded but never opened (the
+        // engine did not activate, the lease ran out just before) wrote
+        // nothing: finish it instead of recording it again.
+        let unopened = {
+            let inner = self.lock();
+            inner.last_recorded == Some(term) && inner.last_opened != Some(term)
+        };
+        if recorded_self && !unopened {
+            // This node already wrote at this term (its lease lapsed, or it
+            // restarted and was restored as leader of the same term): writes
+            // of that stint may still be in flight with this very token, so
+            // the fence could not shut them out. Promote only at a fresh
+            // term: hand leadership on, and let the next election raise it.
+            tracing::warn!(
+                term,
+                "term already used by this node's earlier stint; resigning for a fresh term"
+            );
+            self.lock().spent_terms += 1;
+            if let Some(Err(err)) =
+                cancellable(observations, stop, self.coordinator.resign()).await?
+            {
+                tracing::warn!(term, %err, "could not resign");
+            }
+            return Ok(self.retry_later());
+        }
         self.lock().prev_writer = prev.clone();
 
         let fence = tokio::time::timeout(
@@ -353,13 +404,15 @@ impl Controller {
             return Ok(self.retry_later());
         }
 
-        match cancellable(observations, stop, self.coordinator.record_promotion(term)).await? {
-            None => return Ok(Next::Again),
-            Some(Err(err)) => {
-                tracing::warn!(term, %err, "could not record the promotion");
-                return Ok(self.retry_later());
+        if !recorded_self {
+            match cancellable(observations, stop, self.coordinator.record_promotion(term)).await? {
+                None => return Ok(Next::Again),
+                Some(Err(err)) => {
+                    tracing::warn!(term, %err, "could not record the promotion");
+                    return Ok(self.retry_later());
+                }
+                Some(Ok(())) => self.lock().last_recorded = Some(term),
             }
-            Some(Ok(())) => {}
         }
         if let Err(err) = self.engine.activate(term).await {
             tracing::warn!(term, %err, "could not activate the engine");
@@ -394,6 +447,7 @@ impl Controller {
             return Ok(self.retry_later());
         };
         self.device.open(term);
+        inner.last_opened = Some(term);
         inner.role = Role::Leader;
         inner.promotions += 1;
         tracing::info!(

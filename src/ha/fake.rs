@@ -311,6 +311,12 @@ impl Coordinator for FakeCoordinator {
         if !leads {
             return Err(HaError::NotLeader);
         }
+        if let Some(recorded) = state.promoted.as_ref().filter(|w| w.term >= term) {
+            return Err(HaError::Coordinator(format!(
+                "writer {} of term {} is recorded; term {term} cannot be promoted again",
+                recorded.node, recorded.term
+            )));
+        }
         state.promoted = Some(Writer {
             node: self.id.clone(),
             term,

@@ -284,16 +284,19 @@ impl RaftCoordinator {
     }
 
     /// Waits until the state machine has applied an entry of `term` (the
-    /// leader's first entry), so the control state is current for `term`.
+    /// leader's first entry) and every entry this node's log held when the
+    /// call began, so the control state is current for `term` — including a
+    /// promotion this node recorded at `term` before a restart, which sits
+    /// after the term's first entry.
     async fn applied_through(&self, term: u64) -> Result<Applied, HaError> {
         let mut applied = self.state_machine.subscribe();
+        let tail = self.raft.metrics().borrow().last_log_index;
         let deadline = Instant::now() + self.timing.election_max * 4;
         loop {
             let current = applied.borrow_and_update().clone();
-            if current
-                .last_applied
-                .is_some_and(|id| id.leader_id.term >= term)
-            {
+            if current.last_applied.is_some_and(|id| {
+                id.leader_id.term >= term && tail.is_none_or(|tail| id.index >= tail)
+            }) {
                 return Ok(current);
             }
             tokio::select! {

@@ -30,7 +30,11 @@
 //! restored by openraft as leader of that same term at start-up; that is
 //! safe (the term still has one leader) and its lease again needs fresh
 //! quorum acknowledgements, but it means a full restart need not raise the
-//! term: terms never go back, they do not always go up.
+//! term: terms never go back, they do not always go up. A writer never
+//! writes twice at one term, though: a node that finds itself the recorded
+//! writer of the very term it leads resigns for a fresh one (see
+//! [`crate::ha::Controller`]), and the state machine refuses a second
+//! `Promote` at a recorded term.
 //!
 //! ## Layout
 //! - [`log_store`]: the sled log (entries, vote, committed, purged); every
@@ -107,8 +111,8 @@ pub enum Request {
         /// Every replica's node id.
         replicas: BTreeSet<NodeId>,
     },
-    /// Records `node` as the writer of `term`. Refused if a newer writer is
-    /// already recorded.
+    /// Records `node` as the writer of `term`. Refused if a writer of this
+    /// or a newer term is already recorded: each term has one stint.
     Promote(WriterRecord),
     /// Removes replicas from the in-sync set on behalf of the writer of
     /// `term`. Refused for a writer older than the recorded one.
@@ -168,8 +172,8 @@ impl ControlState {
                 }
             },
             Request::Promote(writer) => match self.writer {
-                Some(current) if current.term > writer.term => Some(format!(
-                    "writer {} of term {} is newer than term {}",
+                Some(current) if current.term >= writer.term => Some(format!(
+                    "writer {} of term {} is recorded; term {} cannot be promoted (again)",
                     current.node, current.term, writer.term
                 )),
                 _ => {
@@ -279,6 +283,12 @@ mod tests {
             !state
                 .apply(&Request::Promote(WriterRecord { node: 2, term: 4 }))
                 .applied
+        );
+        assert!(
+            !state
+                .apply(&Request::Promote(WriterRecord { node: 1, term: 5 }))
+                .applied,
+            "a second stint at a recorded term"
         );
         let stale = Request::ShrinkInSync {
             term: 4,
