@@ -118,6 +118,9 @@ pub enum ReplicaError {
     /// later request of the same term already reached the replica.
     #[error("stale generation {stamp}: the replica's floor is {floor}")]
     StaleGeneration { stamp: Stamp, floor: Stamp },
+    /// The request is malformed or asks for more than is allowed.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
     /// Term 0 is never a valid writer's term.
     #[error("term 0 is not a valid writer term")]
     InvalidTerm,
@@ -172,6 +175,15 @@ pub trait Replica: Send + Sync {
     async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
     /// Drops the dirty marks of terms below `term` (after convergence, S6).
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError>;
+    /// Drops the marks of terms up to `through` on `extents`, for the
+    /// writer of `stamp`, once they are durable on every in-sync replica
+    /// (see [`ReplicaStore::retire_marks`]). Returns how many were dropped.
+    async fn retire_marks(
+        &self,
+        stamp: Stamp,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError>;
     /// Its fence floor and dirty-mark count.
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError>;
     /// BLAKE3 digests of the extents that `[offset, offset+len)` covers:
@@ -225,6 +237,14 @@ impl Replica for LocalReplica {
     }
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
         self.store.clear_dirty_below(term).await
+    }
+    async fn retire_marks(
+        &self,
+        stamp: Stamp,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError> {
+        self.store.retire_marks(stamp, through, extents).await
     }
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
         self.store.info().await

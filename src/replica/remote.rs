@@ -168,6 +168,29 @@ impl Replica for RemoteReplica {
             .map_err(|status| error_of(&status, term))
     }
 
+    async fn retire_marks(
+        &self,
+        stamp: Stamp,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError> {
+        let request = self.request(pb::RetireMarksRequest {
+            volume: self.volume(),
+            term: stamp.term,
+            generation: stamp.generation,
+            through,
+            extents: extents.to_vec(),
+        });
+        let reply = self
+            .client
+            .clone()
+            .retire_marks(request)
+            .await
+            .map_err(|status| error_of(&status, stamp))?
+            .into_inner();
+        Ok(usize::try_from(reply.retired).unwrap_or(usize::MAX))
+    }
+
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
         let request = self.request(pb::StatusRequest {
             volume: self.volume(),

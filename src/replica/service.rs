@@ -10,7 +10,7 @@
 //! |---|---|
 //! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` |
 //! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` |
-//! | term 0, request too large | `INVALID_ARGUMENT` |
+//! | term 0, invalid request, request too large | `INVALID_ARGUMENT` |
 //! | out of range | `OUT_OF_RANGE` |
 //! | identity mismatch | `FAILED_PRECONDITION` |
 //! | unavailable | `UNAVAILABLE` |
@@ -54,9 +54,9 @@ pub fn status_of(err: &ReplicaError) -> Status {
             }
             status
         }
-        ReplicaError::InvalidTerm | ReplicaError::Range(RangeError::TooLarge { .. }) => {
-            Status::invalid_argument(message)
-        }
+        ReplicaError::InvalidTerm
+        | ReplicaError::InvalidRequest(_)
+        | ReplicaError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),
         ReplicaError::Range(RangeError::OutOfRange { .. }) => Status::out_of_range(message),
         ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
             Status::failed_precondition(message)
@@ -225,6 +225,22 @@ impl ReplicaRpc for ReplicaService {
             .await
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::ClearDirtyReply {}))
+    }
+
+    async fn retire_marks(
+        &self,
+        request: Request<pb::RetireMarksRequest>,
+    ) -> Result<Response<pb::RetireMarksReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let retired = self
+            .store
+            .retire_marks(stamp(r.term, r.generation), r.through, &r.extents)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::RetireMarksReply {
+            retired: retired as u64,
+        }))
     }
 
     async fn digest(

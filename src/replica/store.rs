@@ -59,6 +59,9 @@ pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
 /// The most extents one digest request may cover (256 MiB at 1 MiB).
 pub const MAX_DIGEST_EXTENTS: u64 = 256;
 
+/// The most extents one mark retirement may name.
+pub const MAX_RETIRE_EXTENTS: u64 = 4096;
+
 const DATA_FILE: &str = "volume.img";
 const META_DIR: &str = "meta";
 const FLOOR_KEY: &[u8] = b"floor";
@@ -417,7 +420,15 @@ impl ReplicaStore {
     /// Drops the dirty marks of every term below `term`, once the extents
     /// they name have converged (S6). Drains in-flight requests first.
     pub async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
-        let _drained = self.floor.write().await;
+        let drained = self.floor.write().await;
+        // A writer older than the floor must not drop marks that the newer
+        // one has still to converge.
+        if term < drained.term {
+            return Err(ReplicaError::StaleTerm {
+                term,
+                floor: drained.term,
+            });
+        }
         let end = term.to_be_bytes();
         let keys: Vec<sled::IVec> = self
             .dirty_tree
@@ -428,6 +439,53 @@ impl ReplicaStore {
         self.flusher.flush().await?;
         self.lock_marked().retain(|mark| mark.term >= term);
         Ok(())
+    }
+
+    /// Drops the marks of every term up to `through` on `extents`, on
+    /// behalf of the writer of `stamp` (admitted like a write, so a deposed
+    /// writer cannot drop marks its successor needs). The writer calls this
+    /// once every in-sync replica holds those extents durably and no write
+    /// to them is in flight: during its term, to keep only the hot set
+    /// marked, and during convergence, to resume where it was (S6). Returns
+    /// how many marks were dropped. Not flushed: a retirement lost in a
+    /// crash only leaves a mark too many.
+    pub async fn retire_marks(
+        &self,
+        stamp: impl Into<Stamp>,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        if through > stamp.term {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "the writer of term {} cannot retire marks of term {through}",
+                stamp.term
+            )));
+        }
+        if extents.len() as u64 > MAX_RETIRE_EXTENTS {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "{} extents in one retirement; at most {MAX_RETIRE_EXTENTS}",
+                extents.len()
+            )));
+        }
+        let _admitted = self.admit(stamp).await?;
+        let wanted: HashSet<u64> = extents.iter().copied().collect();
+        let end = encode_dirty(&DirtyExtent {
+            term: through,
+            extent: u64::MAX,
+        });
+        let mut keys = Vec::new();
+        for key in self.dirty_tree.range(..=end.as_slice()).keys() {
+            let key = key?;
+            if wanted.contains(&decode_dirty(&key)?.extent) {
+                keys.push(key);
+            }
+        }
+        crate::sled_ops::remove_all(&self.dirty_tree, &keys)?;
+        self.lock_marked()
+            .retain(|mark| mark.term > through || !wanted.contains(&mark.extent));
+        Ok(keys.len())
     }
 
     /// Waits until a request of `stamp` may proceed and returns the guard it

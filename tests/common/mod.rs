@@ -168,6 +168,15 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.clear_dirty_below(term).await
     }
+    async fn retire_marks(
+        &self,
+        stamp: Stamp,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.retire_marks(stamp, through, extents).await
+    }
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
         self.gate(None).await?;
         self.inner.info().await

@@ -137,6 +137,14 @@ impl Replica for PowerCutReplica {
     async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
         self.inner.clear_dirty_below(term).await
     }
+    async fn retire_marks(
+        &self,
+        stamp: Stamp,
+        through: u64,
+        extents: &[u64],
+    ) -> Result<usize, ReplicaError> {
+        self.inner.retire_marks(stamp, through, extents).await
+    }
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
         self.inner.info().await
     }
