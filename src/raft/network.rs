@@ -20,6 +20,22 @@
 //! - **Liveness.** Every successful exchange with a peer, in either
 //!   direction, is recorded; `members` lists the peers heard from within a
 //!   lease.
+//! - **Acknowledgements (the lease clock).** [`PeerClient`] takes the time
+//!   just *before* it sends each AppendEntries (heartbeat or append) and
+//!   each vote request. When the reply shows that the peer accepted this
+//!   node's vote — AppendEntries `Success`, `PartialSuccess` or `Conflict`
+//!   (each is returned only after the follower took our vote as its own;
+//!   only `HigherVote` is a refusal), or a granted vote — that send time is
+//!   recorded for the peer, tagged with the term of our vote. Per peer only
+//!   the newest send time of the highest term is kept, so a late reply to an
+//!   old request never moves it back or forward. The coordinator builds the
+//!   lease from these times alone (see [`super`], the lease).
+//! - **The follower's side of the same argument.** A follower counts as
+//!   having heard a leader (`leader_contact`, which holds back its own
+//!   campaign and its pre-vote) on exactly the replies the leader counts as
+//!   acknowledgements: every AppendEntries reply but `HigherVote`, and a
+//!   granted vote. The contact is taken after openraft handled the request,
+//!   so it is never earlier than the leader's send time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -57,6 +73,11 @@ pub struct Peers {
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
     leader_contact: Mutex<Instant>,
+    /// Per peer: the term and send time of the newest request of ours it
+    /// accepted (see the module docs, acknowledgements).
+    acks: Mutex<HashMap<NodeId, (u64, Instant)>>,
+    /// Woken on every new acknowledgement.
+    acked: tokio::sync::Notify,
     /// When a peer last refused our vote because its log is ahead of ours.
     behind_since: Mutex<Option<Instant>>,
     /// When this node last started a campaign.
@@ -86,6 +107,8 @@ impl Peers {
             heard: Mutex::default(),
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
+            acks: Mutex::default(),
+            acked: tokio::sync::Notify::new(),
             behind_since: Mutex::new(None),
             campaigned_at: Mutex::new(None),
             transfer: Mutex::default(),
@@ -139,6 +162,36 @@ impl Peers {
         Ok(RaftClient::new(channel)
             .max_decoding_message_size(crate::net::MAX_MESSAGE)
             .max_encoding_message_size(crate::net::MAX_MESSAGE))
+    }
+
+    /// Records that `peer` accepted our vote of `term` in a request sent at
+    /// `sent_at`. Keeps only the newest send time of the highest term.
+    fn record_ack(&self, peer: NodeId, term: u64, sent_at: Instant) {
+        let mut acks = lock(&self.acks);
+        let newer = match acks.get(&peer) {
+            Some((known, at)) => term > *known || (term == *known && sent_at > *at),
+            None => true,
+        };
+        if newer {
+            acks.insert(peer, (term, sent_at));
+            drop(acks);
+            self.acked.notify_one();
+        }
+    }
+
+    /// Each peer's newest acknowledged send time in `term`.
+    pub fn acks_in(&self, term: u64) -> HashMap<NodeId, Instant> {
+        lock(&self.acks)
+            .iter()
+            .filter(|(_, (t, _))| *t == term)
+            .map(|(peer, (_, at))| (*peer, *at))
+            .collect()
+    }
+
+    /// Resolves at the next acknowledgement (or at once if one came since
+    /// the last call).
+    pub async fn next_ack(&self) {
+        self.acked.notified().await
     }
 
     /// When a leader was last heard from, or a vote last granted.
@@ -346,7 +399,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::Append, &rpc, option.hard_ttl()).await
+        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
+        let response: AppendEntriesResponse<NodeId> =
+            self.call(Rpc::Append, &rpc, option.hard_ttl()).await?;
+        if accepts_leader(&response) {
+            self.peers.record_ack(self.target, term, sent_at);
+        }
+        Ok(response)
     }
 
     async fn install_snapshot(
@@ -362,13 +421,28 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
+        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
         let response: VoteResponse<NodeId> = self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
+        if response.vote_granted {
+            self.peers.record_ack(self.target, term, sent_at);
+        }
         // A refusal because the peer's log is ahead: this node cannot win;
         // the detector holds off so the up-to-date node can.
         if !response.vote_granted && response.last_log_id > rpc.last_log_id {
             *lock(&self.peers.behind_since) = Some(Instant::now());
         }
         Ok(response)
+    }
+}
+
+/// Whether an AppendEntries reply shows the follower took the sender's vote
+/// as its own: every reply but `HigherVote`.
+fn accepts_leader(response: &AppendEntriesResponse<NodeId>) -> bool {
+    match response {
+        AppendEntriesResponse::Success
+        | AppendEntriesResponse::PartialSuccess(_)
+        | AppendEntriesResponse::Conflict => true,
+        AppendEntriesResponse::HigherVote(_) => false,
     }
 }
 
@@ -409,7 +483,7 @@ impl raft_server::Raft for RaftService {
         self.peers.admit(&message)?;
         let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
         let result = self.raft.append_entries(rpc).await;
-        if matches!(result, Ok(AppendEntriesResponse::Success)) {
+        if result.as_ref().is_ok_and(accepts_leader) {
             self.peers.leader_heard();
         }
         self.reply(&result)
