@@ -55,11 +55,14 @@
 //! - [`detector`]: the failure detector that starts elections.
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
 //!   `InSyncTracker` of the core.
+//! - [`runtime`]: the threads all of the above run on, apart from the data
+//!   plane, so that no heartbeat waits behind a data write (see there).
 
 pub mod coordinator;
 pub mod detector;
 pub mod log_store;
 pub mod network;
+pub mod runtime;
 pub mod state_machine;
 
 use std::collections::BTreeSet;
