@@ -311,3 +311,130 @@ async fn a_healed_partitioned_follower_does_not_disturb_the_leader() {
     let (after, after_term) = cluster.wait_for_leader(&[1, 2, 3], ELECTION).await;
     assert_eq!((after, after_term), (leader, term));
 }
+
+/// Each (node, term)'s writable interval from the gate journals, in wall
+/// nanoseconds: from `open` to the latest `until` of its `open`/`admit`
+/// lines, cut at its `close` (the rule of the fault campaign's checker).
+fn gate_intervals(cluster: &Cluster) -> Vec<(u64, u64, u64, u64)> {
+    use std::collections::BTreeMap;
+    let field = |line: &str, key: &str| -> Option<u64> {
+        line.split(' ')
+            .find_map(|part| part.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|value| value.parse().ok())
+    };
+    let mut all: BTreeMap<(u64, u64), (u64, u64, Option<u64>)> = BTreeMap::new();
+    for id in &cluster.ids {
+        let text = std::fs::read_to_string(cluster.journal_path(*id)).unwrap_or_default();
+        for line in text.lines() {
+            let (Some(term), Some(at)) = (field(line, "term"), field(line, "at")) else {
+                continue;
+            };
+            let until = field(line, "until").unwrap_or(at);
+            let entry = all.entry((*id, term)).or_insert((at, at, None));
+            match line.split(' ').next() {
+                Some("open") | Some("admit") => {
+                    entry.0 = entry.0.min(at);
+                    entry.1 = entry.1.max(at).max(until);
+                }
+                Some("close") => entry.2 = Some(entry.2.map_or(at, |c: u64| c.min(at))),
+                _ => {}
+            }
+        }
+    }
+    all.into_iter()
+        .map(|((node, term), (start, end, close))| {
+            (
+                node,
+                term,
+                start,
+                close.map_or(end, |c| end.min(c)).max(start),
+            )
+        })
+        .collect()
+}
+
+/// S4, the lease from send times: a leader frozen (SIGSTOP) for 2 s while
+/// clients keep writes queued on it finds, when it wakes, a lease that ran
+/// out at its last real quorum acknowledgement. No timer wake may renew it:
+/// its status never shows a lease of the old term again, and its gate
+/// journal shows no write admitted into the next writer's interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_wakes_without_a_lease_and_its_gate_never_overlaps_the_next() {
+    use replica_ha::proto::admin::WriteRequest;
+    use replica_ha::proto::admin::admin_client::AdminClient;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    let (old, old_term) = cluster.wait_for_writer(&[1, 2, 3], ELECTION * 2).await;
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
+
+    // Clients that keep writing to the old writer, so that requests are
+    // queued on it while it is frozen and arrive the moment it wakes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for n in 0..4u64 {
+        let addr = cluster.addrs[&old].to_string();
+        let stop = Arc::clone(&stop);
+        clients.push(tokio::spawn(async move {
+            let channel = replica_ha::net::channel(&addr).unwrap();
+            let mut client = AdminClient::new(channel);
+            while !stop.load(Ordering::SeqCst) {
+                let mut request = tonic::Request::new(WriteRequest {
+                    offset: n * 4096,
+                    data: bytes::Bytes::from(vec![n as u8; 4096]),
+                    fua: false,
+                });
+                request.set_timeout(Duration::from_secs(5));
+                if client.write(request).await.is_err() {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    cluster.pause(old);
+    let frozen = Instant::now();
+    let (new, new_term) = cluster.wait_for_writer(&others, ELECTION).await;
+    assert!(new_term > old_term, "{new_term} > {old_term}");
+    tokio::time::sleep_until(frozen + Duration::from_secs(2)).await;
+    cluster.resume(old);
+
+    // The old leader's last real acknowledgement came before the freeze,
+    // more than 2 s ago: any lease of its old term it reports is renewed.
+    let watch_until = Instant::now() + Duration::from_secs(1);
+    let mut renewed = Vec::new();
+    while Instant::now() < watch_until {
+        if let Some(status) = cluster.status(old).await {
+            if status.term == old_term && status.lease_remaining_ms > 0 {
+                renewed.push(status.lease_remaining_ms);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        let _ = tokio::time::timeout(Duration::from_secs(6), client).await;
+    }
+    assert!(
+        renewed.is_empty(),
+        "node {old} reported a lease of term {old_term} after waking: {renewed:?} ms"
+    );
+
+    let intervals = gate_intervals(&cluster);
+    let old_gate = intervals
+        .iter()
+        .find(|i| (i.0, i.1) == (old, old_term))
+        .expect("the old writer's gate was open");
+    let new_gate = intervals
+        .iter()
+        .find(|i| (i.0, i.1) == (new, new_term))
+        .expect("the new writer's gate was open");
+    assert!(
+        old_gate.3 <= new_gate.2,
+        "gates overlap by {} µs: old {old_gate:?}, new {new_gate:?}",
+        (old_gate.3 - new_gate.2) / 1000
+    );
+}

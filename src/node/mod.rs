@@ -3,8 +3,10 @@
 //! Start-up, in order:
 //! 1. Open the data dir. Its Raft Db records the cluster id and node id on
 //!    first use; a data dir of another cluster or node is refused (exit 2).
-//! 2. Start openraft over the sled stores, the coordinator, and the gRPC
-//!    server (Raft and admin services) on `listen`.
+//! 2. Start Raft's own runtime ([`crate::raft::runtime`]) and, on it,
+//!    openraft over the sled stores, the coordinator's lease clock and the
+//!    failure detector; then the gRPC server (Raft, replica and admin
+//!    services) on `listen`, whose Raft handlers hop onto Raft's runtime.
 //! 3. Bootstrap without a manual step: a node whose Raft state is empty
 //!    initializes the membership with the full peer list. Every node does
 //!    so with the same list, so the entries agree; a node with any Raft
@@ -16,7 +18,8 @@
 //!    Raft state; a node whose own config disagrees with it stops (exit 2).
 //!
 //! Shutdown on SIGTERM or SIGINT: resign (hand leadership to a caught-up
-//! peer), stop Raft and the server, flush the Db, exit 0.
+//! peer), stop Raft and the server, stop Raft's runtime and wait for its
+//! threads, flush the Db, exit 0.
 
 pub mod config;
 pub mod journal;
@@ -36,6 +39,7 @@ use crate::ha::{Controller, ControllerConfig, Coordinator};
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::nbd::Export;
 use crate::raft::network::{Network, Peers, RaftService};
+use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
 use crate::replica::fencer::TokenFencer;
 use crate::replica::remote::RemoteReplica;
@@ -80,6 +84,7 @@ pub struct Node {
     config: NodeConfig,
     db: sled::Db,
     raft: Raft,
+    raft_runtime: RaftRuntime,
     coordinator: Arc<RaftCoordinator>,
     controller: Arc<Controller>,
     stop_server: watch::Sender<bool>,
@@ -119,21 +124,32 @@ impl Node {
             .timing
             .raft_config(&config.cluster_id)
             .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
-        let raft = Raft::new(
-            config.id,
-            Arc::new(raft_config),
-            Network::new(Arc::clone(&peers)),
-            log_store,
-            state_machine.clone(),
-        )
-        .await
-        .map_err(|e| failed(format!("raft: {e}")))?;
-        let coordinator = RaftCoordinator::start(
-            raft.clone(),
-            state_machine.clone(),
-            Arc::clone(&peers),
-            config.timing,
-        );
+        let raft_runtime = RaftRuntime::start()
+            .map_err(|e| failed(format!("cannot start Raft's threads: {e}")))?;
+        peers.run_on(raft_runtime.handle().clone());
+        // Inside Raft's runtime, so the core and replication tasks that
+        // openraft spawns live there.
+        let raft = raft_runtime
+            .run({
+                let (id, network) = (config.id, Network::new(Arc::clone(&peers)));
+                let state_machine = state_machine.clone();
+                async move {
+                    Raft::new(id, Arc::new(raft_config), network, log_store, state_machine).await
+                }
+            })
+            .await
+            .map_err(failed)?
+            .map_err(|e| failed(format!("raft: {e}")))?;
+        let coordinator = {
+            // The lease watcher is spawned here: on Raft's runtime.
+            let _on_raft = raft_runtime.handle().enter();
+            RaftCoordinator::start(
+                raft.clone(),
+                state_machine.clone(),
+                Arc::clone(&peers),
+                config.timing,
+            )
+        };
 
         let store = Arc::new(open_replica(&config).await?);
         let (controller, engine, replicas) = start_controller(&config, &store, &coordinator)?;
@@ -248,7 +264,7 @@ impl Node {
                 }
             }
         }));
-        tasks.push(tokio::spawn({
+        tasks.push(raft_runtime.handle().spawn({
             let (raft, peers, timing) = (raft.clone(), Arc::clone(&peers), config.timing);
             async move {
                 // The start-up window: no campaign before it has passed.
@@ -272,6 +288,7 @@ impl Node {
             config,
             db,
             raft,
+            raft_runtime,
             coordinator,
             controller,
             stop_server,
@@ -340,6 +357,8 @@ impl Node {
         }
         self.stop_server.send_replace(true);
         let _ = tokio::time::timeout(Duration::from_secs(2), self.server).await;
+        drop(self.coordinator);
+        self.raft_runtime.shutdown().await;
         if let Err(err) = self.db.flush_async().await {
             tracing::warn!(%err, "flushing the Raft Db");
         }

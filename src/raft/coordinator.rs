@@ -1,13 +1,22 @@
 //! [`RaftCoordinator`]: the core's `Coordinator` and `InSyncTracker` over
 //! openraft.
 //!
-//! A watcher task follows openraft's metrics (published after every event
-//! the Raft core handles, heartbeat acknowledgements included). From each it
-//! derives this node's [`Lease`] — see the parent module for why
-//! `last_quorum_acked + election_timeout_min − margin` — and publishes a
-//! [`Leadership`] whose `is_self` is true only while that lease is valid. A
-//! timer at the lease deadline makes `is_self` fall to false even when
-//! openraft reports nothing (a leader cut off from its quorum).
+//! A watcher task follows openraft's metrics (for the state, the term and
+//! the membership) and the acknowledgements our network layer records (see
+//! [`super::network`]). From them it derives this node's [`Lease`] — see the
+//! parent module for why `quorum-acked send time + election_timeout_min −
+//! margin` — and publishes a [`Leadership`] whose `is_self` is true only
+//! while that lease is valid. A timer at the lease deadline makes `is_self`
+//! fall to false even when openraft reports nothing (a leader cut off from
+//! its quorum, or one whose Raft core is stuck in a log fsync).
+//!
+//! **The deadline is an absolute instant, and only an acknowledgement moves
+//! it.** It is computed from recorded send times only ([`lease_from_acks`]),
+//! never from "now": a timer wake, or a re-read of metrics that did not
+//! change, computes the same deadline again. (openraft's own
+//! `millis_since_quorum_ack` is relative to the moment its core last
+//! reported; a lease built from it and the reader's clock renews itself
+//! whenever the core stops reporting.)
 //!
 //! Promotions and in-sync changes are Raft entries that must be committed
 //! *in the caller's term*: a write that openraft commits under another term,
@@ -40,7 +49,8 @@ pub struct RaftTiming {
     pub election_min: Duration,
     /// The longest election timeout (also the followers' vote lease).
     pub election_max: Duration,
-    /// Taken off the lease to cover the delay of reading openraft's clock.
+    /// Taken off the lease: slack for the followers' clocks running fast
+    /// against ours and for their campaign timers firing early.
     pub lease_margin: Duration,
 }
 
@@ -129,7 +139,7 @@ impl RaftCoordinator {
         let (tx, observations) = watch::channel(Leadership::default());
         let watcher = tokio::spawn(watch_leadership(
             raft.clone(),
-            id,
+            Arc::clone(&peers),
             timing,
             Arc::clone(&lease),
             tx,
@@ -313,28 +323,75 @@ impl RaftCoordinator {
     }
 }
 
-/// Follows openraft's metrics and publishes this node's lease and
-/// leadership. Ends, closing the observation stream, when Raft stops.
+/// The lease of this node (`self_id`) as leader of `term`: the newest send
+/// time that a quorum of every voter set in `configs` (one, or two during a
+/// joint change) acknowledged in `term`, plus `lease`. `acks` holds each
+/// peer's newest acknowledged send time in `term`. This node counts as
+/// acknowledging at `now` — it is the leader, and a leader does not vote for
+/// another candidate while its own clock (openraft's, also from send times)
+/// runs — so it only ever decides the instant for a lone voter, where no
+/// other node can win an election at all. None without a quorum.
+pub fn lease_from_acks(
+    self_id: NodeId,
+    term: u64,
+    configs: &[BTreeSet<NodeId>],
+    acks: &std::collections::HashMap<NodeId, Instant>,
+    lease: Duration,
+    now: Instant,
+) -> Option<Lease> {
+    let mut quorum_acked: Option<Instant> = None;
+    for voters in configs {
+        let mut times: Vec<Instant> = voters
+            .iter()
+            .filter(|voter| **voter != self_id)
+            .filter_map(|voter| acks.get(voter).copied())
+            .collect();
+        times.sort_unstable_by(|a, b| b.cmp(a));
+        // This node, when it votes, is the newest acknowledgement of all.
+        let mut needed = voters.len() / 2 + 1;
+        if voters.contains(&self_id) {
+            needed -= 1;
+        }
+        let acked = match needed {
+            0 => now,
+            n => *times.get(n - 1)?,
+        };
+        quorum_acked = Some(quorum_acked.map_or(acked, |earlier| earlier.min(acked)));
+    }
+    quorum_acked.map(|acked| Lease {
+        term,
+        deadline: acked + lease,
+    })
+}
+
+/// Follows openraft's metrics and the recorded acknowledgements, and
+/// publishes this node's lease and leadership. Ends, closing the
+/// observation stream, when Raft stops.
 async fn watch_leadership(
     raft: Raft,
-    id: NodeId,
+    peers: Arc<Peers>,
     timing: RaftTiming,
     lease_cell: Arc<Mutex<Option<Lease>>>,
     tx: watch::Sender<Leadership>,
 ) {
+    let id = peers.self_id();
     let mut metrics = raft.metrics();
     loop {
         let now = Instant::now();
         let (lease, leadership) = {
             let m = metrics.borrow_and_update();
-            let lease = match (m.state, m.current_leader, m.millis_since_quorum_ack) {
-                (ServerState::Leader, Some(leader), Some(ms)) if leader == id => now
-                    .checked_sub(Duration::from_millis(ms))
-                    .map(|acked| Lease {
-                        term: m.current_term,
-                        deadline: acked + timing.lease(),
-                    }),
-                _ => None,
+            let leads = m.state == ServerState::Leader && m.current_leader == Some(id);
+            let lease = if leads {
+                lease_from_acks(
+                    id,
+                    m.current_term,
+                    m.membership_config.membership().get_joint_config(),
+                    &peers.acks_in(m.current_term),
+                    timing.lease(),
+                    now,
+                )
+            } else {
+                None
             };
             let leadership = Leadership {
                 leader: m.current_leader.map(|l| l.to_string()),
@@ -355,6 +412,7 @@ async fn watch_leadership(
         let wake = lease.filter(|l| l.deadline > now).map(|l| l.deadline);
         tokio::select! {
             changed = metrics.changed() => if changed.is_err() { break },
+            _ = peers.next_ack() => {}
             _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {}
         }
     }
@@ -482,5 +540,60 @@ impl RaftCoordinator {
             .await
             .map_err(|err| err.to_string())?;
         Ok(format_ids(&response.in_sync))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    const LEASE: Duration = Duration::from_millis(250);
+
+    #[test]
+    fn the_deadline_is_the_quorum_th_newest_ack_plus_the_lease_and_time_does_not_move_it() {
+        let t0 = Instant::now();
+        let voters = vec![BTreeSet::from([1, 2, 3])];
+        let acks = HashMap::from([(2, t0), (3, t0 + Duration::from_millis(40))]);
+        for later in [0, 100, 1000, 5000] {
+            let now = t0 + Duration::from_millis(later);
+            let lease = lease_from_acks(1, 7, &voters, &acks, LEASE, now).unwrap();
+            // Self and node 3 make the quorum: node 3's send time decides.
+            assert_eq!(lease.deadline, t0 + Duration::from_millis(40) + LEASE);
+            assert_eq!(lease.term, 7);
+        }
+    }
+
+    #[test]
+    fn without_a_quorum_of_acks_there_is_no_lease() {
+        let t0 = Instant::now();
+        let five = vec![BTreeSet::from([1, 2, 3, 4, 5])];
+        let acks = HashMap::from([(2, t0)]);
+        assert_eq!(lease_from_acks(1, 7, &five, &acks, LEASE, t0), None);
+        let acks = HashMap::from([(2, t0), (4, t0 + Duration::from_millis(10))]);
+        let lease = lease_from_acks(1, 7, &five, &acks, LEASE, t0).unwrap();
+        assert_eq!(lease.deadline, t0 + LEASE, "the older of the two peer acks");
+    }
+
+    #[test]
+    fn a_joint_config_needs_a_quorum_of_each_half() {
+        let t0 = Instant::now();
+        let joint = vec![BTreeSet::from([1, 2, 3]), BTreeSet::from([1, 4, 5])];
+        let acks = HashMap::from([(2, t0 + Duration::from_millis(30)), (4, t0)]);
+        let lease = lease_from_acks(1, 7, &joint, &acks, LEASE, t0).unwrap();
+        assert_eq!(lease.deadline, t0 + LEASE);
+        let only_old_half = HashMap::from([(2, t0)]);
+        assert_eq!(
+            lease_from_acks(1, 7, &joint, &only_old_half, LEASE, t0),
+            None
+        );
+    }
+
+    #[test]
+    fn a_lone_voter_leads_without_acks() {
+        let now = Instant::now();
+        let lone = vec![BTreeSet::from([1])];
+        let lease = lease_from_acks(1, 3, &lone, &HashMap::new(), LEASE, now).unwrap();
+        assert_eq!(lease.deadline, now + LEASE);
     }
 }

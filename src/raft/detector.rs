@@ -10,8 +10,11 @@
 //! by then the other followers' vote leases have run out, and the jitter
 //! makes two candidates in the same round unlikely. A candidate that does not
 //! win tries again after two heartbeat intervals plus a fresh jitter (there
-//! is no leader lease left to wait out); a node that grants a vote resets
-//! its clock, so it does not disturb the candidate it voted for.
+//! is no leader lease left to wait out) — but never sooner than
+//! `election_max` after it last heard a leader or granted a vote: a node
+//! that grants a vote resets its clock, so it does not disturb the candidate
+//! it voted for, and a node that heard a leader since its last attempt waits
+//! out that leader's lease in full.
 //!
 //! **Pre-vote.** Before campaigning, a node asks its peers whether they
 //! would vote for it: only if they too have heard no leader for
@@ -27,9 +30,10 @@
 //! candidate's higher term in that case, so without holding off the two can
 //! leapfrog terms for seconds, each refusing the other.
 //!
-//! Safety does not depend on this timing: no node campaigns sooner than
-//! openraft's timer would have (`election_max` ≥ `election_min`), which is
-//! what the lease bound in [`super`] assumes.
+//! The lease bound in [`super`] rests on this: no node campaigns sooner than
+//! `election_max` (≥ `election_min`) after the last leader contact it
+//! recorded, and a contact is recorded on every request the leader counts
+//! as an acknowledgement.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,7 +71,10 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             .unwrap_or(0);
     let mut jitter = Jitter::new(seed);
     let spread = timing.election_min / 3;
-    let mut quiet_for = timing.election_max + jitter.below(spread);
+    // Quiet needed since the last leader contact, and since our own last
+    // attempt.
+    let mut leader_quiet = timing.election_max + jitter.below(spread);
+    let mut retry_after = Duration::ZERO;
     let mut last_attempt = Instant::now();
     let mut metrics = raft.metrics();
     loop {
@@ -90,8 +97,10 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             // A peer's log is ahead of ours: let it win instead.
             continue;
         }
-        let heard = peers.last_leader_contact().max(last_attempt);
-        if now.duration_since(heard) < quiet_for {
+        let heard = peers.last_leader_contact();
+        if now.duration_since(heard) < leader_quiet
+            || now.duration_since(last_attempt) < retry_after
+        {
             continue;
         }
         let next_index = metrics.borrow().last_log_index.map_or(0, |i| i + 1);
@@ -100,7 +109,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             // the term now would only disturb it. Look again later.
             tracing::info!(node = peers.self_id(), "pre-vote refused; not campaigning");
             last_attempt = Instant::now();
-            quiet_for = timing.heartbeat * 2 + jitter.below(spread);
+            retry_after = timing.heartbeat * 2 + jitter.below(spread);
             continue;
         }
         tracing::info!(node = peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
@@ -111,7 +120,8 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         last_attempt = Instant::now();
         // After our own attempt there is no leader's lease left to wait
         // out; retry soon, with fresh jitter against another split vote.
-        quiet_for = timing.heartbeat * 2 + jitter.below(spread);
+        retry_after = timing.heartbeat * 2 + jitter.below(spread);
+        leader_quiet = timing.election_max + jitter.below(spread);
     }
 }
 

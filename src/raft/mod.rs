@@ -13,16 +13,31 @@
 //!
 //! ## The lease (S4)
 //! openraft never steps a leader cut off from its quorum down by itself, so
-//! [`RaftCoordinator`] derives the lease from openraft's clock: the time at
-//! which a quorum last acknowledged this leader (measured at the *send* time
-//! of the acknowledged heartbeat), plus `election_timeout_min`, minus a
-//! margin. Why `_min` and not `_max`: a follower refuses to vote for
-//! `election_timeout_max` after it last heard from the leader, but a follower
-//! may itself become the candidate after only `election_timeout_min` of
-//! silence — and the one node every new majority shares with the acking
-//! quorum may be that candidate. No new leader can therefore exist before
-//! `last_quorum_acked + election_timeout_min`. The margin covers the delay
-//! between openraft's measurement and our reading of it.
+//! [`RaftCoordinator`] keeps a lease of its own, **from send times**: the
+//! lease of term T ends at the *send time* of the newest request of this
+//! leader (an AppendEntries, heartbeat or append, or a vote request) that a
+//! quorum — this node included — accepted in T, plus
+//! `election_timeout_min − margin`. [`network`] records, per peer, the
+//! instant taken just before sending each such request whose reply shows the
+//! peer accepted our vote; the coordinator takes the quorum-th newest of
+//! those for T. The deadline is therefore an absolute instant that only a
+//! new acknowledgement moves: a stalled Raft core, a frozen process or a
+//! timer that fires with nothing new reported cannot extend it.
+//!
+//! Why it holds: a peer that accepted a request sent at `s` did so at or
+//! after `s`, and from then on it neither campaigns ([`detector`]: not
+//! before `election_timeout_max` after its last leader contact, which it
+//! records on exactly the replies we count) nor grants a vote to anyone
+//! else (openraft's own vote lease, `election_timeout_max` after it
+//! accepted the leader) until `s + election_timeout_min` at the earliest.
+//! Every majority that could elect a new leader shares a node with the
+//! acking quorum, so no new leader exists before `s +
+//! election_timeout_min`. Why `_min` and not `_max`: a follower may itself
+//! become the candidate, and openraft's own timer (were it on) could fire
+//! after only `election_timeout_min`. The margin is slack for the peers'
+//! clocks running fast against ours and their timers firing early; there
+//! is no "reading delay" to cover, since no reported age is ever added to
+//! the reader's clock.
 //!
 //! A node forgets when it last heard a leader when it restarts, so a node
 //! neither votes nor campaigns during its first `election_timeout_max`
@@ -44,11 +59,14 @@
 //! - [`detector`]: the failure detector that starts elections.
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
 //!   `InSyncTracker` of the core.
+//! - [`runtime`]: the threads all of the above run on, apart from the data
+//!   plane, so that no heartbeat waits behind a data write (see there).
 
 pub mod coordinator;
 pub mod detector;
 pub mod log_store;
 pub mod network;
+pub mod runtime;
 pub mod state_machine;
 
 use std::collections::BTreeSet;

@@ -4,9 +4,18 @@
 //! - openraft's messages travel as JSON in a [`RaftMessage`] that names the
 //!   cluster and the sender; a message of another cluster is refused
 //!   (`FAILED_PRECONDITION`), an undecodable one too (`INVALID_ARGUMENT`).
-//! - One lazily connected channel per peer, built by [`crate::net`]; each
-//!   call carries openraft's hard deadline. Any transport failure is
-//!   reported as `Unreachable`, so openraft backs off instead of spinning.
+//! - One lazily connected channel per peer, built by [`crate::net`] inside
+//!   the Raft runtime ([`super::runtime`]) when one is set, so its
+//!   connection is driven there; each call carries openraft's hard deadline
+//!   (one heartbeat interval). A call that ran out of time is reported as a
+//!   network error: openraft just tries again at the next heartbeat. Only a
+//!   peer that cannot be reached at all is reported as `Unreachable`, and
+//!   openraft then backs off for [`UNREACHABLE_BACKOFF`], not its default
+//!   500 ms. (Measured under nbdcopy's default flood: one heartbeat reply
+//!   later than 50 ms, reported as `Unreachable`, silenced replication to
+//!   that peer for 500 ms — twice the lease — and when it hit both peers at
+//!   once the writer lost its lease.)
+//! - The server's handlers run on the Raft runtime too, when one is set.
 //! - **Start-up window.** openraft keeps "when did I last hear the leader"
 //!   in memory only; a restarted node would vote at once and could elect a
 //!   new leader while the old one's lease still runs. So for its first
@@ -20,6 +29,22 @@
 //! - **Liveness.** Every successful exchange with a peer, in either
 //!   direction, is recorded; `members` lists the peers heard from within a
 //!   lease.
+//! - **Acknowledgements (the lease clock).** [`PeerClient`] takes the time
+//!   just *before* it sends each AppendEntries (heartbeat or append) and
+//!   each vote request. When the reply shows that the peer accepted this
+//!   node's vote — AppendEntries `Success`, `PartialSuccess` or `Conflict`
+//!   (each is returned only after the follower took our vote as its own;
+//!   only `HigherVote` is a refusal), or a granted vote — that send time is
+//!   recorded for the peer, tagged with the term of our vote. Per peer only
+//!   the newest send time of the highest term is kept, so a late reply to an
+//!   old request never moves it back or forward. The coordinator builds the
+//!   lease from these times alone (see [`super`], the lease).
+//! - **The follower's side of the same argument.** A follower counts as
+//!   having heard a leader (`leader_contact`, which holds back its own
+//!   campaign and its pre-vote) on exactly the replies the leader counts as
+//!   acknowledgements: every AppendEntries reply but `HigherVote`, and a
+//!   granted vote. The contact is taken after openraft handled the request,
+//!   so it is never earlier than the leader's send time.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -35,6 +60,7 @@ use openraft::raft::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::runtime::Handle;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
@@ -57,6 +83,11 @@ pub struct Peers {
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
     leader_contact: Mutex<Instant>,
+    /// Per peer: the term and send time of the newest request of ours it
+    /// accepted (see the module docs, acknowledgements).
+    acks: Mutex<HashMap<NodeId, (u64, Instant)>>,
+    /// Woken on every new acknowledgement.
+    acked: tokio::sync::Notify,
     /// When a peer last refused our vote because its log is ahead of ours.
     behind_since: Mutex<Option<Instant>>,
     /// When this node last started a campaign.
@@ -64,7 +95,14 @@ pub struct Peers {
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
+    /// The Raft runtime, when Raft has one (see [`super::runtime`]).
+    runtime: std::sync::OnceLock<Handle>,
 }
+
+/// How long openraft waits before it calls a peer again that could not be
+/// reached: short against the lease, so a peer that is back is heard from
+/// within a heartbeat or two.
+pub const UNREACHABLE_BACKOFF: Duration = Duration::from_millis(100);
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -86,11 +124,20 @@ impl Peers {
             heard: Mutex::default(),
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
+            acks: Mutex::default(),
+            acked: tokio::sync::Notify::new(),
             behind_since: Mutex::new(None),
             campaigned_at: Mutex::new(None),
             transfer: Mutex::default(),
             election_timeout_max,
+            runtime: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Builds channels on, and runs the server's handlers on, `runtime`
+    /// from now on. Call before the first RPC; a second call is ignored.
+    pub fn run_on(&self, runtime: Handle) {
+        let _ = self.runtime.set(runtime);
     }
 
     /// The cluster id every message must carry.
@@ -131,6 +178,8 @@ impl Peers {
                     .addresses
                     .get(&peer)
                     .ok_or_else(|| format!("node {peer} is not a configured peer"))?;
+                // The channel spawns its connection task where it is built.
+                let _on_raft = self.runtime.get().map(Handle::enter);
                 let channel = crate::net::channel(addr)?;
                 channels.insert(peer, channel.clone());
                 channel
@@ -139,6 +188,36 @@ impl Peers {
         Ok(RaftClient::new(channel)
             .max_decoding_message_size(crate::net::MAX_MESSAGE)
             .max_encoding_message_size(crate::net::MAX_MESSAGE))
+    }
+
+    /// Records that `peer` accepted our vote of `term` in a request sent at
+    /// `sent_at`. Keeps only the newest send time of the highest term.
+    fn record_ack(&self, peer: NodeId, term: u64, sent_at: Instant) {
+        let mut acks = lock(&self.acks);
+        let newer = match acks.get(&peer) {
+            Some((known, at)) => term > *known || (term == *known && sent_at > *at),
+            None => true,
+        };
+        if newer {
+            acks.insert(peer, (term, sent_at));
+            drop(acks);
+            self.acked.notify_one();
+        }
+    }
+
+    /// Each peer's newest acknowledged send time in `term`.
+    pub fn acks_in(&self, term: u64) -> HashMap<NodeId, Instant> {
+        lock(&self.acks)
+            .iter()
+            .filter(|(_, (t, _))| *t == term)
+            .map(|(peer, (_, at))| (*peer, *at))
+            .collect()
+    }
+
+    /// Resolves at the next acknowledgement (or at once if one came since
+    /// the last call).
+    pub async fn next_ack(&self) {
+        self.acked.notified().await
     }
 
     /// When a leader was last heard from, or a vote last granted.
@@ -317,15 +396,31 @@ impl PeerClient {
             Rpc::Snapshot => client.install_snapshot(grpc).await,
         }
         .map_err(|status| {
+            let why = format!("{}: {}", status.code(), status.message());
+            if ran_out_of_time(&status) {
+                // The peer is there but slow: try again at the next
+                // heartbeat, on the same connection.
+                return RPCError::Network(NetworkError::new(&NetErr(why)));
+            }
             // A channel whose connection failed is rebuilt on the next call.
             self.peers.forget_channel(self.target);
-            unreachable(format!("{}: {}", status.code(), status.message()))
+            unreachable(why)
         })?
         .into_inner();
         self.peers.touch(self.target);
         let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&reply.payload)
             .map_err(|e| unreachable(format!("malformed reply: {e}")))?;
         result.map_err(|err| RPCError::RemoteError(RemoteError::new(self.target, err)))
+    }
+}
+
+/// Whether a call failed only because its deadline passed.
+fn ran_out_of_time(status: &Status) -> bool {
+    match status.code() {
+        tonic::Code::DeadlineExceeded => true,
+        // tonic's client-side timeout reports itself as cancelled.
+        tonic::Code::Cancelled => status.message().contains("Timeout expired"),
+        _ => false,
     }
 }
 
@@ -341,12 +436,22 @@ impl std::fmt::Display for NetErr {
 impl std::error::Error for NetErr {}
 
 impl RaftNetwork<TypeConfig> for PeerClient {
+    fn backoff(&self) -> openraft::network::Backoff {
+        openraft::network::Backoff::new(std::iter::repeat(UNREACHABLE_BACKOFF))
+    }
+
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        self.call(Rpc::Append, &rpc, option.hard_ttl()).await
+        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
+        let response: AppendEntriesResponse<NodeId> =
+            self.call(Rpc::Append, &rpc, option.hard_ttl()).await?;
+        if accepts_leader(&response) {
+            self.peers.record_ack(self.target, term, sent_at);
+        }
+        Ok(response)
     }
 
     async fn install_snapshot(
@@ -362,7 +467,11 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
+        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
         let response: VoteResponse<NodeId> = self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
+        if response.vote_granted {
+            self.peers.record_ack(self.target, term, sent_at);
+        }
         // A refusal because the peer's log is ahead: this node cannot win;
         // the detector holds off so the up-to-date node can.
         if !response.vote_granted && response.last_log_id > rpc.last_log_id {
@@ -372,7 +481,19 @@ impl RaftNetwork<TypeConfig> for PeerClient {
     }
 }
 
-/// The server side: hands Raft's RPCs to the local openraft instance.
+/// Whether an AppendEntries reply shows the follower took the sender's vote
+/// as its own: every reply but `HigherVote`.
+fn accepts_leader(response: &AppendEntriesResponse<NodeId>) -> bool {
+    match response {
+        AppendEntriesResponse::Success
+        | AppendEntriesResponse::PartialSuccess(_)
+        | AppendEntriesResponse::Conflict => true,
+        AppendEntriesResponse::HigherVote(_) => false,
+    }
+}
+
+/// The server side: hands Raft's RPCs to the local openraft instance. Each
+/// handler runs on the Raft runtime when there is one.
 pub struct RaftService {
     raft: Raft,
     peers: Arc<Peers>,
@@ -391,12 +512,30 @@ impl RaftService {
             .max_encoding_message_size(crate::net::MAX_MESSAGE)
     }
 
-    fn reply<T: Serialize>(&self, result: &T) -> Result<GrpcResponse<RaftMessage>, Status> {
-        self.peers
-            .envelope(result)
-            .map(GrpcResponse::new)
-            .map_err(Status::internal)
+    /// Runs `handler` with this service's Raft and peers, on the Raft
+    /// runtime if one is set.
+    async fn on_raft<T, F, Fut>(&self, handler: F) -> Result<GrpcResponse<T>, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(Raft, Arc<Peers>) -> Fut,
+        Fut: std::future::Future<Output = Result<GrpcResponse<T>, Status>> + Send + 'static,
+    {
+        let future = handler(self.raft.clone(), Arc::clone(&self.peers));
+        match self.peers.runtime.get() {
+            Some(runtime) => runtime
+                .spawn(future)
+                .await
+                .map_err(|err| Status::internal(format!("raft runtime: {err}")))?,
+            None => future.await,
+        }
     }
+}
+
+fn reply<T: Serialize>(peers: &Peers, result: &T) -> Result<GrpcResponse<RaftMessage>, Status> {
+    peers
+        .envelope(result)
+        .map(GrpcResponse::new)
+        .map_err(Status::internal)
 }
 
 #[tonic::async_trait]
@@ -406,13 +545,16 @@ impl raft_server::Raft for RaftService {
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
-        self.peers.admit(&message)?;
-        let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
-        let result = self.raft.append_entries(rpc).await;
-        if matches!(result, Ok(AppendEntriesResponse::Success)) {
-            self.peers.leader_heard();
-        }
-        self.reply(&result)
+        self.on_raft(|raft, peers| async move {
+            peers.admit(&message)?;
+            let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
+            let result = raft.append_entries(rpc).await;
+            if result.as_ref().is_ok_and(accepts_leader) {
+                peers.leader_heard();
+            }
+            reply(&peers, &result)
+        })
+        .await
     }
 
     async fn vote(
@@ -420,16 +562,19 @@ impl raft_server::Raft for RaftService {
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
-        self.peers.admit(&message)?;
-        let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
-        if let Some(why) = self.peers.refuse_vote(message.from) {
-            return Err(Status::unavailable(why));
-        }
-        let result = self.raft.vote(rpc).await;
-        if result.as_ref().is_ok_and(|vote| vote.vote_granted) {
-            self.peers.leader_heard();
-        }
-        self.reply(&result)
+        self.on_raft(|raft, peers| async move {
+            peers.admit(&message)?;
+            let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
+            if let Some(why) = peers.refuse_vote(message.from) {
+                return Err(Status::unavailable(why));
+            }
+            let result = raft.vote(rpc).await;
+            if result.as_ref().is_ok_and(|vote| vote.vote_granted) {
+                peers.leader_heard();
+            }
+            reply(&peers, &result)
+        })
+        .await
     }
 
     async fn install_snapshot(
@@ -437,9 +582,12 @@ impl raft_server::Raft for RaftService {
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
-        self.peers.admit(&message)?;
-        let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
-        self.reply(&self.raft.install_snapshot(rpc).await)
+        self.on_raft(|raft, peers| async move {
+            peers.admit(&message)?;
+            let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
+            reply(&peers, &raft.install_snapshot(rpc).await)
+        })
+        .await
     }
 
     async fn pre_vote(
@@ -447,18 +595,19 @@ impl raft_server::Raft for RaftService {
         request: GrpcRequest<PreVoteRequest>,
     ) -> Result<GrpcResponse<PreVoteReply>, Status> {
         let request = request.into_inner();
-        self.peers.admit(&RaftMessage {
-            cluster_id: request.cluster_id.clone(),
-            from: request.from,
-            payload: Default::default(),
-        })?;
-        let refusal = self
-            .peers
-            .refuse_pre_vote(request.from, request.next_index, &self.raft);
-        Ok(GrpcResponse::new(PreVoteReply {
-            granted: refusal.is_none(),
-            reason: refusal.unwrap_or_default(),
-        }))
+        self.on_raft(|raft, peers| async move {
+            peers.admit(&RaftMessage {
+                cluster_id: request.cluster_id.clone(),
+                from: request.from,
+                payload: Default::default(),
+            })?;
+            let refusal = peers.refuse_pre_vote(request.from, request.next_index, &raft);
+            Ok(GrpcResponse::new(PreVoteReply {
+                granted: refusal.is_none(),
+                reason: refusal.unwrap_or_default(),
+            }))
+        })
+        .await
     }
 
     async fn transfer_leader(
@@ -466,40 +615,43 @@ impl raft_server::Raft for RaftService {
         request: GrpcRequest<TransferRequest>,
     ) -> Result<GrpcResponse<TransferReply>, Status> {
         let request = request.into_inner();
-        self.peers.admit(&RaftMessage {
-            cluster_id: request.cluster_id.clone(),
-            from: request.from,
-            payload: Default::default(),
-        })?;
-        let metrics = self.raft.metrics().borrow().clone();
-        if metrics.current_leader != Some(request.from) || metrics.current_term != request.term {
-            return Err(Status::failed_precondition(format!(
-                "node {} does not lead term {} here (leader {:?}, term {})",
-                request.from, request.term, metrics.current_leader, metrics.current_term
-            )));
-        }
-        self.peers.begin_transfer(request.target);
-        if request.target == self.peers.self_id {
-            let raft = self.raft.clone();
-            let wait = self.peers.election_timeout_max + Duration::from_millis(20);
-            tracing::info!(
-                from = request.from,
-                term = request.term,
-                "leadership offered; campaigning after {wait:?}"
-            );
-            tokio::spawn(async move {
-                tokio::time::sleep(wait).await;
-                if let Err(err) = raft.trigger().elect().await {
-                    tracing::warn!(%err, "could not start the transfer election");
-                }
-            });
-        } else {
-            tracing::info!(
-                from = request.from,
-                target = request.target,
-                "leadership moving; holding off"
-            );
-        }
-        Ok(GrpcResponse::new(TransferReply {}))
+        self.on_raft(|raft, peers| async move {
+            peers.admit(&RaftMessage {
+                cluster_id: request.cluster_id.clone(),
+                from: request.from,
+                payload: Default::default(),
+            })?;
+            let metrics = raft.metrics().borrow().clone();
+            if metrics.current_leader != Some(request.from) || metrics.current_term != request.term
+            {
+                return Err(Status::failed_precondition(format!(
+                    "node {} does not lead term {} here (leader {:?}, term {})",
+                    request.from, request.term, metrics.current_leader, metrics.current_term
+                )));
+            }
+            peers.begin_transfer(request.target);
+            if request.target == peers.self_id {
+                let wait = peers.election_timeout_max + Duration::from_millis(20);
+                tracing::info!(
+                    from = request.from,
+                    term = request.term,
+                    "leadership offered; campaigning after {wait:?}"
+                );
+                tokio::spawn(async move {
+                    tokio::time::sleep(wait).await;
+                    if let Err(err) = raft.trigger().elect().await {
+                        tracing::warn!(%err, "could not start the transfer election");
+                    }
+                });
+            } else {
+                tracing::info!(
+                    from = request.from,
+                    target = request.target,
+                    "leadership moving; holding off"
+                );
+            }
+            Ok(GrpcResponse::new(TransferReply {}))
+        })
+        .await
     }
 }

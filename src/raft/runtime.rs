@@ -1,0 +1,134 @@
+//! The threads Raft runs on, apart from the data plane.
+//!
+//! The lease (S4) lasts only `election_timeout_min − margin` past the last
+//! quorum acknowledgement (250 ms by default), so every step between a
+//! heartbeat's send time and its acknowledgement must be quick: the Raft
+//! core, its replication tasks and network clients, the follower's
+//! handling of the request, the failure detector and the coordinator's
+//! lease clock. On the node's shared runtime all of them queued behind the
+//! data plane — NBD sessions, replica writes of megabytes, their fsyncs on
+//! the blocking pool — and under a client's default parallelism the lease
+//! ran out.
+//!
+//! Measured (debug build, 3 nodes, nbdcopy's default 4 × 64 requests): with
+//! Raft on the shared runtime the writer lost its lease after 148 MB; with
+//! only the slow-reply fix of [`super::network`] (no 500 ms backoff) still
+//! after 11 MB; with both, 1 GiB in and out and fio at QD8 and QD32 ran
+//! without a demotion (`cargo test --test raft_under_load`).
+//!
+//! [`RaftRuntime`] is a tokio runtime of its own, on threads of its own
+//! (named `raft-*`), with its own blocking pool (so the Raft log's sled
+//! flushes never wait for a free blocking thread behind data fsyncs). What
+//! runs there:
+//! - openraft: `Raft::new` is run inside it, so the core and the
+//!   replication tasks it spawns live there;
+//! - the Raft gRPC clients: every channel to a peer's Raft service is built
+//!   inside it ([`super::network::Peers`]), so its connection task and I/O
+//!   are driven there;
+//! - the Raft gRPC server's handlers ([`super::network::RaftService`]): each
+//!   request of the Raft service runs as a task here (the shared listener's
+//!   connection I/O stays on the main runtime; see below);
+//! - the coordinator's lease watcher and the failure detector.
+//!
+//! **The shared listener.** All services share one gRPC port, and tonic
+//! serves each connection from the runtime that runs the server. The Raft
+//! service's handlers hop onto this runtime at once, so decoding, openraft's
+//! handling and encoding never queue behind data-plane tasks; only the
+//! HTTP/2 connection task that reads a request's bytes stays on the main
+//! runtime. Raft uses its own connections (its own channels), so that task
+//! never carries replica data. A second listener would move that task too,
+//! but it would change every node's configuration and the peer address
+//! format, for a step that measured small (see the commit that added this).
+//!
+//! **Shutdown.** [`RaftRuntime::shutdown`] ends the runtime on its own
+//! thread (dropping a runtime is not allowed inside async code) and waits
+//! for that thread, so no Raft thread outlives the node.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+/// How many worker threads Raft gets: enough that one busy task (a log
+/// append's sled insert) does not hold up a heartbeat.
+const WORKERS: usize = 2;
+
+/// How long shutdown waits for Raft's tasks to finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// Raft's own runtime. See the module docs.
+pub struct RaftRuntime {
+    handle: Handle,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RaftRuntime {
+    /// Starts the runtime's threads.
+    pub fn start() -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKERS)
+            .max_blocking_threads(8)
+            .thread_name("raft-worker")
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("raft-runtime".into())
+            .spawn(move || {
+                runtime.block_on(async {
+                    let _ = stopped.await;
+                });
+                runtime.shutdown_timeout(SHUTDOWN_GRACE);
+            })?;
+        Ok(Self {
+            handle,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// A handle to spawn onto the runtime or enter it.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// Runs `future` on the runtime and waits for its output.
+    pub async fn run<F>(&self, future: F) -> Result<F::Output, String>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.handle
+            .spawn(future)
+            .await
+            .map_err(|err| format!("raft runtime task: {err}"))
+    }
+
+    /// Stops every task on the runtime and waits until its threads ended.
+    pub async fn shutdown(mut self) {
+        self.stop_now();
+        if let Some(thread) = self.thread.take() {
+            let joined = tokio::task::spawn_blocking(move || thread.join()).await;
+            if !matches!(joined, Ok(Ok(()))) {
+                tracing::warn!("the Raft runtime's thread did not end cleanly");
+            }
+        }
+    }
+
+    fn stop_now(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl Drop for RaftRuntime {
+    fn drop(&mut self) {
+        // Without an explicit shutdown the thread still ends; it is not
+        // waited for (a drop may run inside async code).
+        self.stop_now();
+    }
+}

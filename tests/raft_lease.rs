@@ -1,0 +1,248 @@
+//! S4, the lease from send times, in-process: three openraft nodes over
+//! loopback gRPC, with the real network, failure detector and coordinator,
+//! and a log store double whose appends can be stalled. A leader whose Raft
+//! core is stuck in a log fsync publishes no metrics; its lease must still
+//! end at its last real quorum acknowledgement plus the lease, however
+//! often its clock looks at it, and must end before another node leads.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Debug;
+use std::ops::RangeBounds;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
+use openraft::{Entry, LogId, StorageError, Vote};
+use replica_ha::ha::Coordinator;
+use replica_ha::raft::network::{Network, Peers, RaftService};
+use replica_ha::raft::{
+    LogStore, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, TypeConfig,
+};
+use tokio::time::Instant;
+
+/// The sled log store, with appends that wait while `stalled` is set (a
+/// log fsync that takes as long as the test wants).
+#[derive(Clone)]
+struct StallingLog {
+    inner: LogStore,
+    stalled: Arc<AtomicBool>,
+}
+
+impl RaftLogReader<TypeConfig> for StallingLog {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<NodeId>> {
+        self.inner.try_get_log_entries(range).await
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for StallingLog {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+        self.inner.get_log_state().await
+    }
+
+    async fn get_log_reader(&mut self) -> LogStore {
+        self.inner.get_log_reader().await
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.inner.save_vote(vote).await
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
+        self.inner.read_vote().await
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<NodeId>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        self.inner.save_committed(committed).await
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        self.inner.read_committed().await
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        while self.stalled.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        self.inner.append(entries, callback).await
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.inner.truncate(log_id).await
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.inner.purge(log_id).await
+    }
+}
+
+struct TestNode {
+    raft: Raft,
+    coordinator: Arc<RaftCoordinator>,
+    stalled: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
+    let ids: [NodeId; 3] = [1, 2, 3];
+    let mut listeners = BTreeMap::new();
+    for id in ids {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listeners.insert(id, listener);
+    }
+    let addrs: BTreeMap<NodeId, String> = listeners
+        .iter()
+        .map(|(id, l)| (*id, l.local_addr().unwrap().to_string()))
+        .collect();
+    let mut nodes = BTreeMap::new();
+    for (id, listener) in listeners {
+        let dir = tempfile::tempdir().unwrap();
+        let db = sled::open(dir.path()).unwrap();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let log = StallingLog {
+            inner: LogStore::open(&db).unwrap(),
+            stalled: Arc::clone(&stalled),
+        };
+        let state_machine = StateMachine::open(&db).unwrap();
+        let others = addrs
+            .iter()
+            .filter(|(peer, _)| **peer != id)
+            .map(|(peer, addr)| (*peer, addr.clone()))
+            .collect();
+        let peers = Peers::new("lease-test".into(), id, others, timing.election_max);
+        let config = timing.raft_config("lease-test").unwrap();
+        let raft = Raft::new(
+            id,
+            Arc::new(config),
+            Network::new(Arc::clone(&peers)),
+            log,
+            state_machine.clone(),
+        )
+        .await
+        .unwrap();
+        let coordinator =
+            RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing);
+        let service = RaftService::new(raft.clone(), Arc::clone(&peers)).into_server();
+        let server = tokio::spawn(async move {
+            let _ = replica_ha::net::server()
+                .add_service(service)
+                .serve_with_incoming(replica_ha::net::incoming(listener))
+                .await;
+        });
+        let members: BTreeSet<NodeId> = ids.into_iter().collect();
+        let _ = raft.initialize(members).await;
+        let detector = tokio::spawn({
+            let (raft, peers) = (raft.clone(), Arc::clone(&peers));
+            async move {
+                tokio::time::sleep(timing.election_max).await;
+                replica_ha::raft::detector::run(raft, peers, timing).await;
+            }
+        });
+        nodes.insert(
+            id,
+            TestNode {
+                raft,
+                coordinator,
+                stalled,
+                tasks: vec![server, detector],
+                _dir: dir,
+            },
+        );
+    }
+    nodes
+}
+
+/// The node that holds a lease now, with its term.
+fn lease_holder(nodes: &BTreeMap<NodeId, TestNode>) -> Option<(NodeId, u64)> {
+    let now = Instant::now();
+    let holders: Vec<_> = nodes
+        .iter()
+        .filter_map(|(id, node)| {
+            let lease = node.coordinator.lease()?;
+            (lease.deadline > now).then_some((*id, lease.term))
+        })
+        .collect();
+    assert!(holders.len() <= 1, "two leases at once: {holders:?}");
+    holders.first().copied()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
+    let timing = RaftTiming::default();
+    let nodes = start_cluster(timing).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (leader, term) = loop {
+        if let Some(holder) = lease_holder(&nodes) {
+            break holder;
+        }
+        assert!(Instant::now() < deadline, "no leader");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+
+    // Stall the leader's next log append: its Raft core waits in it, sends
+    // no heartbeats and publishes no metrics.
+    let old = &nodes[&leader];
+    old.stalled.store(true, Ordering::SeqCst);
+    let stalled_at = Instant::now();
+    let write = tokio::spawn({
+        let raft = old.raft.clone();
+        async move {
+            let _ = raft
+                .client_write(Request::ShrinkInSync {
+                    term,
+                    remove: BTreeSet::new(),
+                })
+                .await;
+        }
+    });
+
+    // No acknowledgement can be newer than the stall (give a heartbeat
+    // already on its way a little slack).
+    let bound = stalled_at + timing.lease() + timing.heartbeat;
+    let mut successor = None;
+    let until = stalled_at + Duration::from_secs(2);
+    while Instant::now() < until {
+        if let Some(lease) = old.coordinator.lease() {
+            assert!(
+                lease.deadline <= bound,
+                "the stuck leader's lease runs {:?} past its last possible ack + lease",
+                lease.deadline - bound
+            );
+        }
+        if let Some((id, new_term)) = lease_holder(&nodes) {
+            if id != leader {
+                assert!(new_term > term);
+                successor.get_or_insert((id, Instant::now() - stalled_at));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (new, after) = successor.expect("no other node took over during the stall");
+    eprintln!("node {new} led {after:?} after node {leader} stalled");
+    old.stalled.store(false, Ordering::SeqCst);
+    let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+
+    for node in nodes.values() {
+        for task in &node.tasks {
+            task.abort();
+        }
+        let _ = node.raft.shutdown().await;
+    }
+}

@@ -1,0 +1,150 @@
+//! Raft never waits behind the data plane (issue 19, point 1): the writer
+//! keeps its lease — no demotion, the same term throughout — while real NBD
+//! clients push data as hard as they go by default, in the unoptimized test
+//! build, on a fresh volume of a few GiB:
+//!
+//! - nbdcopy with its default parallelism copies 1 GiB in, and the copy
+//!   reads back with the same sha256;
+//! - fio writes sequentially in 1 MiB blocks at queue depth 8, then 32.
+//!
+//! Nothing here asserts a speed; the clients only have to finish, and the
+//! writer must not have lost its lease on the way.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+use common::cluster::{Cluster, one_cluster_at_a_time};
+
+const WRITER_WAIT: Duration = Duration::from_secs(30);
+const COPY_MIB: u64 = 1024;
+
+/// Runs a tool to completion (bounded) and returns its output.
+async fn run(program: &str, args: &[&str]) -> Output {
+    let mut command = tokio::process::Command::new(program);
+    command.args(args).kill_on_drop(true);
+    let output = tokio::time::timeout(Duration::from_secs(240), command.output())
+        .await
+        .unwrap_or_else(|_| panic!("{program} {args:?} did not finish within 240 s"));
+    output.unwrap_or_else(|err| {
+        panic!("cannot run {program} ({err}); install qemu-utils libnbd-bin fio (.ci/run does)")
+    })
+}
+
+async fn run_ok(program: &str, args: &[&str]) -> String {
+    let output = run(program, args).await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{program} {args:?} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+fn uri(addr: SocketAddr) -> String {
+    format!("nbd://{addr}/vol0")
+}
+
+async fn sha256(path: &Path) -> String {
+    let out = run_ok("sha256sum", &[path.to_str().unwrap()]).await;
+    out.split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Fails if any node lost or changed leadership since the writer was
+/// promoted: a demotion in any log, or the writer no longer the active
+/// writer of `term`.
+async fn assert_still_leading(cluster: &Cluster, writer: u64, term: u64, after: &str) {
+    for id in &cluster.ids {
+        let log = cluster.log(*id);
+        assert!(
+            !log.contains("demoted") && !log.contains("the lease ran out"),
+            "node {id} lost its lease during {after}:\n{}",
+            log.lines()
+                .filter(|l| l.contains("demoted") || l.contains("leadership"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    let status = cluster.status(writer).await.expect("the writer answers");
+    assert!(
+        status.role == "leader" && status.gate_open && status.term == term,
+        "after {after} node {writer} is {} (gate open {}) in term {}, not the writer of term {term}",
+        status.role,
+        status.gate_open,
+        status.term
+    );
+}
+
+fn fio_seq_write(nbd: SocketAddr, depth: u32, offset_mib: u64) -> Vec<String> {
+    vec![
+        format!("--name=seq-qd{depth}"),
+        "--ioengine=nbd".into(),
+        format!("--uri={}", uri(nbd)),
+        "--rw=write".into(),
+        "--bs=1M".into(),
+        format!("--iodepth={depth}"),
+        format!("--offset={offset_mib}M"),
+        "--size=256M".into(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_keeps_its_lease_under_nbdcopy_and_fio_at_their_default_flood() {
+    let _serial = one_cluster_at_a_time().await;
+    let cluster = Cluster::start_with(3, &["--size", "2GiB"]).await;
+    let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WRITER_WAIT).await;
+    let nbd = cluster.nbd_addrs[&writer];
+
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.img"), dir.path().join("out.img"));
+    run_ok(
+        "dd",
+        &[
+            "if=/dev/urandom",
+            &format!("of={}", input.display()),
+            "bs=1M",
+            &format!("count={COPY_MIB}"),
+            "status=none",
+        ],
+    )
+    .await;
+
+    // nbdcopy with its default parallelism (connections and requests).
+    run_ok("nbdcopy", &[input.to_str().unwrap(), &uri(nbd)]).await;
+    assert_still_leading(&cluster, writer, term, "nbdcopy in").await;
+    run_ok(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "nbdcopy {} - | head -c {} > {}",
+                uri(nbd),
+                COPY_MIB << 20,
+                output.display()
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(
+        sha256(&input).await,
+        sha256(&output).await,
+        "nbdcopy round trip differs"
+    );
+    std::fs::remove_file(&output).ok();
+
+    // fio sequential 1 MiB writes at queue depth 8 and 32, past the copy.
+    for (depth, offset) in [(8, COPY_MIB), (32, COPY_MIB + 256)] {
+        let args = fio_seq_write(nbd, depth, offset);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_ok("fio", &args).await;
+        assert_still_leading(&cluster, writer, term, &format!("fio at QD{depth}")).await;
+    }
+}
