@@ -53,7 +53,8 @@ pub fn device_status(err: DeviceError) -> Status {
         DeviceError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),
         DeviceError::InsufficientReplicas { .. }
         | DeviceError::InSyncCommit(_)
-        | DeviceError::NoReadableReplica(_) => Status::unavailable(message),
+        | DeviceError::NoReadableReplica(_)
+        | DeviceError::NotInSync => Status::unavailable(message),
         DeviceError::Io(_) => Status::internal(message),
     }
 }

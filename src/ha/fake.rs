@@ -25,7 +25,7 @@ use super::{
     Coordinator, Fencer, HaError, Leadership, Lease, ReplicaState, ReplicaStatus, Writer,
     WriterEngine,
 };
-use crate::volume::{Device, DeviceError, check_request};
+use crate::volume::{Access, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -506,6 +506,13 @@ impl Device for MemoryEngine {
 
     fn is_writable(&self) -> bool {
         self.term().is_some()
+    }
+
+    fn access(&self) -> Access {
+        match self.term() {
+            Some(term) => Access::ReadWrite { term },
+            None => Access::ReadOnly,
+        }
     }
 }
 
