@@ -100,46 +100,20 @@ impl Device for ReadGate {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-
     use super::*;
     use crate::ha::WriterEngine;
-    use crate::ha::fake::MemoryEngine;
+    use crate::ha::fake::{MemoryCopy, MemoryEngine};
 
-    /// A local copy over a memory volume whose membership the test sets.
-    struct Copy {
-        data: Arc<MemoryEngine>,
-        in_sync: AtomicBool,
-    }
-
-    #[async_trait]
-    impl LocalCopy for Copy {
-        fn in_sync(&self) -> bool {
-            self.in_sync.load(Ordering::SeqCst)
-        }
-        async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
-            self.data.read_at(offset, len).await
-        }
-    }
-
-    fn gate() -> (Arc<MemoryEngine>, Arc<Copy>, ReadGate) {
+    /// A passive gate: the engine holds "mirror", the local copy "local".
+    fn gate() -> (Arc<MemoryEngine>, Arc<MemoryCopy>, ReadGate) {
         let writer = MemoryEngine::new(8192);
-        let local = Arc::new(Copy {
-            data: MemoryEngine::new(8192),
-            in_sync: AtomicBool::new(true),
-        });
+        let mut data = vec![0; 8192];
+        data[..5].copy_from_slice(b"local");
+        let local = MemoryCopy::new(data);
         futures::executor::block_on(async {
-            local.data.activate(1).await.unwrap();
-            local
-                .data
-                .write_at(0, Bytes::from_static(b"local"), false)
-                .await
-                .unwrap();
             writer.activate(2).await.unwrap();
-            writer
-                .write_at(0, Bytes::from_static(b"mirror"), false)
-                .await
-                .unwrap();
+            let mirror = Bytes::from_static(b"mirror");
+            writer.write_at(0, mirror, false).await.unwrap();
             writer.deactivate();
         });
         let gate = ReadGate::new(writer.clone(), local.clone());
@@ -151,7 +125,7 @@ mod tests {
         let (_, local, gate) = gate();
         assert_eq!(gate.access(), Access::ReadOnly);
         assert_eq!(&gate.read_at(0, 5).await.unwrap()[..], b"local");
-        local.in_sync.store(false, Ordering::SeqCst);
+        local.set_in_sync(false);
         assert_eq!(gate.access(), Access::Refused(DeviceError::NotInSync));
         assert!(!gate.serves_reads());
         assert_eq!(gate.read_at(0, 5).await, Err(DeviceError::NotInSync));
@@ -160,26 +134,24 @@ mod tests {
             gate.read_at(8190, 5).await,
             Err(DeviceError::Range(_))
         ));
-        local.in_sync.store(true, Ordering::SeqCst);
+        local.set_in_sync(true);
+        assert!(gate.serves_reads());
         assert_eq!(&gate.read_at(0, 5).await.unwrap()[..], b"local");
     }
 
     #[tokio::test]
     async fn the_writer_reads_through_its_engine_whatever_its_own_copy() {
         let (writer, local, gate) = gate();
-        local.in_sync.store(false, Ordering::SeqCst);
+        local.set_in_sync(false);
         writer.activate(3).await.unwrap();
         assert_eq!(gate.access(), Access::ReadWrite { term: 3 });
         assert_eq!(&gate.read_at(0, 6).await.unwrap()[..], b"mirror");
-        gate.write_at(0, Bytes::from_static(b"WRITER"), true)
-            .await
-            .unwrap();
+        let data = Bytes::from_static(b"WRITER");
+        gate.write_at(0, data, true).await.unwrap();
         assert_eq!(writer.writes().last(), Some(&(3, 0)));
         writer.deactivate();
         assert_eq!(gate.read_at(0, 6).await, Err(DeviceError::NotInSync));
-        assert_eq!(
-            gate.write_at(0, Bytes::new(), false).await,
-            Err(DeviceError::Inactive)
-        );
+        let refused = gate.write_at(0, Bytes::new(), false).await;
+        assert_eq!(refused, Err(DeviceError::Inactive));
     }
 }

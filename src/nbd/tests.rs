@@ -12,8 +12,8 @@ use tokio::task::JoinHandle;
 
 use super::wire::*;
 use super::{ConnectionError, Export, handle};
-use crate::ha::WriterEngine;
-use crate::ha::fake::MemoryEngine;
+use crate::ha::fake::{MemoryCopy, MemoryEngine};
+use crate::ha::{ReadGate, WriterEngine};
 
 const SIZE: usize = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -462,14 +462,76 @@ async fn a_read_on_a_session_whose_gate_closed_is_not_served() {
     client.finish().await.unwrap();
     // A new session belongs to the new term and is served.
     let export = Arc::new(Export::new("vol0", "test volume", engine.clone()));
-    let (io, server_io) = tokio::io::duplex(1 << 20);
-    let mut client = Client {
-        io,
-        task: tokio::spawn(handle(server_io, export)),
-    };
+    let mut client = connect(&export);
     assert_eq!(client.go().await & TFLAG_READ_ONLY, 0);
     assert_eq!(client.read(4, 0, 4).await, Ok(b"mine".to_vec()));
     client.finish().await.unwrap();
+}
+
+/// A passive node's export over the read gate: the engine (the writer's
+/// mirror) and this node's own copy, which holds "mine" at offset 0.
+fn passive_server() -> (Arc<MemoryCopy>, Arc<Export>) {
+    let engine = MemoryEngine::new(SIZE);
+    let mut data = vec![0; SIZE];
+    data[..4].copy_from_slice(b"mine");
+    let local = MemoryCopy::new(data);
+    let gate = ReadGate::new(engine, local.clone());
+    let export = Arc::new(Export::new("vol0", "test volume", Arc::new(gate)));
+    (local, export)
+}
+
+fn connect(export: &Arc<Export>) -> Client {
+    let (io, server_io) = tokio::io::duplex(1 << 20);
+    Client {
+        io,
+        task: tokio::spawn(handle(server_io, Arc::clone(export))),
+    }
+}
+
+/// Issue 19, point 8: a passive node serves reads of its own copy only
+/// while that copy is in the committed in-sync set. Out of it, a new client
+/// is turned away at the handshake with the reason, and a session already
+/// open gets `EIO` for its reads until the copy is back in sync.
+#[tokio::test]
+async fn a_passive_node_out_of_the_in_sync_set_refuses_reads() {
+    let (local, export) = passive_server();
+    // In sync: read-only, and reads are served from the local copy.
+    let mut open = connect(&export);
+    assert_ne!(open.go().await & TFLAG_READ_ONLY, 0);
+    assert_eq!(open.read(1, 0, 4).await, Ok(b"mine".to_vec()));
+
+    local.set_in_sync(false);
+    assert_eq!(open.read(2, 0, 4).await, Err(EIO), "an open session");
+    // GO and INFO are refused with the reason; the handshake goes on.
+    let mut refused = connect(&export);
+    refused.greet(CLIENT_FIXED_NEWSTYLE).await;
+    for option in [OPT_INFO, OPT_GO] {
+        refused.send_option(option, &info_request(b"", &[])).await;
+        let reply = refused.option_reply().await;
+        assert_eq!((reply.option, reply.kind), (option, REP_ERR_UNKNOWN));
+        let why = String::from_utf8_lossy(&reply.data).to_string();
+        assert!(why.contains("not in the committed in-sync set"), "{why}");
+    }
+    refused.send_option(OPT_ABORT, &[]).await;
+    assert_eq!(refused.option_reply().await.kind, REP_ACK);
+    refused.finish().await.unwrap();
+    // EXPORT_NAME has no error reply: the connection closes.
+    let mut refused = connect(&export);
+    refused.greet(CLIENT_FIXED_NEWSTYLE).await;
+    refused.send_option(OPT_EXPORT_NAME, b"vol0").await;
+    assert!(matches!(
+        refused.finish().await,
+        Err(ConnectionError::Unavailable(_))
+    ));
+
+    // Back in sync: served again, on the open session and on a new one.
+    local.set_in_sync(true);
+    assert_eq!(open.read(3, 0, 4).await, Ok(b"mine".to_vec()));
+    open.finish().await.unwrap();
+    let mut again = connect(&export);
+    assert_ne!(again.go().await & TFLAG_READ_ONLY, 0);
+    assert_eq!(again.read(4, 0, 4).await, Ok(b"mine".to_vec()));
+    again.finish().await.unwrap();
 }
 
 #[tokio::test]
