@@ -8,10 +8,19 @@
 //!
 //! - **Writer and passive nodes.** The export is writable when the client
 //!   connects to the active writer, and read-only (`NBD_FLAG_READ_ONLY`)
-//!   otherwise; a passive node serves reads of its own replica. Every write
-//!   still goes through the gate ([`crate::ha::ActiveDevice`]): a write that
-//!   arrives after this node was demoted gets `ESHUTDOWN`, never a silent
-//!   success. Clients reconnect to the new writer.
+//!   otherwise. Every write still goes through the gate
+//!   ([`crate::ha::ActiveDevice`]), and a writable session is bound to the
+//!   gate's term: once that gate closes (lease lost, demotion, a newer term)
+//!   the session answers what it completed and the connection closes; a
+//!   request that met the closed gate gets no reply, never `ESHUTDOWN` and
+//!   never a silent success (design C1, see [`transmission`]). Clients
+//!   reconnect to the new writer and retry there.
+//! - **Fenced reads.** A passive node serves reads of its own replica only
+//!   while that replica is in the committed in-sync set
+//!   ([`crate::ha::ReadGate`]). Otherwise `GO`/`INFO` are refused with
+//!   `NBD_REP_ERR_UNKNOWN` and the reason, `EXPORT_NAME` is closed, and a
+//!   read-only session already open gets `EIO` for its reads until the
+//!   replica is back in sync.
 //! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` (accepted as a
 //!   hint, see [`transmission`]), `WRITE_ZEROES`, and the `FUA` flag.
 //!   `CAN_MULTI_CONN` is advertised: a flush makes every acknowledged write
