@@ -53,7 +53,8 @@ pub fn device_status(err: DeviceError) -> Status {
         DeviceError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),
         DeviceError::InsufficientReplicas { .. }
         | DeviceError::InSyncCommit(_)
-        | DeviceError::NoReadableReplica(_) => Status::unavailable(message),
+        | DeviceError::NoReadableReplica(_)
+        | DeviceError::NotInSync => Status::unavailable(message),
         DeviceError::Io(_) => Status::internal(message),
     }
 }
@@ -86,6 +87,7 @@ impl Admin for AdminService {
             .into_iter()
             .map(replica_status)
             .collect();
+        let reads_refused = view.reads_refused();
         let fence_floor = replicas
             .iter()
             .find(|r| r.local)
@@ -114,6 +116,8 @@ impl Admin for AdminService {
             replicas,
             volume: config.volume.clone(),
             nbd_address: config.nbd.map(|a| a.to_string()).unwrap_or_default(),
+            reads_served: reads_refused.is_none(),
+            reads_refused: reads_refused.unwrap_or_default(),
         }))
     }
 

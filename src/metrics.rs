@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use crate::volume::{Device, DeviceError};
+use crate::volume::{Access, Device, DeviceError};
 
 /// Upper bounds of the latency buckets, in seconds.
 const LATENCY_BUCKETS: [f64; 16] = [
@@ -143,6 +143,10 @@ impl Device for MeteredDevice {
 
     fn is_writable(&self) -> bool {
         self.inner.is_writable()
+    }
+
+    fn access(&self) -> Access {
+        self.inner.access()
     }
 }
 

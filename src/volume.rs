@@ -10,6 +10,11 @@
 //! every replica agree on what is in range: an offset plus length beyond the
 //! volume, or a request larger than [`MAX_REQUEST`], is refused before any
 //! byte is written.
+//!
+//! [`Device::access`] says what a client connecting now may do: read and
+//! write under the gate's term, only read, or nothing. The NBD server binds a
+//! read-write session to that term and ends the session once the device no
+//! longer grants it (design C1).
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -45,6 +50,28 @@ pub trait Device: Send + Sync {
     fn is_writable(&self) -> bool {
         true
     }
+
+    /// What a client connecting now may do (see [`Access`]). Advisory like
+    /// [`Device::is_writable`]; an ungated device grants writes under term 0.
+    fn access(&self) -> Access {
+        if self.is_writable() {
+            Access::ReadWrite { term: 0 }
+        } else {
+            Access::ReadOnly
+        }
+    }
+}
+
+/// What a device grants a client now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Access {
+    /// Reads and writes; writes pass the gate under `term`. A session opened
+    /// so is valid only while the device still grants exactly this.
+    ReadWrite { term: u64 },
+    /// Reads only: this node is passive and its copy may be read.
+    ReadOnly,
+    /// Neither: reads are refused, for this reason.
+    Refused(DeviceError),
 }
 
 /// Why a request's shape is refused. Shared by every layer so they agree.
@@ -100,6 +127,10 @@ pub enum DeviceError {
     /// The engine has no active term.
     #[error("the engine is not active")]
     Inactive,
+    /// A passive node's own replica is outside the committed in-sync set, so
+    /// its copy may lack acknowledged writes: reads are refused.
+    #[error("reads refused: this node's replica is not in the committed in-sync set")]
+    NotInSync,
     /// A local I/O error.
     #[error("I/O error: {0}")]
     Io(String),

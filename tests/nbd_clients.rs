@@ -424,3 +424,108 @@ async fn garbage_on_the_nbd_port_never_panics_a_node() {
     let log = cluster.log(writer);
     assert!(!log.contains("panicked"), "{log}");
 }
+
+/// `replica-ha status --json` of node `id`, if it answers.
+async fn status_json(cluster: &Cluster, id: u64) -> Option<serde_json::Value> {
+    let addr = cluster.addrs[&id].to_string();
+    let output = run(common::cluster::BIN, &["status", "--addr", &addr, "--json"]).await;
+    if !output.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&output.stdout).ok()
+}
+
+/// Polls node `id`'s `status --json` until `want` holds for it; returns it.
+async fn wait_status(
+    cluster: &Cluster,
+    id: u64,
+    what: &str,
+    within: Duration,
+    want: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let status = status_json(cluster, id).await;
+        if let Some(status) = status.as_ref().filter(|s| want(s)) {
+            return status.clone();
+        }
+        assert!(Instant::now() < deadline, "{what}: {status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 19, point 8: a follower whose replica left the committed in-sync
+/// set serves no reads until its rebuild has brought it back, and `status`
+/// says so. The rebuild is slowed (`--resync-rate`) so the window is seconds
+/// long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_out_of_the_in_sync_set_refuses_reads_until_it_is_rebuilt() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", "128MiB", "--resync-rate", "4MiB"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WRITER_WAIT).await;
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    let follower_nbd = cluster.nbd_addrs[&follower];
+    let status = wait_status(&cluster, follower, "served", WRITER_WAIT, |s| {
+        s["reads"] == "served"
+    })
+    .await;
+    assert_eq!(status["reads_refused"], serde_json::Value::Null, "{status}");
+
+    // The follower misses 24 MiB of writes and is dropped from the set.
+    cluster.kill(follower);
+    let written = qemu_io(
+        cluster.nbd_addrs[&writer],
+        false,
+        &["write -P 0x5c 0 24M".into()],
+    )
+    .await;
+    assert!(qemu_io_ok(&written), "{written:?}");
+    wait_status(&cluster, writer, "the follower dropped", WRITER_WAIT, |s| {
+        !s["in_sync"]
+            .as_array()
+            .is_some_and(|set| set.contains(&follower.to_string().into()))
+    })
+    .await;
+
+    // Back, and being rebuilt (24 MiB at 4 MiB/s): its reads are refused.
+    cluster.spawn(follower);
+    let status = wait_status(&cluster, follower, "reads refused", WRITER_WAIT, |s| {
+        s["reads"] == "refused"
+    })
+    .await;
+    assert_eq!(status["reads_refused"], "replica not in sync", "{status}");
+    let table = run_ok(
+        common::cluster::BIN,
+        &["status", "--addr", &cluster.addrs[&follower].to_string()],
+    )
+    .await;
+    assert!(
+        table.contains("reads          refused (replica not in sync)"),
+        "{table}"
+    );
+    let refused = qemu_io(follower_nbd, true, &["read -P 0x5c 0 4k".into()]).await;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&refused.stdout),
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert!(!qemu_io_ok(&refused), "a stale read was served: {text}");
+    assert!(text.contains("not in the committed in-sync set"), "{text}");
+    let writer_status = status_json(&cluster, writer).await.unwrap();
+    let still_out = !writer_status["in_sync"]
+        .as_array()
+        .is_some_and(|set| set.contains(&follower.to_string().into()));
+    assert!(still_out, "the rebuild finished too soon: {writer_status}");
+
+    // Once it is back in sync it serves the writer's data again.
+    wait_status(
+        &cluster,
+        follower,
+        "reads served again",
+        Duration::from_secs(40),
+        |s| s["reads"] == "served",
+    )
+    .await;
+    let read = qemu_io(follower_nbd, true, &["read -P 0x5c 0 24M".into()]).await;
+    assert!(qemu_io_ok(&read), "{read:?}");
+}

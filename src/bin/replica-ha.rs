@@ -33,9 +33,11 @@ enum Command {
     Node(NodeArgs),
     /// Show a node's view: its role (follower, fence_pending, leader) and
     /// whether its write gate is open, Raft state, term, leader, lease, live
-    /// members, the last promoted writer, the in-sync set, each replica's
-    /// state, fence floor and dirty marks, and the NBD export to use. Any
-    /// node answers; exit 1 if it cannot be reached.
+    /// members, the last promoted writer, the in-sync set, whether this node
+    /// serves reads (a passive node only while its replica is in the
+    /// committed in-sync set), each replica's state, fence floor and dirty
+    /// marks, and the NBD export to use. Any node answers; exit 1 if it
+    /// cannot be reached.
     Status {
         /// The node's gRPC address.
         #[arg(long, default_value = "127.0.0.1:7001")]
@@ -279,6 +281,8 @@ fn status_json(reply: &StatusReply) -> String {
         "promotions": reply.promotions,
         "volume": reply.volume,
         "nbd_address": reply.nbd_address,
+        "reads": if reply.reads_served { "served" } else { "refused" },
+        "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
         "replicas": reply.replicas.iter().map(|r| serde_json::json!({
             "id": r.id,
             "state": r.state,
@@ -299,6 +303,15 @@ fn status_json(reply: &StatusReply) -> String {
         })).collect::<Vec<_>>(),
     })
     .to_string()
+}
+
+/// "served", or "refused (replica not in sync)".
+fn reads_line(reply: &StatusReply) -> String {
+    if reply.reads_served {
+        "served".into()
+    } else {
+        format!("refused ({})", reply.reads_refused)
+    }
 }
 
 fn print_status_table(reply: &StatusReply) {
@@ -331,6 +344,7 @@ fn print_status_table(reply: &StatusReply) {
             ),
         ),
         ("in sync", reply.in_sync.join(", ")),
+        ("reads", reads_line(reply)),
         ("fence floor", reply.fence_floor.to_string()),
         ("volume size", reply.volume_size.to_string()),
         ("min in sync", reply.min_in_sync.to_string()),
@@ -341,8 +355,10 @@ fn print_status_table(reply: &StatusReply) {
     if !reply.nbd_address.is_empty() {
         let mode = if reply.gate_open {
             "read-write"
-        } else {
+        } else if reply.reads_served {
             "read-only"
+        } else {
+            "not available: reads refused"
         };
         println!(
             "{:<14} nbd://{}/{} ({mode})",

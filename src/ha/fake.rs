@@ -10,6 +10,9 @@
 //!   command, and logs every attempt.
 //! - [`MemoryEngine`] is a [`WriterEngine`] over a byte vector that logs the
 //!   term of every write it accepts.
+//! - [`MemoryCopy`] is a node's own replica for the read gate
+//!   ([`super::LocalCopy`]), whose membership in the in-sync set the test
+//!   sets.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,10 +25,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{
-    Coordinator, Fencer, HaError, Leadership, Lease, ReplicaState, ReplicaStatus, Writer,
-    WriterEngine,
+    Coordinator, Fencer, HaError, Leadership, Lease, LocalCopy, ReplicaState, ReplicaStatus,
+    Writer, WriterEngine,
 };
-use crate::volume::{Device, DeviceError, check_request};
+use crate::volume::{Access, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -513,6 +516,13 @@ impl Device for MemoryEngine {
     fn is_writable(&self) -> bool {
         self.term().is_some()
     }
+
+    fn access(&self) -> Access {
+        match self.term() {
+            Some(term) => Access::ReadWrite { term },
+            None => Access::ReadOnly,
+        }
+    }
 }
 
 #[async_trait]
@@ -539,5 +549,42 @@ impl WriterEngine for MemoryEngine {
             state: ReplicaState::InSync,
             local: true,
         }]
+    }
+}
+
+/// A node's own replica over a byte vector, in the in-sync set or not as
+/// the test says. See the module docs.
+pub struct MemoryCopy {
+    data: Mutex<Vec<u8>>,
+    in_sync: AtomicBool,
+}
+
+impl MemoryCopy {
+    /// A copy holding `data`, in sync.
+    pub fn new(data: Vec<u8>) -> Arc<Self> {
+        Arc::new(Self {
+            data: Mutex::new(data),
+            in_sync: AtomicBool::new(true),
+        })
+    }
+
+    /// Puts the copy in the committed in-sync set (`true`) or out of it.
+    pub fn set_in_sync(&self, in_sync: bool) {
+        self.in_sync.store(in_sync, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl LocalCopy for MemoryCopy {
+    fn in_sync(&self) -> bool {
+        self.in_sync.load(Ordering::SeqCst)
+    }
+
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        let data = lock(&self.data);
+        check_request(offset, len, data.len() as u64)?;
+        Ok(Bytes::copy_from_slice(
+            &data[offset as usize..(offset + len) as usize],
+        ))
     }
 }

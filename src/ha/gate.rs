@@ -1,7 +1,8 @@
 //! The write gate in front of the engine.
 //!
 //! [`ActiveDevice`] is the [`Device`] the data path (the NBD server) writes
-//! through. Reads and `size` always pass: a passive node may serve reads.
+//! through. Reads and `size` pass to the engine; whether a passive node may
+//! serve reads at all is the read gate's business ([`super::ReadGate`]).
 //! Writes and flushes pass only while
 //! 1. the controller has opened the gate for a term — after fencing (S1) —
 //!    and not closed it since, **and**
@@ -14,6 +15,11 @@
 //! passed the gate just before it closed may still complete; it carries the
 //! old term, so the replicas refuse it once the next writer fenced them (S2,
 //! S3).
+//!
+//! [`Device::access`] reports the term the gate is open for, lease
+//! included: the NBD server binds a read-write session to it and closes the
+//! session as soon as the gate no longer grants that term (design C1), so a
+//! deposed writer's sessions neither write nor read.
 //!
 //! A [`GateJournal`], when one is attached, is told of every opening and
 //! closing and of each write admitted, with the lease deadline it was
@@ -29,7 +35,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Coordinator, WriterEngine};
-use crate::volume::{Device, DeviceError};
+use crate::volume::{Access, Device, DeviceError};
 
 /// Receives the gate's history (see the module docs). Calls are made on the
 /// write path, so an implementation must be quick and must not block long.
@@ -147,5 +153,12 @@ impl Device for ActiveDevice {
 
     fn is_writable(&self) -> bool {
         self.admit().is_ok()
+    }
+
+    fn access(&self) -> Access {
+        match self.admit() {
+            Ok((term, _)) => Access::ReadWrite { term },
+            Err(_) => Access::ReadOnly,
+        }
     }
 }

@@ -12,6 +12,8 @@
 //!   be activated with a term.
 //! - [`Controller`] is the state machine `Follower → FencePending → Leader`.
 //! - [`ActiveDevice`] is the write gate.
+//! - [`ReadGate`] is the read gate in front of it: a passive node reads its
+//!   own replica only while that replica is in the committed in-sync set.
 //!
 //! The safety argument, in the order a promotion runs:
 //! 1. The gate opens only from the controller, only after the fencer
@@ -31,12 +33,14 @@ mod controller;
 mod coordinator;
 pub mod fake;
 mod gate;
+mod reads;
 
 use async_trait::async_trait;
 
 pub use controller::{Controller, ControllerConfig, Role, Status};
 pub use coordinator::{Coordinator, Fencer, Leadership, Lease, Writer};
 pub use gate::{ActiveDevice, GateJournal};
+pub use reads::{LocalCopy, ReadGate};
 
 use crate::volume::{Device, DeviceError};
 

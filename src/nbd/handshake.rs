@@ -7,11 +7,21 @@
 //! and no TLS. Malformed option data gets `NBD_REP_ERR_INVALID`; a bad magic,
 //! unknown client flags or an option longer than [`MAX_OPTION_LEN`] end the
 //! connection, since the stream can no longer be trusted.
+//!
+//! The export is offered as the device grants it at that moment
+//! ([`crate::volume::Access`]): read-write under the gate's term, which the
+//! session is then bound to; read-only; or not at all, when this node's
+//! copy may not be read (a passive node outside the committed in-sync set).
+//! That last refusal is `NBD_REP_ERR_UNKNOWN` ("export not available") with
+//! the reason as text for `GO` and `INFO`, and a closed connection for
+//! `EXPORT_NAME`, which has no error reply. A client is told at once, in
+//! words, instead of opening an export whose every read fails.
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::wire::{self, WireError};
 use super::{ConnectionError, Export};
+use crate::volume::{Access, Device};
 
 /// The longest option data accepted (the protocol caps export names at
 /// 4 KiB; this leaves room for info requests).
@@ -22,12 +32,24 @@ pub const MAX_OPTION_LEN: u32 = 64 * 1024;
 pub struct Session {
     /// The transmission flags sent to the client.
     pub flags: u16,
+    /// For a writable session, the gate's term it was opened under: the
+    /// session lasts only while the device grants exactly that term.
+    pub term: Option<u64>,
 }
 
 impl Session {
     /// Whether the client was offered a writable export.
     pub fn writable(&self) -> bool {
         self.flags & wire::TFLAG_READ_ONLY == 0
+    }
+
+    /// Whether the session may still be served: always for a read-only
+    /// one, and for a writable one while `device` grants its term.
+    pub fn open(&self, device: &dyn Device) -> bool {
+        match self.term {
+            None => true,
+            Some(term) => device.access() == Access::ReadWrite { term },
+        }
     }
 }
 
@@ -62,19 +84,20 @@ where
         let mut data = vec![0; header.len as usize];
         reader.read_exact(&mut data).await?;
         let option = header.option;
-        let flags = export.transmission_flags();
+        let offer = export.offer();
         let reply = |kind, data: &[u8]| wire::option_reply(option, kind, data);
         match option {
             wire::OPT_EXPORT_NAME => {
                 if !export.answers_to(&data) {
                     return Err(ConnectionError::UnknownExport(lossy(&data)));
                 }
+                let session = offer.map_err(|err| ConnectionError::Unavailable(err.to_string()))?;
                 let size = export.device.size();
                 writer
-                    .write_all(&wire::export_name_reply(size, flags, no_zeroes))
+                    .write_all(&wire::export_name_reply(size, session.flags, no_zeroes))
                     .await?;
                 writer.flush().await?;
-                return Ok(Some(Session { flags }));
+                return Ok(Some(session));
             }
             wire::OPT_ABORT => {
                 // The client may already be gone; the ACK is a courtesy.
@@ -91,27 +114,34 @@ where
                 writer.write_all(&reply(wire::REP_SERVER, &entry)).await?;
                 writer.write_all(&reply(wire::REP_ACK, &[])).await?;
             }
-            wire::OPT_INFO | wire::OPT_GO => match wire::parse_info_request(&data) {
-                Err(err) => {
+            wire::OPT_INFO | wire::OPT_GO => match (wire::parse_info_request(&data), offer) {
+                (Err(err), _) => {
                     let why = err.to_string();
                     writer
                         .write_all(&reply(wire::REP_ERR_INVALID, why.as_bytes()))
                         .await?;
                 }
-                Ok(request) if !export.answers_to(&request.name) => {
+                (Ok(request), _) if !export.answers_to(&request.name) => {
                     let why = format!("no export named {:?}", lossy(&request.name));
                     writer
                         .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
                         .await?;
                 }
-                Ok(request) => {
-                    for info in export_infos(export, flags, &request.infos) {
+                (Ok(_), Err(refused)) => {
+                    let why = refused.to_string();
+                    tracing::info!(%why, "NBD export refused");
+                    writer
+                        .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
+                        .await?;
+                }
+                (Ok(request), Ok(session)) => {
+                    for info in export_infos(export, session.flags, &request.infos) {
                         writer.write_all(&reply(wire::REP_INFO, &info)).await?;
                     }
                     writer.write_all(&reply(wire::REP_ACK, &[])).await?;
                     if option == wire::OPT_GO {
                         writer.flush().await?;
-                        return Ok(Some(Session { flags }));
+                        return Ok(Some(session));
                     }
                 }
             },

@@ -8,10 +8,19 @@
 //!
 //! - **Writer and passive nodes.** The export is writable when the client
 //!   connects to the active writer, and read-only (`NBD_FLAG_READ_ONLY`)
-//!   otherwise; a passive node serves reads of its own replica. Every write
-//!   still goes through the gate ([`crate::ha::ActiveDevice`]): a write that
-//!   arrives after this node was demoted gets `ESHUTDOWN`, never a silent
-//!   success. Clients reconnect to the new writer.
+//!   otherwise. Every write still goes through the gate
+//!   ([`crate::ha::ActiveDevice`]), and a writable session is bound to the
+//!   gate's term: once that gate closes (lease lost, demotion, a newer term)
+//!   the session answers what it completed and the connection closes; a
+//!   request that met the closed gate gets no reply, never `ESHUTDOWN` and
+//!   never a silent success (design C1, see [`transmission`]). Clients
+//!   reconnect to the new writer and retry there.
+//! - **Fenced reads.** A passive node serves reads of its own replica only
+//!   while that replica is in the committed in-sync set
+//!   ([`crate::ha::ReadGate`]). Otherwise `GO`/`INFO` are refused with
+//!   `NBD_REP_ERR_UNKNOWN` and the reason, `EXPORT_NAME` is closed, and a
+//!   read-only session already open gets `EIO` for its reads until the
+//!   replica is back in sync.
 //! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` (accepted as a
 //!   hint, see [`transmission`]), `WRITE_ZEROES`, and the `FUA` flag.
 //!   `CAN_MULTI_CONN` is advertised: a flush makes every acknowledged write
@@ -42,7 +51,7 @@ use tokio::task::JoinSet;
 
 pub use transmission::errno;
 
-use crate::volume::{Device, MAX_REQUEST};
+use crate::volume::{Access, Device, DeviceError, MAX_REQUEST};
 
 /// The largest read or write one request may carry.
 pub const MAX_REQUEST_LEN: u32 = MAX_REQUEST as u32;
@@ -91,16 +100,25 @@ impl Export {
         name.is_empty() || name == self.name.as_bytes()
     }
 
-    /// The transmission flags for a client connecting now: writable only
-    /// while this node's gate would pass a write.
-    fn transmission_flags(&self) -> u16 {
-        let mut flags = wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH | wire::TFLAG_CAN_MULTI_CONN;
-        if self.device.is_writable() {
-            flags |= wire::TFLAG_SEND_FUA | wire::TFLAG_SEND_TRIM | wire::TFLAG_SEND_WRITE_ZEROES;
-        } else {
-            flags |= wire::TFLAG_READ_ONLY;
+    /// The session a client connecting now would get: writable, bound to
+    /// the gate's term, only while this node's gate would pass a write;
+    /// read-only while its copy may be read; else why not.
+    fn offer(&self) -> Result<handshake::Session, DeviceError> {
+        let flags = wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH | wire::TFLAG_CAN_MULTI_CONN;
+        match self.device.access() {
+            Access::ReadWrite { term } => Ok(handshake::Session {
+                flags: flags
+                    | wire::TFLAG_SEND_FUA
+                    | wire::TFLAG_SEND_TRIM
+                    | wire::TFLAG_SEND_WRITE_ZEROES,
+                term: Some(term),
+            }),
+            Access::ReadOnly => Ok(handshake::Session {
+                flags: flags | wire::TFLAG_READ_ONLY,
+                term: None,
+            }),
+            Access::Refused(why) => Err(why),
         }
-        flags
     }
 }
 
@@ -122,6 +140,10 @@ pub enum ConnectionError {
     /// The handshake took longer than [`HANDSHAKE_TIMEOUT`].
     #[error("handshake timed out")]
     HandshakeTimeout,
+    /// `NBD_OPT_EXPORT_NAME` asked for an export this node may not serve
+    /// now (its copy may not be read); that option has no error reply.
+    #[error("export not available: {0}")]
+    Unavailable(String),
 }
 
 /// Counters of the NBD server, for metrics.

@@ -12,8 +12,8 @@ use tokio::task::JoinHandle;
 
 use super::wire::*;
 use super::{ConnectionError, Export, handle};
-use crate::ha::WriterEngine;
-use crate::ha::fake::MemoryEngine;
+use crate::ha::fake::{MemoryCopy, MemoryEngine};
+use crate::ha::{ReadGate, WriterEngine};
 
 const SIZE: usize = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -381,21 +381,157 @@ async fn a_passive_node_exports_read_only() {
     client.finish().await.unwrap();
 }
 
+/// Sends a request without minding a connection the server already closed.
+async fn send_to_closing(client: &mut Client, kind: u16, cookie: u64, offset: u64, data: &[u8]) {
+    let mut buf = Vec::new();
+    buf.put_u32(REQUEST_MAGIC);
+    buf.put_u16(0);
+    buf.put_u16(kind);
+    buf.put_u64(cookie);
+    buf.put_u64(offset);
+    buf.put_u32(if kind == 0 { 4096 } else { data.len() as u32 });
+    buf.put_slice(data);
+    let _ = client.io.write_all(&buf).await;
+}
+
+/// Every simple reply the server sends until it closes the connection, as
+/// `(cookie, error)`; fails if it does not close within [`DEADLINE`].
+async fn replies_until_closed(client: &mut Client) -> Vec<(u64, u32)> {
+    let mut rest = Vec::new();
+    tokio::time::timeout(DEADLINE, client.io.read_to_end(&mut rest))
+        .await
+        .expect("the server kept the connection open after its gate closed")
+        .expect("reading the replies");
+    rest.chunks(16)
+        .map(|reply| {
+            assert_eq!(reply.len(), 16, "a torn reply: {rest:?}");
+            assert_eq!(&reply[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+            let error = u32::from_be_bytes(reply[4..8].try_into().unwrap());
+            (u64::from_be_bytes(reply[8..16].try_into().unwrap()), error)
+        })
+        .collect()
+}
+
+/// Polls `done` until it holds or [`DEADLINE`] passes.
+async fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// C1: a request that meets a closed gate gets no reply, not even
+/// `ESHUTDOWN`; the replies of what completed before are delivered, then
+/// the connection closes, so a client retries on the new writer.
 #[tokio::test]
-async fn a_write_after_demotion_gets_an_error_not_a_silent_success() {
+async fn a_session_whose_gate_closed_is_closed_without_an_error_reply() {
     let (engine, mut client) = server(Some(4));
     client.go().await;
-    assert_eq!(client.write(1, 0, b"before").await, 0);
+    // Two writes complete; their replies are not read until the end.
+    client.send(1, 0, 1, 0, 6, b"before").await;
+    client.send(1, CMD_FLAG_FUA, 2, 4096, 4, b"also").await;
+    eventually("both writes landed", || engine.writes().len() == 2).await;
     engine.deactivate();
-    assert_eq!(client.write(2, 0, b"after!").await, ESHUTDOWN);
-    client.send(3, 0, 3, 0, 0, &[]).await;
-    assert_eq!(client.reply(0).await.1, ESHUTDOWN, "flush");
-    for (kind, cookie) in [(6u16, 4u64), (4, 5)] {
-        client.send(kind, 0, cookie, 0, 6, &[]).await;
-        assert_eq!(client.reply(0).await, (cookie, ESHUTDOWN, vec![]));
-    }
+    // Whatever comes after the close: write, flush, write-zeroes, trim.
+    send_to_closing(&mut client, 1, 3, 0, b"after!").await;
+    send_to_closing(&mut client, 3, 4, 0, &[]).await;
+    send_to_closing(&mut client, 6, 5, 0, &[]).await;
+    send_to_closing(&mut client, 4, 6, 0, &[]).await;
+    let mut replies = replies_until_closed(&mut client).await;
+    replies.sort_unstable();
+    assert_eq!(replies, vec![(1, 0), (2, 0)], "only the completed writes");
+    assert_eq!(engine.writes().len(), 2);
     assert_eq!(engine.read_at_now(0, 6), b"before");
     client.finish().await.unwrap();
+}
+
+/// A read-write session belongs to the term its gate was open for: once
+/// that gate closed, even if it opened again for a newer term, the session
+/// serves nothing more, reads included.
+#[tokio::test]
+async fn a_read_on_a_session_whose_gate_closed_is_not_served() {
+    let (engine, mut client) = server(Some(4));
+    client.go().await;
+    assert_eq!(client.write(1, 0, b"mine").await, 0);
+    assert_eq!(client.read(2, 0, 4).await, Ok(b"mine".to_vec()));
+    engine.deactivate();
+    engine.activate(5).await.unwrap();
+    send_to_closing(&mut client, 0, 3, 0, &[]).await;
+    assert_eq!(replies_until_closed(&mut client).await, vec![]);
+    client.finish().await.unwrap();
+    // A new session belongs to the new term and is served.
+    let export = Arc::new(Export::new("vol0", "test volume", engine.clone()));
+    let mut client = connect(&export);
+    assert_eq!(client.go().await & TFLAG_READ_ONLY, 0);
+    assert_eq!(client.read(4, 0, 4).await, Ok(b"mine".to_vec()));
+    client.finish().await.unwrap();
+}
+
+/// A passive node's export over the read gate: the engine (the writer's
+/// mirror) and this node's own copy, which holds "mine" at offset 0.
+fn passive_server() -> (Arc<MemoryCopy>, Arc<Export>) {
+    let engine = MemoryEngine::new(SIZE);
+    let mut data = vec![0; SIZE];
+    data[..4].copy_from_slice(b"mine");
+    let local = MemoryCopy::new(data);
+    let gate = ReadGate::new(engine, local.clone());
+    let export = Arc::new(Export::new("vol0", "test volume", Arc::new(gate)));
+    (local, export)
+}
+
+fn connect(export: &Arc<Export>) -> Client {
+    let (io, server_io) = tokio::io::duplex(1 << 20);
+    Client {
+        io,
+        task: tokio::spawn(handle(server_io, Arc::clone(export))),
+    }
+}
+
+/// Issue 19, point 8: a passive node serves reads of its own copy only
+/// while that copy is in the committed in-sync set. Out of it, a new client
+/// is turned away at the handshake with the reason, and a session already
+/// open gets `EIO` for its reads until the copy is back in sync.
+#[tokio::test]
+async fn a_passive_node_out_of_the_in_sync_set_refuses_reads() {
+    let (local, export) = passive_server();
+    // In sync: read-only, and reads are served from the local copy.
+    let mut open = connect(&export);
+    assert_ne!(open.go().await & TFLAG_READ_ONLY, 0);
+    assert_eq!(open.read(1, 0, 4).await, Ok(b"mine".to_vec()));
+
+    local.set_in_sync(false);
+    assert_eq!(open.read(2, 0, 4).await, Err(EIO), "an open session");
+    // GO and INFO are refused with the reason; the handshake goes on.
+    let mut refused = connect(&export);
+    refused.greet(CLIENT_FIXED_NEWSTYLE).await;
+    for option in [OPT_INFO, OPT_GO] {
+        refused.send_option(option, &info_request(b"", &[])).await;
+        let reply = refused.option_reply().await;
+        assert_eq!((reply.option, reply.kind), (option, REP_ERR_UNKNOWN));
+        let why = String::from_utf8_lossy(&reply.data).to_string();
+        assert!(why.contains("not in the committed in-sync set"), "{why}");
+    }
+    refused.send_option(OPT_ABORT, &[]).await;
+    assert_eq!(refused.option_reply().await.kind, REP_ACK);
+    refused.finish().await.unwrap();
+    // EXPORT_NAME has no error reply: the connection closes.
+    let mut refused = connect(&export);
+    refused.greet(CLIENT_FIXED_NEWSTYLE).await;
+    refused.send_option(OPT_EXPORT_NAME, b"vol0").await;
+    assert!(matches!(
+        refused.finish().await,
+        Err(ConnectionError::Unavailable(_))
+    ));
+
+    // Back in sync: served again, on the open session and on a new one.
+    local.set_in_sync(true);
+    assert_eq!(open.read(3, 0, 4).await, Ok(b"mine".to_vec()));
+    open.finish().await.unwrap();
+    let mut again = connect(&export);
+    assert_ne!(again.go().await & TFLAG_READ_ONLY, 0);
+    assert_eq!(again.read(4, 0, 4).await, Ok(b"mine".to_vec()));
+    again.finish().await.unwrap();
 }
 
 #[tokio::test]

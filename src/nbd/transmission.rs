@@ -7,18 +7,34 @@
 //! payload is read, so a fast client cannot make the server buffer without
 //! limit.
 //!
-//! Every error goes back as an NBD error code; see [`errno`]. A write the
-//! gate refuses (this node is not, or no longer, the active writer) gets
-//! `ESHUTDOWN`, so a client knows to reconnect to the new writer — never a
-//! silent success. A request header with a bad magic ends the connection
-//! after the requests already in flight are answered: nothing after it can
-//! be trusted, and nothing of it is executed.
+//! **A closed gate closes the session (design C1).** A writable session is
+//! bound to the term the gate was open for at the handshake. It is served
+//! only while the device still grants exactly that term (lease included):
+//! each request checks it before it runs, and an idle session polls it
+//! every [`GATE_POLL`]. Once the gate closed (lease lost, demotion, a newer
+//! term), the session reads no more requests and answers nothing it had not
+//! completed: a request that met the closed gate, read or write, gets **no
+//! reply** — not `ESHUTDOWN`, which qemu and the kernel would hand straight
+//! to the guest's filesystem, while both retry on a dropped connection. The
+//! replies of requests that completed are still sent (requests in flight
+//! get [`CLOSE_GRACE`] to complete), then the connection closes, and the
+//! client retries the rest on the new writer. A write left unanswered may or
+//! may not have landed; sending it again is safe.
+//!
+//! Every other error goes back as an NBD error code; see [`errno`]: range
+//! errors, `EINVAL`, `EPERM` for writes on a read-only session, and `EIO`
+//! for a read that a passive node refuses because its copy left the in-sync
+//! set ([`crate::ha::ReadGate`]). A request header with a bad magic ends the
+//! connection after the requests already in flight are answered: nothing
+//! after it can be trusted, and nothing of it is executed.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::time::Instant;
 
 use super::handshake::Session;
 use super::wire::{self, Command, Request};
@@ -31,6 +47,27 @@ const BUDGET_BYTES: u64 = 128 * 1024 * 1024;
 const BUDGET_UNIT: u64 = 4096;
 /// What `WRITE_ZEROES` writes from, one chunk at a time.
 static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
+/// How often an idle writable session checks that its gate still grants
+/// its term (a lease runs out without any event).
+pub const GATE_POLL: Duration = Duration::from_millis(20);
+/// How long a session whose gate closed waits for its requests in flight
+/// to complete before it closes without their replies.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Why a request got no data back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// An NBD error reply.
+    Error(u32),
+    /// No reply: the session's gate closed, and so does the connection.
+    Closed,
+}
+
+impl Failure {
+    fn of(err: &DeviceError, write: bool) -> Self {
+        errno(err, write).map_or(Failure::Closed, Failure::Error)
+    }
+}
 
 /// A finished request, on its way to the client.
 struct Reply {
@@ -55,17 +92,50 @@ where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let (replies, queue) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_replies(writer, queue));
+    // Turns true once the session's gate closed; see the module docs.
+    let (closed, watched) = watch::channel(false);
+    let closed = Arc::new(closed);
+    let writer = tokio::spawn(write_replies(writer, queue, watched));
     let budget = Arc::new(Semaphore::new(units(BUDGET_BYTES) as usize));
-    let outcome = read_requests(&mut reader, &export, session, &budget, &replies).await;
+    let outcome = tokio::select! {
+        outcome = read_requests(&mut reader, &export, session, &budget, &replies, &closed) => outcome,
+        () = gate_closed(export.device.as_ref(), session, &closed) => {
+            tracing::info!(term = ?session.term, "the session's gate closed: closing the connection");
+            Ok(())
+        }
+    };
     // In-flight requests hold clones of `replies`; the writer ends after the
-    // last of them has answered.
+    // last of them has answered (within the grace, once the gate closed).
     drop(replies);
     let written = writer
         .await
         .map_err(|err| ConnectionError::Io(std::io::Error::other(err.to_string())))?;
+    if *closed.borrow() {
+        // Read what the client still sends until it sees the end of the
+        // replies and hangs up: closing with unread data would reset the
+        // connection, and a reset can discard replies not yet read.
+        let mut sink = tokio::io::sink();
+        let drain = tokio::io::copy(&mut reader, &mut sink);
+        let _ = tokio::time::timeout(CLOSE_GRACE, drain).await;
+    }
     outcome?;
     written.map_err(ConnectionError::Io)
+}
+
+/// Resolves once a writable session's gate no longer grants its term, and
+/// marks the session closed; never for a read-only session.
+async fn gate_closed(device: &dyn Device, session: Session, closed: &watch::Sender<bool>) {
+    if session.term.is_none() {
+        return std::future::pending().await;
+    }
+    let mut watched = closed.subscribe();
+    while session.open(device) {
+        tokio::select! {
+            () = tokio::time::sleep(GATE_POLL) => {}
+            _ = watched.wait_for(|closed| *closed) => return,
+        }
+    }
+    closed.send_replace(true);
 }
 
 /// Reads requests and spawns them; returns on `DISC`, end of stream or a
@@ -76,6 +146,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
     session: Session,
     budget: &Arc<Semaphore>,
     replies: &mpsc::UnboundedSender<Reply>,
+    closed: &Arc<watch::Sender<bool>>,
 ) -> Result<(), ConnectionError> {
     loop {
         let mut header = [0u8; wire::REQUEST_LEN];
@@ -97,21 +168,35 @@ async fn read_requests<R: AsyncRead + Unpin>(
             .map_err(|_| ConnectionError::Io(std::io::Error::other("budget closed")))?;
         let payload = match read_payload(reader, &request).await? {
             Ok(payload) => payload,
+            Err(_) if !session.open(export.device.as_ref()) => {
+                closed.send_replace(true);
+                return Ok(());
+            }
             Err(error) => {
                 let _ = replies.send(refusal(&request, error, permit));
                 continue;
             }
         };
         let export = Arc::clone(export);
-        let replies = replies.clone();
+        let (replies, closed) = (replies.clone(), Arc::clone(closed));
         tokio::spawn(async move {
+            let device = export.device.as_ref();
             let result = match export.executing.acquire_many(units).await {
-                Ok(_executing) => execute(export.device.as_ref(), session, &request, payload).await,
-                Err(_) => Err(wire::EIO),
+                Ok(_executing) => execute(device, session, &request, payload).await,
+                Err(_) => Err(Failure::Error(wire::EIO)),
             };
             let (error, data) = match result {
+                // What completed is answered, even after the gate closed.
                 Ok(data) => (0, data),
-                Err(error) => (error, None),
+                Err(Failure::Error(error)) if session.open(device) => (error, None),
+                // A request that met the closed gate, or failed once it had
+                // closed, gets no answer: the client retries it on the new
+                // writer after the connection closes.
+                Err(_) => {
+                    tracing::debug!(?request, "NBD request met a closed gate: no reply");
+                    closed.send_replace(true);
+                    return;
+                }
             };
             if error != 0 {
                 tracing::debug!(?request, error, "NBD request failed");
@@ -174,43 +259,47 @@ pub(super) fn units(bytes: u64) -> u32 {
     bytes.div_ceil(BUDGET_UNIT).max(1) as u32
 }
 
-/// Runs one request against the device.
+/// Runs one request against the device. A writable session whose gate no
+/// longer grants its term runs nothing more, reads included.
 async fn execute(
     device: &dyn Device,
     session: Session,
     request: &Request,
     payload: Bytes,
-) -> Result<Option<Bytes>, u32> {
+) -> Result<Option<Bytes>, Failure> {
+    if !session.open(device) {
+        return Err(Failure::Closed);
+    }
     if request.has_unknown_flags() {
-        return Err(wire::EINVAL);
+        return Err(Failure::Error(wire::EINVAL));
     }
     let (offset, len) = (request.offset, u64::from(request.len));
     if request.command.mutates() && !session.writable() {
-        return Err(wire::EPERM);
+        return Err(Failure::Error(wire::EPERM));
     }
     match request.command {
         Command::Read => device
             .read_at(offset, len)
             .await
             .map(Some)
-            .map_err(|e| errno(&e, false)),
+            .map_err(|e| Failure::of(&e, false)),
         Command::Write => device
             .write_at(offset, payload, request.fua())
             .await
             .map(|()| None)
-            .map_err(|e| errno(&e, true)),
+            .map_err(|e| Failure::of(&e, true)),
         // A read-only connection wrote nothing, so it has nothing to flush.
         Command::Flush if !session.writable() => Ok(None),
         Command::Flush => device
             .flush()
             .await
             .map(|()| None)
-            .map_err(|e| errno(&e, true)),
+            .map_err(|e| Failure::of(&e, true)),
         Command::Trim => trim(device, offset, len).map(|()| None),
         Command::WriteZeroes => write_zeroes(device, offset, len, request.fua())
             .await
             .map(|()| None),
-        Command::Disconnect | Command::Other(_) => Err(wire::EINVAL),
+        Command::Disconnect | Command::Other(_) => Err(Failure::Error(wire::EINVAL)),
     }
 }
 
@@ -218,17 +307,22 @@ async fn execute(
 /// accepted (range- and gate-checked) and changes nothing: reads of a
 /// trimmed range may return anything, and returning the old data keeps every
 /// replica identical without a replicated discard.
-fn trim(device: &dyn Device, offset: u64, len: u64) -> Result<(), u32> {
+fn trim(device: &dyn Device, offset: u64, len: u64) -> Result<(), Failure> {
     check_span(device, offset, len)?;
     if device.is_writable() {
         Ok(())
     } else {
-        Err(wire::ESHUTDOWN)
+        Err(Failure::Closed)
     }
 }
 
 /// `WRITE_ZEROES` as ordinary replicated writes of zeroes, 1 MiB at a time.
-async fn write_zeroes(device: &dyn Device, offset: u64, len: u64, fua: bool) -> Result<(), u32> {
+async fn write_zeroes(
+    device: &dyn Device,
+    offset: u64,
+    len: u64,
+    fua: bool,
+) -> Result<(), Failure> {
     check_span(device, offset, len)?;
     let end = offset + len;
     let mut at = offset;
@@ -238,7 +332,7 @@ async fn write_zeroes(device: &dyn Device, offset: u64, len: u64, fua: bool) -> 
         device
             .write_at(at, chunk, fua)
             .await
-            .map_err(|e| errno(&e, true))?;
+            .map_err(|e| Failure::of(&e, true))?;
         at += n;
     }
     Ok(())
@@ -246,39 +340,60 @@ async fn write_zeroes(device: &dyn Device, offset: u64, len: u64, fua: bool) -> 
 
 /// Trim and write-zeroes may span more than one request's worth of bytes;
 /// they only have to fit the volume.
-fn check_span(device: &dyn Device, offset: u64, len: u64) -> Result<(), u32> {
+fn check_span(device: &dyn Device, offset: u64, len: u64) -> Result<(), Failure> {
     match offset.checked_add(len) {
         Some(end) if end <= device.size() => Ok(()),
-        _ => Err(wire::ENOSPC),
+        _ => Err(Failure::Error(wire::ENOSPC)),
     }
 }
 
-/// The NBD error code for a device error. Refusals of the gate and of the
-/// replicas' fence (this node is not the writer) are `ESHUTDOWN`: the
-/// client should reconnect to the active writer. Out-of-range requests are
-/// `ENOSPC` for writes and `EINVAL` for reads, as the protocol asks.
-pub fn errno(err: &DeviceError, write: bool) -> u32 {
-    match err {
+/// The NBD error code for a device error, or `None` for the refusals of the
+/// gate and of the replicas' fence (this node is not, or no longer, the
+/// writer): those are never answered; the connection closes instead (see
+/// the module docs). Out-of-range requests are `ENOSPC` for writes and
+/// `EINVAL` for reads, as the protocol asks; a read a passive node refuses
+/// because its copy is out of sync is `EIO`.
+pub fn errno(err: &DeviceError, write: bool) -> Option<u32> {
+    Some(match err {
         DeviceError::NotLeader
         | DeviceError::LeaseExpired
         | DeviceError::Inactive
-        | DeviceError::StaleTerm { .. } => wire::ESHUTDOWN,
+        | DeviceError::StaleTerm { .. } => return None,
         DeviceError::Range(RangeError::OutOfRange { .. }) if write => wire::ENOSPC,
         DeviceError::Range(_) => wire::EINVAL,
         DeviceError::InsufficientReplicas { .. }
         | DeviceError::InSyncCommit(_)
         | DeviceError::NoReadableReplica(_)
+        | DeviceError::NotInSync
         | DeviceError::Io(_) => wire::EIO,
-    }
+    })
 }
 
-/// Writes replies as they come, flushing whenever the queue runs dry.
+/// Writes replies as they come, flushing whenever the queue runs dry. Once
+/// the session is `closed`, it writes only what arrives within
+/// [`CLOSE_GRACE`], then ends.
 async fn write_replies<W: AsyncWrite + Unpin>(
     writer: W,
     mut queue: mpsc::UnboundedReceiver<Reply>,
+    mut closed: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let mut writer = BufWriter::with_capacity(256 * 1024, writer);
-    while let Some(reply) = queue.recv().await {
+    let mut grace_ends: Option<Instant> = None;
+    loop {
+        let next = match grace_ends {
+            Some(deadline) => match tokio::time::timeout_at(deadline, queue.recv()).await {
+                Ok(next) => next,
+                Err(_) => break,
+            },
+            None => tokio::select! {
+                next = queue.recv() => next,
+                _ = closed.wait_for(|closed| *closed) => {
+                    grace_ends = Some(Instant::now() + CLOSE_GRACE);
+                    continue;
+                }
+            },
+        };
+        let Some(reply) = next else { break };
         writer
             .write_all(&wire::simple_reply(reply.error, reply.cookie))
             .await?;

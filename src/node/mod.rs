@@ -23,6 +23,7 @@
 
 pub mod config;
 pub mod journal;
+pub mod reads;
 pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,7 +36,7 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
-use crate::ha::{Controller, ControllerConfig, Coordinator};
+use crate::ha::{Controller, ControllerConfig, Coordinator, ReadGate};
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::nbd::Export;
 use crate::raft::network::{Network, Peers, RaftService};
@@ -170,13 +171,20 @@ impl Node {
             },
         ));
         let io = Arc::new(DeviceMetrics::default());
+        // The data path: the read gate in front of the write gate, counted.
+        let local_copy = reads::RaftLocalCopy::new(
+            config.id,
+            Arc::clone(&replicas[0]),
+            coordinator.state_machine().subscribe(),
+        );
+        let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
         let view = Arc::new(NodeView {
             config: config.clone(),
             coordinator: Arc::clone(&coordinator),
             controller: Arc::clone(&controller),
             replicas,
             resync: Arc::clone(&resync),
-            device: Arc::new(MeteredDevice::new(controller.device(), Arc::clone(&io))),
+            device: Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io))),
             io,
             nbd: Arc::default(),
         });

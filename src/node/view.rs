@@ -19,7 +19,7 @@ use crate::nbd::NbdStats;
 use crate::raft::RaftCoordinator;
 use crate::replica::resync::{Progress, Resyncer};
 use crate::replica::{Replica, ReplicaInfo};
-use crate::volume::Device;
+use crate::volume::{Access, Device, DeviceError};
 
 /// How long a status request waits for one replica's fence floor.
 const INFO_TIMEOUT: Duration = Duration::from_millis(300);
@@ -33,7 +33,8 @@ pub struct NodeView {
     pub replicas: Vec<Arc<dyn Replica>>,
     /// The resync of out-of-sync replicas (progress).
     pub resync: Arc<Resyncer>,
-    /// The data path: the gate, counted. NBD and admin writes use it.
+    /// The data path: the read gate in front of the write gate, counted.
+    /// NBD and admin reads and writes use it.
     pub device: Arc<dyn Device>,
     /// The data path's counters.
     pub io: Arc<DeviceMetrics>,
@@ -59,6 +60,18 @@ impl NodeView {
     /// active writer, fenced and within its lease.
     pub fn is_active_writer(&self) -> bool {
         self.controller.device().is_writable()
+    }
+
+    /// Why this node refuses reads now, or `None` while it serves them: the
+    /// active writer reads its in-sync replicas; a passive node serves its
+    /// own copy only while that copy is in the committed in-sync set (see
+    /// [`crate::ha::ReadGate`]).
+    pub fn reads_refused(&self) -> Option<String> {
+        match self.device.access() {
+            Access::Refused(DeviceError::NotInSync) => Some("replica not in sync".into()),
+            Access::Refused(why) => Some(why.to_string()),
+            Access::ReadWrite { .. } | Access::ReadOnly => None,
+        }
     }
 
     /// Every replica's state and fence floor, in the order of

@@ -1,0 +1,53 @@
+//! This node's own replica as the read gate ([`crate::ha::ReadGate`]) sees
+//! it: its membership in the committed in-sync set, read from the Raft
+//! state machine as this node has applied it, and reads of the local store
+//! without a network hop. The rule itself (a passive node reads its copy
+//! only while that copy is in the committed in-sync set) lives in the read
+//! gate; this is only the wiring to Raft and the store.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use crate::ha::LocalCopy;
+use crate::raft::NodeId;
+use crate::raft::state_machine::Applied;
+use crate::replica::{Replica, ReplicaError};
+use crate::volume::DeviceError;
+
+/// See the module docs.
+pub struct RaftLocalCopy {
+    id: NodeId,
+    replica: Arc<dyn Replica>,
+    applied: watch::Receiver<Applied>,
+}
+
+impl RaftLocalCopy {
+    /// Node `id`'s replica `replica`, in sync while `applied` says so.
+    pub fn new(id: NodeId, replica: Arc<dyn Replica>, applied: watch::Receiver<Applied>) -> Self {
+        Self {
+            id,
+            replica,
+            applied,
+        }
+    }
+}
+
+#[async_trait]
+impl LocalCopy for RaftLocalCopy {
+    fn in_sync(&self) -> bool {
+        self.applied.borrow().control.in_sync.contains(&self.id)
+    }
+
+    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        self.replica
+            .read(offset, len)
+            .await
+            .map_err(|err| match err {
+                ReplicaError::Range(range) => DeviceError::Range(range),
+                other => DeviceError::Io(other.to_string()),
+            })
+    }
+}
