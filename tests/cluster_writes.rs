@@ -337,3 +337,39 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
     assert!(on_replica(&cluster, target, 0).await == block(7));
     assert_eq!(cluster.status(target).await.unwrap().fence_floor, term);
 }
+
+/// S6 kept cheap: the writer retires the marks of what it wrote once that is
+/// durable on every in-sync replica, during its term, so a failover
+/// converges only the hot set, not all that the term ever wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_writer_retires_its_marks_during_the_term() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    for extent in 0..12u64 {
+        cluster
+            .write(writer, extent << 20, block(extent))
+            .await
+            .unwrap();
+    }
+    let marks = || async {
+        let status = cluster.status(writer).await.unwrap();
+        status
+            .replicas
+            .iter()
+            .map(|r| (r.id.clone(), r.dirty_extents))
+            .collect::<Vec<_>>()
+    };
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let now = marks().await;
+        if now.iter().all(|(_, count)| *count == 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "marks still held after the writes went quiet: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

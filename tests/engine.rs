@@ -570,3 +570,41 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
         "the rebuilt n3 holds the disowned W1"
     );
 }
+
+/// S6 kept cheap: once a term's acknowledged writes are durable on every
+/// in-sync replica, their marks are retired during the term; an extent
+/// with an unacknowledged write stays marked for the next promotion.
+#[tokio::test]
+async fn marks_of_acknowledged_durable_writes_are_retired_during_the_term() {
+    let rig = Rig::new(3).await;
+    rig.engine.activate(3).await.unwrap();
+    for extent in 0..8u64 {
+        rig.engine
+            .write_at(extent << 20, block(extent as u8 + 1), false)
+            .await
+            .unwrap();
+    }
+    rig.replicas[2].set(Fault::FailWritesAt(9 << 20));
+    assert!(rig.engine.write_at(9 << 20, block(9), false).await.is_err());
+    rig.replicas[2].set(Fault::None);
+    let marks = |i: usize| -> Vec<u64> {
+        rig.replicas[i]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.extent)
+            .collect()
+    };
+    assert_eq!(marks(0).len(), 9, "every written extent is marked first");
+    assert_eq!(rig.engine.retire_marks().await.unwrap(), 8);
+    assert_eq!(marks(0), vec![9], "the unacknowledged write stays marked");
+    assert_eq!(marks(1), vec![9]);
+    assert!(marks(2).is_empty(), "n3 never took the write to extent 9");
+    // A second pass has nothing new; a new write marks its extent again.
+    assert_eq!(rig.engine.retire_marks().await.unwrap(), 0);
+    rig.engine.write_at(0, block(0x33), true).await.unwrap();
+    assert_eq!(marks(0), vec![0, 9]);
+    assert_eq!(rig.engine.retire_marks().await.unwrap(), 1);
+    assert_eq!(marks(0), vec![9]);
+}

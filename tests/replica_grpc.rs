@@ -407,3 +407,79 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
         );
     }
 }
+
+/// S6, bounded: convergence makes progress that a later attempt keeps. The
+/// first attempt fails on n3 in its second batch; the extents of the first
+/// batch are converged, durable and no longer marked, so the retry copies
+/// only the rest.
+#[tokio::test]
+async fn an_interrupted_convergence_resumes_where_it_was() {
+    common::init_tracing();
+    const BIG: u64 = 256 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let mut replicas = Vec::new();
+    for id in ["n1", "n2", "n3"] {
+        let store = ReplicaStore::open(
+            dir.path().join(id),
+            replica_ha::replica::StoreIdentity::new("test", "vol0", BIG),
+        )
+        .await
+        .unwrap();
+        replicas.push(FaultyReplica::new(id, Arc::new(store)));
+    }
+    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let fencer = TokenFencer::new(
+        "n1",
+        replicas
+            .iter()
+            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+            .collect(),
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        2,
+        BIG,
+        Duration::from_secs(5),
+    );
+    // Term 1 left 128 extents marked, with n1's copy differing from n2's.
+    for extent in 0..128u64 {
+        replicas[0]
+            .store()
+            .write(1, extent << 20, block(0xa1), false)
+            .await
+            .unwrap();
+        replicas[1]
+            .store()
+            .write(1, extent << 20, block(0xb2), false)
+            .await
+            .unwrap();
+    }
+    replicas[2].set(Fault::FailWritesAt(100 << 20));
+    assert!(fencer.fence(None, 2).await.is_err());
+    let older = |i: usize| -> usize {
+        replicas[i]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .iter()
+            .filter(|m| m.term < 2)
+            .count()
+    };
+    assert!(
+        older(0) < 128 && older(0) > 0,
+        "the first batch kept its progress: {} of 128 still marked",
+        older(0)
+    );
+    assert_eq!(older(1), older(0));
+    replicas[2].set(Fault::None);
+    fencer.fence(None, 2).await.unwrap();
+    for (i, r) in replicas.iter().enumerate() {
+        assert_eq!(older(i), 0);
+        for extent in [0u64, 99, 100, 127] {
+            assert!(
+                r.store().read(extent << 20, 4096).await.unwrap() == block(0xa1),
+                "extent {extent} on {} converged to the source",
+                r.id()
+            );
+        }
+    }
+    assert_eq!(tracker.in_sync().await.unwrap().len(), 3);
+}

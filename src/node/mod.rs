@@ -52,6 +52,11 @@ use crate::replica::{
 };
 use view::NodeView;
 
+/// How often the writer retires the marks of extents that are durable on
+/// every in-sync replica (see `Engine::retire_marks`): what a failover must
+/// converge is about what the writer wrote in this long.
+const MARK_RETIREMENT: Duration = Duration::from_millis(500);
+
 /// How long one replica may take to answer one request.
 const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -162,6 +167,7 @@ impl Node {
                 .record_to(Arc::new(journal))
                 .map_err(|err| failed(err.to_string()))?;
         }
+        let retirement = Arc::clone(&engine).run_mark_retirement(MARK_RETIREMENT);
         let resync = Arc::new(Resyncer::new(
             engine,
             replicas.clone(),
@@ -237,6 +243,7 @@ impl Node {
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(report_health(health, Arc::clone(&view))));
         tasks.push(tokio::spawn(resync.run()));
+        tasks.push(tokio::spawn(retirement));
         if let Some(listener) = nbd_listener {
             let description = format!(
                 "replica-ha volume {} of cluster {}",

@@ -18,6 +18,15 @@
 //! keeps members that hold every acknowledged write, so availability returns
 //! with them.
 //!
+//! **S6, kept cheap.** Every replica marks an extent before a term's first
+//! write to it, and a promotion converges what is marked. So that this does
+//! not grow with all a term ever wrote, the writer retires marks as it goes
+//! ([`Engine::retire_marks`], every half second): an extent whose writes
+//! since the last pass were all acknowledged is flushed on every in-sync
+//! replica, and then, under the extent's stripe (no write to it in flight),
+//! every in-sync replica drops its mark. An extent written again meanwhile,
+//! or with an unacknowledged write this term, stays marked.
+//!
 //! **No late landing.** A request whose outcome the engine never learned (a
 //! timeout, a broken connection) may still be applied by its replica later.
 //! The engine disowns it: it raises the generation it stamps that replica's
@@ -111,12 +120,56 @@ enum Settled {
 }
 
 /// A replica being rebuilt.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Rebuild {
     /// Its return is being committed: a write it fails is not acknowledged.
     joining: bool,
     /// A write to it failed: the rebuild must not finish.
     failed: bool,
+    /// The extents copied to it (marked with this term there).
+    copied: BTreeSet<u64>,
+}
+
+/// What this term's writes did to each extent, for retiring the S6 marks
+/// while the term runs (see [`Engine::retire_marks`]).
+#[derive(Debug, Default)]
+struct Activity {
+    /// Writes in flight, per extent.
+    in_flight: BTreeMap<u64, usize>,
+    /// Extents whose writes all finished acknowledged since the last pass.
+    done: BTreeSet<u64>,
+    /// Extents a write of this term may have left different on the in-sync
+    /// replicas (it was not acknowledged): they stay marked for the next
+    /// promotion to converge.
+    unsure: BTreeSet<u64>,
+}
+
+/// Counts one write in flight on its extents; when dropped, records how it
+/// ended (a write dropped before it finished counts as unacknowledged).
+struct InFlight<'a> {
+    engine: &'a Engine,
+    extents: std::ops::RangeInclusive<u64>,
+    acknowledged: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut state = self.engine.lock();
+        let activity = &mut state.activity;
+        for extent in self.extents.clone() {
+            if let Some(count) = activity.in_flight.get_mut(&extent) {
+                *count -= 1;
+                if *count == 0 {
+                    activity.in_flight.remove(&extent);
+                }
+            }
+            if self.acknowledged {
+                activity.done.insert(extent);
+            } else {
+                activity.unsure.insert(extent);
+            }
+        }
+    }
 }
 
 struct EngineState {
@@ -131,6 +184,8 @@ struct EngineState {
     /// The generation each replica's requests are stamped with in this term
     /// (0 when absent); raised past any request whose outcome was lost.
     generations: BTreeMap<String, u64>,
+    /// This term's writes, per extent.
+    activity: Activity,
 }
 
 impl Engine {
@@ -169,6 +224,7 @@ impl Engine {
                 degraded: BTreeSet::new(),
                 rebuilding: BTreeMap::new(),
                 generations: BTreeMap::new(),
+                activity: Activity::default(),
             }),
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
@@ -426,6 +482,9 @@ impl Engine {
         let written = self.bounded(target.write(stamp, offset, data, false)).await;
         self.disown_if_lost(id, stamp, &written);
         written.map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
+        if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
+            rebuild.copied.insert(extent);
+        }
         Ok(len)
     }
 
@@ -469,9 +528,12 @@ impl Engine {
         };
         let failed_meanwhile = {
             let mut state = self.lock();
-            let rebuild = state.rebuilding.remove(id);
+            let rebuild = state.rebuilding.remove(id).unwrap_or_default();
             state.in_sync = committed;
-            rebuild.is_some_and(|r| r.failed)
+            // The copies are durable on it now (flushed above), and equal on
+            // every member: their marks can be retired like a write's.
+            state.activity.done.extend(rebuild.copied);
+            rebuild.failed
         };
         if failed_meanwhile {
             // A write it failed while joining was not acknowledged; drop it
@@ -482,6 +544,115 @@ impl Engine {
         }
         tracing::info!(term, replica = %id, "replica back in the in-sync set");
         Ok(())
+    }
+
+    /// Counts a write to `[offset, offset+len)` as in flight until the
+    /// returned guard drops.
+    fn begin_write(&self, offset: u64, len: u64) -> InFlight<'_> {
+        let first = offset / self.extent_size;
+        let last = (offset + len.max(1) - 1) / self.extent_size;
+        let mut state = self.lock();
+        for extent in first..=last {
+            *state.activity.in_flight.entry(extent).or_insert(0) += 1;
+        }
+        InFlight {
+            engine: self,
+            extents: first..=last,
+            acknowledged: false,
+        }
+    }
+
+    /// One pass of mark retirement (S6 kept cheap). The extents whose
+    /// writes of this term all finished acknowledged since the last pass
+    /// are flushed on every in-sync replica (a mirrored flush, acknowledged
+    /// under S5's rule); then, holding each extent's stripe exclusively so
+    /// no write to it is in flight, every in-sync replica drops its mark —
+    /// unless a write touched the extent since the pass began, or one of
+    /// this term's writes to it was not acknowledged. What stays marked is
+    /// the hot set, and a promotion converges only that (DRBD's activity
+    /// log). Returns how many extents were retired.
+    pub async fn retire_marks(&self) -> Result<usize, DeviceError> {
+        let (term, batch) = {
+            let mut state = self.lock();
+            let term = state.term.ok_or(DeviceError::Inactive)?;
+            let done = std::mem::take(&mut state.activity.done);
+            let batch: Vec<u64> = done
+                .into_iter()
+                .filter(|e| !state.activity.unsure.contains(e))
+                .collect();
+            (term, batch)
+        };
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        if let Err(err) = self.flush().await {
+            self.lock().activity.done.extend(batch);
+            return Err(err);
+        }
+        let mut by_stripe: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for extent in batch {
+            by_stripe.entry(extent % STRIPES).or_default().push(extent);
+        }
+        let mut retired = 0;
+        for (stripe, extents) in by_stripe {
+            let _exclusive = self.stripes[stripe as usize].write().await;
+            let (ready, members) = {
+                let state = self.lock();
+                if state.term != Some(term) {
+                    return Ok(retired);
+                }
+                let activity = &state.activity;
+                let ready: Vec<u64> = extents
+                    .into_iter()
+                    .filter(|e| {
+                        !activity.in_flight.contains_key(e)
+                            && !activity.done.contains(e)
+                            && !activity.unsure.contains(e)
+                    })
+                    .collect();
+                let members: Vec<Arc<dyn Replica>> = self
+                    .replicas
+                    .iter()
+                    .filter(|r| state.in_sync.contains(r.id()))
+                    .cloned()
+                    .collect();
+                (ready, members)
+            };
+            if ready.is_empty() {
+                continue;
+            }
+            let calls = members.iter().map(|replica| {
+                let stamp = self.stamp(term, replica.id());
+                let ready = &ready;
+                async move {
+                    let outcome = self.bounded(replica.retire_marks(stamp, term, ready)).await;
+                    self.disown_if_lost(replica.id(), stamp, &outcome);
+                    (replica.id(), outcome)
+                }
+            });
+            for (id, outcome) in join_all(calls).await {
+                if let Err(err) = outcome {
+                    // Only a mark too many: the next promotion converges it.
+                    tracing::debug!(replica = %id, %err, "could not retire marks");
+                }
+            }
+            retired += ready.len();
+        }
+        Ok(retired)
+    }
+
+    /// Runs [`Engine::retire_marks`] every `interval` while active, until
+    /// the task is dropped.
+    pub async fn run_mark_retirement(self: Arc<Self>, interval: Duration) {
+        loop {
+            tokio::time::sleep(interval).await;
+            if self.term().is_none() {
+                continue;
+            }
+            if let Err(err) = self.retire_marks().await {
+                tracing::debug!(%err, "mark retirement skipped");
+            }
+        }
     }
 
     /// Stops rebuilding `id` (it stays out of the in-sync set).
@@ -617,11 +788,15 @@ impl Device for Engine {
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.size)?;
         let _span = self.lock_span(offset, data.len() as u64).await;
-        self.mirror(|stamp, replica| {
-            let data = data.clone();
-            async move { replica.write(stamp, offset, data, fua).await }
-        })
-        .await
+        let mut in_flight = self.begin_write(offset, data.len() as u64);
+        let result = self
+            .mirror(|stamp, replica| {
+                let data = data.clone();
+                async move { replica.write(stamp, offset, data, fua).await }
+            })
+            .await;
+        in_flight.acknowledged = result.is_ok();
+        result
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
@@ -651,6 +826,7 @@ impl WriterEngine for Engine {
         state.degraded.clear();
         state.rebuilding.clear();
         state.generations.clear();
+        state.activity = Activity::default();
         state.term = Some(term);
         tracing::info!(term, in_sync = ?state.in_sync, "engine active");
         Ok(())

@@ -13,8 +13,15 @@
 //!    by a committed Raft change (they may miss this writer's writes).
 //! 3. **S6.** Every extent an older term marked dirty on a reached in-sync
 //!    replica is copied from one in-sync source (the local replica when it
-//!    is one) to the other reached in-sync replicas, written with term `T`,
-//!    then flushed; then the marks below `T` are cleared. Any in-sync copy
+//!    is one) to the other reached in-sync replicas, written with term `T`.
+//!    The copies go in batches of [`CONVERGE_BATCH`] extents, eight at a
+//!    time; after each batch every member flushes and drops the older
+//!    marks of that batch, so an attempt cut short (a timeout, a failed
+//!    replica, a new writer) keeps its progress and the next one resumes
+//!    with what is still marked: no amount of marks can make the fence
+//!    timeout unreachable. Then the marks below `T` are cleared. The marks
+//!    are few to begin with: a writer retires its own during its term (see
+//!    `Engine::retire_marks`), so only its hot set is left. Any in-sync copy
 //!    holds every acknowledged write, so whichever source is chosen, the
 //!    result is "the last acknowledged write, or a later unacknowledged one"
 //!    — and afterwards every in-sync replica reads the same.
@@ -29,10 +36,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::StreamExt;
 use futures::future::join_all;
 
 use super::{FenceReply, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{Fencer, Writer};
+
+/// How many marked extents one convergence step copies before it makes them
+/// durable and retires their marks.
+const CONVERGE_BATCH: usize = 64;
+/// How many extents are copied at once.
+const COPIES_IN_FLIGHT: usize = 8;
 
 /// Fences by term and reconciles. See the module docs.
 pub struct TokenFencer {
@@ -90,6 +104,51 @@ impl TokenFencer {
         Ok(fenced)
     }
 
+    /// Copies one extent from `source` to every target, written with `term`.
+    async fn copy_to_all(
+        &self,
+        term: u64,
+        source: &Arc<dyn Replica>,
+        targets: &[&Arc<dyn Replica>],
+        extent: u64,
+        extent_size: u64,
+    ) -> Result<(), String> {
+        let offset = extent * extent_size;
+        let len = extent_size.min(self.size - offset);
+        let data = source
+            .read(offset, len)
+            .await
+            .map_err(|e| format!("reading extent {extent} from {}: {e}", source.id()))?;
+        let writes = targets.iter().map(|target| {
+            let data = data.clone();
+            async move {
+                target
+                    .write(Stamp::term(term), offset, data, false)
+                    .await
+                    .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))
+            }
+        });
+        join_all(writes).await.into_iter().collect()
+    }
+
+    /// Runs `call` on every replica of `replicas` at once; the first error
+    /// wins.
+    async fn on_all<'a, F, Fut>(
+        &self,
+        replicas: &[&'a Arc<dyn Replica>],
+        call: F,
+    ) -> Result<(), String>
+    where
+        F: Fn(&'a Arc<dyn Replica>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), ReplicaError>>,
+    {
+        let calls = replicas.iter().map(|replica| {
+            let call = call(replica);
+            async move { call.await.map_err(|e| format!("{}: {e}", replica.id())) }
+        });
+        join_all(calls).await.into_iter().collect()
+    }
+
     fn replica(&self, id: &str) -> Option<&Arc<dyn Replica>> {
         self.replicas.iter().find(|r| r.id() == id)
     }
@@ -126,22 +185,35 @@ impl TokenFencer {
             .filter(|id| **id != source_id)
             .filter_map(|id| self.replica(id))
             .collect();
-        for extent in &extents {
-            let offset = extent * extent_size;
-            if offset >= self.size {
-                continue;
-            }
-            let len = extent_size.min(self.size - offset);
-            let data = source
-                .read(offset, len)
-                .await
-                .map_err(|e| format!("reading extent {extent} from {source_id}: {e}"))?;
-            for target in &targets {
-                target
-                    .write(Stamp::term(term), offset, data.clone(), false)
+        let all: Vec<&Arc<dyn Replica>> =
+            members.iter().filter_map(|id| self.replica(id)).collect();
+        let extents: Vec<u64> = extents
+            .into_iter()
+            .filter(|extent| extent * extent_size < self.size)
+            .collect();
+        // In batches: copy a batch's extents in parallel, make them durable
+        // on every member, then drop their older marks there. A later
+        // attempt (after a timeout, or by the next writer) resumes with the
+        // extents still marked instead of starting over.
+        for batch in extents.chunks(CONVERGE_BATCH) {
+            let copies = futures::stream::iter(batch.iter().copied())
+                .map(|extent| self.copy_to_all(term, source, &targets, extent, extent_size))
+                .buffer_unordered(COPIES_IN_FLIGHT);
+            let copied: Vec<Result<(), String>> = copies.collect().await;
+            copied.into_iter().collect::<Result<(), String>>()?;
+            self.on_all(&all, |replica| async move {
+                replica.flush(Stamp::term(term)).await
+            })
+            .await
+            .map_err(|e| format!("flushing converged extents: {e}"))?;
+            self.on_all(&all, |replica| async move {
+                replica
+                    .retire_marks(Stamp::term(term), term - 1, batch)
                     .await
-                    .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))?;
-            }
+                    .map(|_| ())
+            })
+            .await
+            .map_err(|e| format!("retiring converged marks: {e}"))?;
         }
         for id in members {
             let replica = self.replica(id).ok_or("unknown replica")?;
