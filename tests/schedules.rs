@@ -12,7 +12,18 @@
 //! - a node opens its gate at most once per term (one stint per term: a
 //!   lease that lapses and returns at the same term must not re-promote).
 //!
+//! A second property drives the real engine over three real stores: random
+//! writes, replicas that fail, or hold a write on the wire past the replica
+//! timeout and let it land later (a late landing), releases, and online
+//! rebuilds racing the writes (a join racing a failing write). After every
+//! step, and once everything held has landed or been refused:
+//!
+//! - every member of the committed in-sync set holds, for every block, the
+//!   last acknowledged write or one issued after it (S5, no late landing).
+//!
 //! `PROPTEST_CASES=1000 cargo test --test schedules` runs a longer campaign.
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -306,4 +317,284 @@ fn a_lease_that_lapses_and_returns_does_not_reopen_the_same_term() {
     ];
     let accepted = run_schedule(ops).expect("the invariants hold");
     assert_eq!(accepted, 2, "one write per stint, at terms 1 and 2");
+}
+
+mod engine_world {
+    //! The engine property (see the crate docs).
+
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use proptest::prelude::*;
+    use replica_ha::ha::WriterEngine;
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::{Engine, EngineConfig, InSyncTracker, MemoryInSync, Replica};
+    use replica_ha::volume::Device;
+    use tokio::task::JoinHandle;
+
+    use super::common::{Fault, FaultyReplica, SIZE, store};
+
+    const IDS: [&str; 3] = ["n1", "n2", "n3"];
+    const BLOCKS: u64 = 6;
+    const TIMEOUT: Duration = Duration::from_millis(150);
+
+    #[derive(Debug, Clone)]
+    pub enum Op {
+        /// A write to a block (skipped while one to it is in flight).
+        Write(u64),
+        /// Replica i fails every request.
+        Fail(usize),
+        /// Replica i holds the next writes on the wire; they land when
+        /// released, whatever the engine did meanwhile.
+        Hold(usize),
+        /// Replica i answers again (held writes stay held).
+        Heal(usize),
+        /// Replica i's held writes land (or are refused).
+        Release(usize),
+        /// Rebuild replica i if it is out of sync and not being rebuilt.
+        Rebuild(usize),
+        /// Let time pass.
+        Wait(u64),
+    }
+
+    pub fn op() -> impl Strategy<Value = Op> {
+        let node = 0..IDS.len();
+        prop_oneof![
+            6 => (0..BLOCKS).prop_map(Op::Write),
+            1 => node.clone().prop_map(Op::Fail),
+            2 => node.clone().prop_map(Op::Hold),
+            3 => node.clone().prop_map(Op::Heal),
+            2 => node.clone().prop_map(Op::Release),
+            2 => node.clone().prop_map(Op::Rebuild),
+            2 => (1u64..300).prop_map(Op::Wait),
+        ]
+    }
+
+    struct World {
+        _dir: tempfile::TempDir,
+        replicas: Vec<Arc<FaultyReplica>>,
+        tracker: Arc<MemoryInSync>,
+        engine: Arc<Engine>,
+        resync: Arc<Resyncer>,
+        /// Per block: every write's value in issue order, and which were
+        /// acknowledged (None while in flight).
+        history: BTreeMap<u64, Vec<(u8, Option<bool>)>>,
+        writes: Vec<(u64, usize, JoinHandle<bool>)>,
+        rebuilds: Vec<JoinHandle<()>>,
+        rebuilding: Arc<std::sync::Mutex<BTreeSet<usize>>>,
+        held: [u64; 3],
+        next_value: u8,
+    }
+
+    impl World {
+        async fn new(min_in_sync: usize) -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let mut replicas = Vec::new();
+            for id in IDS {
+                replicas.push(FaultyReplica::new(id, store(dir.path(), id).await));
+            }
+            let tracker = Arc::new(MemoryInSync::new(IDS));
+            let dyn_replicas: Vec<Arc<dyn Replica>> = replicas
+                .iter()
+                .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+                .collect();
+            let engine = Arc::new(
+                Engine::new(
+                    EngineConfig {
+                        local_id: "n1".into(),
+                        min_in_sync,
+                        replica_timeout: TIMEOUT,
+                        size: SIZE,
+                    },
+                    dyn_replicas.clone(),
+                    Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+                )
+                .unwrap(),
+            );
+            engine.activate(1).await.unwrap();
+            let resync = Arc::new(Resyncer::new(
+                Arc::clone(&engine),
+                dyn_replicas,
+                ResyncConfig::default(),
+            ));
+            World {
+                _dir: dir,
+                replicas,
+                tracker,
+                engine,
+                resync,
+                history: BTreeMap::new(),
+                writes: Vec::new(),
+                rebuilds: Vec::new(),
+                rebuilding: Arc::default(),
+                held: [0; 3],
+                next_value: 1,
+            }
+        }
+
+        fn offset(block: u64) -> u64 {
+            // One block per extent, so a rebuild copies them one by one.
+            block << 20
+        }
+
+        async fn apply(&mut self, op: Op) {
+            match op {
+                Op::Write(block) => {
+                    let busy = self
+                        .history
+                        .get(&block)
+                        .is_some_and(|h| h.last().is_some_and(|(_, acked)| acked.is_none()));
+                    if busy {
+                        return;
+                    }
+                    let value = self.next_value;
+                    self.next_value += 1;
+                    let history = self.history.entry(block).or_default();
+                    history.push((value, None));
+                    let index = history.len() - 1;
+                    let engine = Arc::clone(&self.engine);
+                    let write = tokio::spawn(async move {
+                        let data = Bytes::from(vec![value; 4096]);
+                        engine
+                            .write_at(Self::offset(block), data, false)
+                            .await
+                            .is_ok()
+                    });
+                    self.writes.push((block, index, write));
+                }
+                Op::Fail(i) => self.replicas[i].set(Fault::Fail),
+                Op::Hold(i) => self.replicas[i].set(Fault::HoldWrites { pass: true }),
+                Op::Heal(i) => self.replicas[i].set(Fault::None),
+                Op::Release(i) => self.release(i),
+                Op::Rebuild(i) => {
+                    let id = IDS[i];
+                    let out = !self.tracker.in_sync().await.unwrap().contains(id);
+                    if out && self.rebuilding.lock().unwrap().insert(i) {
+                        let resync = Arc::clone(&self.resync);
+                        let target = Arc::clone(&self.replicas[i]) as Arc<dyn Replica>;
+                        let rebuilding = Arc::clone(&self.rebuilding);
+                        self.rebuilds.push(tokio::spawn(async move {
+                            let _ = resync.rebuild(&target).await;
+                            rebuilding.lock().unwrap().remove(&i);
+                        }));
+                    }
+                }
+                Op::Wait(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            }
+            self.collect(false).await;
+        }
+
+        /// Lets every write held on replica `i` so far go on.
+        fn release(&mut self, i: usize) {
+            let held = self.replicas[i].held_count();
+            if held > self.held[i] {
+                self.replicas[i].release((held - self.held[i]) as usize);
+                self.held[i] = held;
+            }
+        }
+
+        /// Records the outcome of finished writes (all of them with `wait`).
+        async fn collect(&mut self, wait: bool) {
+            let mut pending = Vec::new();
+            for (block, index, write) in std::mem::take(&mut self.writes) {
+                if wait || write.is_finished() {
+                    let acked = write.await.unwrap();
+                    self.history.get_mut(&block).unwrap()[index].1 = Some(acked);
+                } else {
+                    pending.push((block, index, write));
+                }
+            }
+            self.writes = pending;
+        }
+
+        /// Every committed member holds the last acknowledged write of
+        /// every block, or one issued after it.
+        async fn check(&self) -> Result<(), TestCaseError> {
+            let members = self.tracker.in_sync().await.unwrap();
+            for (block, history) in &self.history {
+                let last_acked = history.iter().rposition(|(_, a)| *a == Some(true));
+                let Some(last_acked) = last_acked else {
+                    continue;
+                };
+                let allowed: Vec<u8> = history[last_acked..].iter().map(|(v, _)| *v).collect();
+                for (i, id) in IDS.iter().enumerate() {
+                    if !members.contains(*id) {
+                        continue;
+                    }
+                    let data = self.replicas[i]
+                        .store()
+                        .read(Self::offset(*block), 4096)
+                        .await
+                        .unwrap();
+                    prop_assert!(
+                        allowed.contains(&data[0]) && data.iter().all(|b| *b == data[0]),
+                        "{id} (in sync) holds {} at block {block}; allowed {allowed:?}; history {history:?}",
+                        data[0]
+                    );
+                }
+            }
+            Ok(())
+        }
+
+        /// Heals everything, lets every held write land, and waits for
+        /// every write and rebuild.
+        async fn finish(&mut self) {
+            for i in 0..IDS.len() {
+                self.replicas[i].set(Fault::None);
+            }
+            for _ in 0..50 {
+                for i in 0..IDS.len() {
+                    self.release(i);
+                }
+                self.collect(false).await;
+                if self.writes.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            for i in 0..IDS.len() {
+                self.release(i);
+            }
+            self.collect(true).await;
+            for rebuild in std::mem::take(&mut self.rebuilds) {
+                let _ = rebuild.await;
+            }
+            for i in 0..IDS.len() {
+                self.release(i);
+                let held = self.held[i] as usize;
+                self.replicas[i].late_outcomes(held).await;
+            }
+        }
+    }
+
+    pub fn run(min_in_sync: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        runtime.block_on(async move {
+            let mut world = World::new(min_in_sync).await;
+            for op in ops {
+                world.apply(op).await;
+                world.check().await?;
+            }
+            world.finish().await;
+            world.check().await
+        })
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_engine_schedules_keep_every_acknowledged_write_on_every_member(
+        min_in_sync in 2usize..=3,
+        ops in prop::collection::vec(engine_world::op(), 1..40)
+    ) {
+        engine_world::run(min_in_sync, ops)?;
+    }
 }

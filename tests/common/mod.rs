@@ -78,6 +78,11 @@ impl FaultyReplica {
             .expect("the replica is alive");
     }
 
+    /// How many writes have been held in all.
+    pub fn held_count(&self) -> u64 {
+        *self.held.borrow()
+    }
+
     /// Lets `count` held writes go on.
     pub fn release(&self, count: usize) {
         self.released.add_permits(count);
