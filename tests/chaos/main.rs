@@ -37,7 +37,10 @@ use schedule::{Fault, Step, Target};
 use workload::{BLOCK, Layout, Workload};
 
 const NODES: u64 = 3;
+/// The part of the volume the workload's clients write.
 const SIZE: u64 = 32 * 1024 * 1024;
+/// Beyond it, the region the `fill` fault streams into.
+const FILL: u64 = 32 * 1024 * 1024;
 const EXTENT: u64 = 1024 * 1024;
 const LAYOUT: Layout = Layout {
     clients: 3,
@@ -63,7 +66,7 @@ impl Disks {
         for id in &cluster.ids {
             let dir = cluster.data_dir(*id).join("replica");
             std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-            let size = format!("size={}", SIZE + 32 * 1024 * 1024);
+            let size = format!("size={}", SIZE + FILL + 32 * 1024 * 1024);
             let out = std::process::Command::new("mount")
                 .args(["-t", "tmpfs", "-o", &size, "tmpfs"])
                 .arg(&dir)
@@ -271,7 +274,7 @@ fn errno_name(errno: u32) -> &'static str {
 
 async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut cluster = Cluster::new(NODES);
-    cluster.extra_args = vec!["--size".into(), SIZE.to_string()];
+    cluster.extra_args = vec!["--size".into(), (SIZE + FILL).to_string()];
     cluster.add_proxies().await;
     let mut disks = match Disks::mount(&cluster) {
         Ok(disks) => Some(disks),
@@ -508,6 +511,27 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
             // Best effort: a transfer during an election may be refused.
             let _ = transfer(cluster, leader, to).await;
         }
+        Fault::Fill => {
+            let id = resolve(cluster, Target::Leader, pick).await;
+            let mut fio = stream_into(cluster, id, step.hold);
+            tokio::time::sleep(step.hold).await;
+            cluster.kill(id);
+            eprintln!("chaos:   node {id} killed while a client streamed into it");
+            // fio ends by itself once its connection is gone.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while fio
+                .as_mut()
+                .is_some_and(|f| f.try_wait().ok().flatten().is_none())
+            {
+                if Instant::now() > deadline {
+                    let _ = fio.as_mut().map(|f| f.kill());
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            cluster.spawn(id);
+        }
         Fault::DiskFull(target) => {
             let id = resolve(cluster, target, pick).await;
             Disks::fill(cluster, id);
@@ -518,6 +542,37 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
     }
     tokio::time::sleep(step.settle).await;
     fault
+}
+
+/// Starts fio streaming sequential 1 MiB writes at queue depth 8 into the
+/// fill region of node `id`'s export, over and over, for a little longer
+/// than `hold`. `None` (and a note) when fio is not installed.
+fn stream_into(cluster: &Cluster, id: u64, hold: Duration) -> Option<std::process::Child> {
+    let url = format!("nbd://{}/vol0", cluster.nbd_addrs[&id]);
+    let spawned = std::process::Command::new("fio")
+        .args([
+            "--name=fill",
+            "--ioengine=nbd",
+            &format!("--uri={url}"),
+            "--rw=write",
+            "--bs=1M",
+            "--iodepth=8",
+            &format!("--offset={SIZE}"),
+            &format!("--size={FILL}"),
+            "--time_based",
+            &format!("--runtime={}ms", hold.as_millis() + 5000),
+            "--output=/dev/null",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    match spawned {
+        Ok(child) => Some(child),
+        Err(err) => {
+            eprintln!("chaos:   fill skipped: cannot run fio: {err}");
+            None
+        }
+    }
 }
 
 async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {
@@ -585,7 +640,7 @@ async fn read_blocks(cluster: &Cluster, writer: u64) -> Result<BTreeMap<u64, Vec
     let mut conn = nbd::Connection::open(cluster.nbd_addrs[&writer], limit)
         .await
         .map_err(|err| format!("connecting to the writer's export: {err}"))?;
-    assert_eq!(conn.size, SIZE, "the export's size");
+    assert_eq!(conn.size, SIZE + FILL, "the export's size");
     let mut blocks = BTreeMap::new();
     for block in LAYOUT.all_blocks() {
         match conn.read(LAYOUT.offset(block), BLOCK as u32, limit).await {

@@ -35,6 +35,11 @@ pub enum Fault {
     /// The node's replica file system is full: writes that allocate fail
     /// with ENOSPC (and so do metadata writes) until it is healed.
     DiskFull(Target),
+    /// A client streams large sequential writes (fio, 1 MiB at queue depth
+    /// 8) into the writer for the hold, hundreds of MiB in one term, and
+    /// the writer is then killed mid-stream: the next promotion must
+    /// converge what the term left marked, quickly and completely.
+    Fill,
 }
 
 impl fmt::Display for Fault {
@@ -51,6 +56,7 @@ impl fmt::Display for Fault {
             Fault::Restart(t) => write!(f, "restart-{}", target(t)),
             Fault::Transfer => write!(f, "transfer"),
             Fault::DiskFull(t) => write!(f, "disk-full-{}", target(t)),
+            Fault::Fill => write!(f, "fill"),
         }
     }
 }
@@ -90,7 +96,7 @@ fn draw(rng: &mut Rng) -> Step {
             } else {
                 Target::Follower
             };
-            let (fault, hold) = match rng.below(7) {
+            let (fault, hold) = match rng.below(8) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
                 // lease runs out while the process is stopped; up to longer
@@ -102,6 +108,7 @@ fn draw(rng: &mut Rng) -> Step {
                 3 => (Fault::CutLink, rng.millis(400, 2500)),
                 4 => (Fault::Restart(target), rng.millis(100, 1500)),
                 5 => (Fault::DiskFull(target), rng.millis(400, 3000)),
+                6 => (Fault::Fill, rng.millis(1500, 5000)),
                 _ => (Fault::Transfer, Duration::ZERO),
             };
             Step {
