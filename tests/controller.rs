@@ -323,7 +323,7 @@ async fn a_lease_that_runs_out_and_returns_leads_to_a_new_fence() {
 /// it resigns, and only a fresh term promotes it.
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&["a", "b"]);
     let a = &nodes[0];
     let first = cluster.elect("a").unwrap();
     until("a leads", || a.role() == Role::Leader).await;
@@ -349,6 +349,25 @@ async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again(
     assert!(script.fenced("a", second));
     a.write().await.unwrap();
     assert_eq!(a.engine.writes().last().map(|w| w.0), Some(second));
+}
+
+/// A sole voter has no one to hand over to and no other replica: when its
+/// lease lapses and returns at the same term, it promotes again rather than
+/// stay passive for good.
+#[tokio::test(start_paused = true)]
+async fn a_sole_voter_whose_lease_returns_at_the_same_term_writes_again() {
+    let (cluster, _script, nodes) = setup(&["a"]);
+    let a = &nodes[0];
+    let term = cluster.elect("a").unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    cluster.expire(false);
+    until("a demotes itself", || a.role() != Role::Leader).await;
+    cluster.renew();
+    cluster.republish();
+    until("a leads again", || a.role() == Role::Leader).await;
+    assert_eq!(a.controller.device().open_term(), Some(term));
+    assert_eq!(cluster.resigns(), 0);
+    a.write().await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]

@@ -29,7 +29,9 @@
 //!   it stayed leader, or it restarted and was restored as leader of that
 //!   term), it resigns instead, and the next election brings a fresh term —
 //!   unless this controller itself recorded that promotion and never opened
-//!   its gate for it (nothing was written), in which case it finishes it.
+//!   its gate for it (nothing was written), in which case it finishes it,
+//!   or it is the only voter (no other replica, no one to hand over to),
+//!   in which case it promotes at the same term again.
 //!   The Raft state machine refuses a second promotion at a recorded term
 //!   as well.
 //! - **Demotion is immediate.** `!is_self`, a newer term, or a lease that ran
@@ -367,7 +369,10 @@ impl Controller {
             let inner = self.lock();
             inner.last_recorded == Some(term) && inner.last_opened != Some(term)
         };
-        if recorded_self && !unopened {
+        // A sole voter has no other replica that could hold a late write of
+        // its earlier stint or differ from its own, and no one to hand
+        // leadership to: it goes on at the same term.
+        if recorded_self && !unopened && !self.coordinator.sole_voter() {
             // This node already wrote at this term (its lease lapsed, or it
             // restarted and was restored as leader of the same term): writes
             // of that stint may still be in flight with this very token, so
@@ -404,7 +409,7 @@ impl Controller {
             return Ok(self.retry_later());
         }
 
-        if !recorded_self {
+        if !recorded_self || self.coordinator.sole_voter() {
             match cancellable(observations, stop, self.coordinator.record_promotion(term)).await? {
                 None => return Ok(Next::Again),
                 Some(Err(err)) => {

@@ -73,6 +73,10 @@ pub trait Coordinator: Send + Sync {
     /// controller closes its gate before it calls this.
     async fn resign(&self) -> Result<(), HaError>;
 
+    /// Whether this node is the only voter: no other node could lead, hold
+    /// a replica, or be handed leadership.
+    fn sole_voter(&self) -> bool;
+
     /// A stream of observations that holds the current one from the start.
     /// Its sender is dropped when the coordinator shuts down.
     fn observe(&self) -> watch::Receiver<Leadership>;

@@ -284,6 +284,10 @@ impl Coordinator for FakeCoordinator {
         self.subscribe()
     }
 
+    fn sole_voter(&self) -> bool {
+        lock(&self.cluster.state).nodes.len() <= 1
+    }
+
     async fn members(&self) -> Result<Vec<String>, HaError> {
         Ok(lock(&self.cluster.state).nodes.keys().cloned().collect())
     }
@@ -314,7 +318,11 @@ impl Coordinator for FakeCoordinator {
         if !leads {
             return Err(HaError::NotLeader);
         }
-        if let Some(recorded) = state.promoted.as_ref().filter(|w| w.term >= term) {
+        let again = state
+            .promoted
+            .as_ref()
+            .is_some_and(|w| w.term == term && w.node == self.id);
+        if let Some(recorded) = state.promoted.as_ref().filter(|w| w.term >= term && !again) {
             return Err(HaError::Coordinator(format!(
                 "writer {} of term {} is recorded; term {term} cannot be promoted again",
                 recorded.node, recorded.term

@@ -55,7 +55,7 @@ use view::NodeView;
 /// How often the writer retires the marks of extents that are durable on
 /// every in-sync replica (see `Engine::retire_marks`): what a failover must
 /// converge is about what the writer wrote in this long.
-const MARK_RETIREMENT: Duration = Duration::from_millis(500);
+const MARK_RETIREMENT: Duration = Duration::from_millis(200);
 
 /// How long one replica may take to answer one request.
 const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);

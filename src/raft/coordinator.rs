@@ -282,15 +282,20 @@ impl RaftCoordinator {
         }
     }
 
-    /// The most caught-up peer, to hand leadership to.
-    fn best_successor(&self) -> Option<NodeId> {
+    /// The live peers to hand leadership to, the most caught-up first.
+    fn successors(&self) -> Vec<NodeId> {
         let metrics = self.raft.metrics().borrow().clone();
-        let replication = metrics.replication?;
-        replication
+        let Some(replication) = metrics.replication else {
+            return Vec::new();
+        };
+        let live = self.live_members();
+        let mut peers: Vec<(NodeId, Option<u64>)> = replication
             .into_iter()
-            .filter(|(id, _)| *id != self.id)
-            .max_by_key(|(_, matched)| matched.map(|m| m.index))
-            .map(|(id, _)| id)
+            .filter(|(id, _)| *id != self.id && live.contains(id))
+            .map(|(id, matched)| (id, matched.map(|m| m.index)))
+            .collect();
+        peers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        peers.into_iter().map(|(id, _)| id).collect()
     }
 
     /// Waits until the state machine has applied an entry of `term` (the
@@ -442,10 +447,28 @@ impl Coordinator for RaftCoordinator {
         if self.raft.metrics().borrow().current_leader != Some(self.id) {
             return Ok(());
         }
-        match self.best_successor() {
-            Some(to) => self.transfer_to(to).await,
-            None => Ok(()),
+        // Live peers only, the most caught-up first; one that declines or
+        // does not take over in time is passed over for the next.
+        let mut last = Ok(());
+        for to in self.successors() {
+            match self.transfer_to(to).await {
+                Ok(()) => return Ok(()),
+                Err(err) => {
+                    tracing::warn!(to, %err, "transfer failed; trying the next peer");
+                    last = Err(err);
+                }
+            }
         }
+        last
+    }
+
+    fn sole_voter(&self) -> bool {
+        let metrics = self.raft.metrics().borrow().clone();
+        metrics
+            .membership_config
+            .membership()
+            .voter_ids()
+            .all(|id| id == self.id)
     }
 
     fn observe(&self) -> watch::Receiver<Leadership> {

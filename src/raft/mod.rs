@@ -15,7 +15,7 @@
 //! openraft never steps a leader cut off from its quorum down by itself, so
 //! [`RaftCoordinator`] keeps a lease of its own, **from send times**: the
 //! lease of term T ends at the *send time* of the newest request of this
-//! leader (an AppendEntries, heartbeat or append, or a vote request) that a
+//! leader (an AppendEntries, heartbeat or append; not a vote request) that a
 //! quorum — this node included — accepted in T, plus
 //! `election_timeout_min − margin`. [`network`] records, per peer, the
 //! instant taken just before sending each such request whose reply shows the
@@ -48,8 +48,8 @@
 //! term: terms never go back, they do not always go up. A writer never
 //! writes twice at one term, though: a node that finds itself the recorded
 //! writer of the very term it leads resigns for a fresh one (see
-//! [`crate::ha::Controller`]), and the state machine refuses a second
-//! `Promote` at a recorded term.
+//! [`crate::ha::Controller`]; a sole voter excepted), and the state machine
+//! refuses a `Promote` of another node at a recorded term.
 //!
 //! ## Layout
 //! - [`log_store`]: the sled log (entries, vote, committed, purged); every
@@ -190,6 +190,10 @@ impl ControlState {
                 }
             },
             Request::Promote(writer) => match self.writer {
+                // The same node again at its recorded term: a sole voter
+                // (see the controller); any other node, or an older term,
+                // is refused.
+                Some(current) if current == *writer => None,
                 Some(current) if current.term >= writer.term => Some(format!(
                     "writer {} of term {} is recorded; term {} cannot be promoted (again)",
                     current.node, current.term, writer.term
@@ -304,9 +308,9 @@ mod tests {
         );
         assert!(
             !state
-                .apply(&Request::Promote(WriterRecord { node: 1, term: 5 }))
+                .apply(&Request::Promote(WriterRecord { node: 3, term: 5 }))
                 .applied,
-            "a second stint at a recorded term"
+            "another node at a recorded term"
         );
         let stale = Request::ShrinkInSync {
             term: 4,

@@ -467,11 +467,11 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
     ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
-        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
+        // A granted vote is not counted toward the lease: the voter's vote is
+        // not committed yet, so openraft's vote lease does not hold it back
+        // from another candidate. The first heartbeat's replies, one round
+        // trip later, start the lease.
         let response: VoteResponse<NodeId> = self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
-        if response.vote_granted {
-            self.peers.record_ack(self.target, term, sent_at);
-        }
         // A refusal because the peer's log is ahead: this node cannot win;
         // the detector holds off so the up-to-date node can.
         if !response.vote_granted && response.last_log_id > rpc.last_log_id {

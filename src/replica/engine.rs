@@ -21,7 +21,7 @@
 //! **S6, kept cheap.** Every replica marks an extent before a term's first
 //! write to it, and a promotion converges what is marked. So that this does
 //! not grow with all a term ever wrote, the writer retires marks as it goes
-//! ([`Engine::retire_marks`], every half second): an extent whose writes
+//! ([`Engine::retire_marks`], every 200 ms): an extent whose writes
 //! since the last pass were all acknowledged is flushed on every in-sync
 //! replica, and then, under the extent's stripe (no write to it in flight),
 //! every in-sync replica drops its mark. An extent written again meanwhile,
@@ -107,6 +107,10 @@ pub struct Engine {
 
 /// How many stripes the extents map onto.
 const STRIPES: u64 = 64;
+
+/// The generation an activation stamps its requests with first; the fencer
+/// uses generation 0 of the term (see [`Engine::stamp`]).
+const FIRST_GENERATION: u64 = 1;
 
 /// Each replica's answer to one mirrored request, by replica id.
 type Outcomes = BTreeMap<String, Result<(), ReplicaError>>;
@@ -358,11 +362,19 @@ impl Engine {
             })
     }
 
-    /// The stamp a request of `term` to replica `id` carries now.
+    /// The stamp a request of `term` to replica `id` carries now. An
+    /// activation starts at generation [`FIRST_GENERATION`], above the
+    /// fencer's, so the engine's first request to each replica drains and
+    /// shuts out any copy of the promotion's fence that is still on its way.
     fn stamp(&self, term: u64, id: &str) -> Stamp {
         Stamp {
             term,
-            generation: self.lock().generations.get(id).copied().unwrap_or(0),
+            generation: self
+                .lock()
+                .generations
+                .get(id)
+                .copied()
+                .unwrap_or(FIRST_GENERATION),
         }
     }
 
@@ -371,15 +383,28 @@ impl Engine {
     /// generation for `id`, so the next request there drains the lost one
     /// if it was admitted and makes the replica refuse it if it arrives
     /// later. Until then `id` counts as failed for that request.
+    ///
+    /// A replica whose floor is a later generation of this very term (only
+    /// this writer writes at its term: an earlier request of its own got
+    /// there first) refuses the request for good; the engine then moves
+    /// past that floor for the replica, which disowns the same requests.
     fn disown_if_lost<T>(&self, id: &str, used: Stamp, outcome: &Result<T, ReplicaError>) {
-        if let Err(ReplicaError::Unavailable(why)) = outcome {
-            let mut state = self.lock();
-            let generation = state.generations.entry(id.to_string()).or_insert(0);
-            if *generation <= used.generation {
-                *generation = used.generation + 1;
+        let next = match outcome {
+            Err(ReplicaError::Unavailable(why)) => {
                 tracing::info!(replica = %id, lost = %used, %why, "disowned a request whose outcome is unknown");
+                used.generation + 1
             }
-        }
+            Err(ReplicaError::StaleGeneration { floor, .. }) if floor.term == used.term => {
+                floor.generation + 1
+            }
+            _ => return,
+        };
+        let mut state = self.lock();
+        let generation = state
+            .generations
+            .entry(id.to_string())
+            .or_insert(FIRST_GENERATION);
+        *generation = (*generation).max(next);
     }
 
     /// A replica that refused the term means a newer writer fenced this
@@ -430,7 +455,11 @@ impl Engine {
             if state.in_sync.contains(id) || !self.replicas.iter().any(|r| r.id() == id) {
                 return Err(DeviceError::Io(format!("{id} is in sync or unknown")));
             }
-            state.rebuilding.insert(id.to_string(), Rebuild::default());
+            // A replica whose return's outcome is unknown stays joining (see
+            // `finish_rebuild`): its failures keep failing writes.
+            let rebuild = state.rebuilding.entry(id.to_string()).or_default();
+            rebuild.failed = false;
+            rebuild.copied.clear();
             term
         };
         self.barrier().await;
@@ -522,7 +551,23 @@ impl Engine {
         let committed = match self.tracker.add(term, &ids).await {
             Ok(committed) => committed,
             Err(err) => {
-                self.abort_rebuild(id);
+                // The outcome is unknown: the entry may still commit (under
+                // a successor). If the committed set already holds it, take
+                // it in; otherwise it stays a joining write-only member —
+                // it gets every write, and one it fails is not acknowledged
+                // — until this activation ends.
+                match self.tracker.in_sync().await {
+                    Ok(now) if now.contains(id) => {
+                        let mut state = self.lock();
+                        state.rebuilding.remove(id);
+                        state.in_sync = now;
+                    }
+                    _ => {
+                        if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
+                            rebuild.failed = true;
+                        }
+                    }
+                }
                 return Err(err);
             }
         };

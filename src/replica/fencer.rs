@@ -14,8 +14,9 @@
 //! 3. **S6.** Every extent an older term marked dirty on a reached in-sync
 //!    replica is copied from one in-sync source (the local replica when it
 //!    is one) to the other reached in-sync replicas, written with term `T`.
-//!    The copies go in batches of [`CONVERGE_BATCH`] extents, eight at a
-//!    time; after each batch every member flushes and drops the older
+//!    An extent whose BLAKE3 digest already agrees on a target is not
+//!    copied there. The copies go in batches of [`CONVERGE_BATCH`]
+//!    extents, eight at a time; after each batch every member flushes and drops the older
 //!    marks of that batch, so an attempt cut short (a timeout, a failed
 //!    replica, a new writer) keeps its progress and the next one resumes
 //!    with what is still marked: no amount of marks can make the fence
@@ -115,11 +116,37 @@ impl TokenFencer {
     ) -> Result<(), String> {
         let offset = extent * extent_size;
         let len = extent_size.min(self.size - offset);
+        // Most marked extents already agree (their writes were acknowledged
+        // everywhere before the writer died): compare digests first and copy
+        // only to the replicas that differ. Nothing writes meanwhile — the
+        // old writer is fenced and the new gate is closed.
+        let digest = |replica: &Arc<dyn Replica>| {
+            let replica = Arc::clone(replica);
+            async move {
+                replica
+                    .digests(offset, len)
+                    .await
+                    .map(|(_, d)| d)
+                    .map_err(|e| format!("digest of extent {extent} on {}: {e}", replica.id()))
+            }
+        };
+        let (ours, theirs) =
+            futures::join!(digest(source), join_all(targets.iter().map(|t| digest(t))));
+        let ours = ours?;
+        let mut differing = Vec::new();
+        for (target, digests) in targets.iter().zip(theirs) {
+            if digests? != ours {
+                differing.push(*target);
+            }
+        }
+        if differing.is_empty() {
+            return Ok(());
+        }
         let data = source
             .read(offset, len)
             .await
             .map_err(|e| format!("reading extent {extent} from {}: {e}", source.id()))?;
-        let writes = targets.iter().map(|target| {
+        let writes = differing.iter().map(|target| {
             let data = data.clone();
             async move {
                 target
@@ -170,6 +197,13 @@ impl TokenFencer {
         let mut extent_size = 0;
         for id in members {
             if let Some(reply) = fenced.get(id) {
+                if reply.extent_size == 0 || (extent_size != 0 && reply.extent_size != extent_size)
+                {
+                    return Err(format!(
+                        "replica {id} reports extent size {}, not {extent_size}",
+                        reply.extent_size
+                    ));
+                }
                 extent_size = reply.extent_size;
                 extents.extend(
                     reply
@@ -189,7 +223,11 @@ impl TokenFencer {
             members.iter().filter_map(|id| self.replica(id)).collect();
         let extents: Vec<u64> = extents
             .into_iter()
-            .filter(|extent| extent * extent_size < self.size)
+            .filter(|extent| {
+                extent
+                    .checked_mul(extent_size)
+                    .is_some_and(|offset| offset < self.size)
+            })
             .collect();
         // In batches: copy a batch's extents in parallel, make them durable
         // on every member, then drop their older marks there. A later
@@ -208,7 +246,10 @@ impl TokenFencer {
             .map_err(|e| format!("flushing converged extents: {e}"))?;
             self.on_all(&all, |replica| async move {
                 replica
-                    .retire_marks(Stamp::term(term), term - 1, batch)
+                    // Through `term`: the copies themselves marked the
+                    // batch with it on the targets, and no write of `term`
+                    // has happened yet (the gate is closed).
+                    .retire_marks(Stamp::term(term), term, batch)
                     .await
                     .map(|_| ())
             })

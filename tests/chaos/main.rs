@@ -275,6 +275,17 @@ fn errno_name(errno: u32) -> &'static str {
 async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut cluster = Cluster::new(NODES);
     cluster.extra_args = vec!["--size".into(), (SIZE + FILL).to_string()];
+    let shim = fsync_shim();
+    if let Some(shim) = &shim {
+        cluster.env = vec![
+            ("LD_PRELOAD".into(), shim.display().to_string()),
+            // Each node reads its own control file: see `fsync_delay_file`.
+            (
+                "REPLICA_HA_FSYNC_DELAY_FILE".into(),
+                format!("{{dir}}/{FSYNC_DELAY}"),
+            ),
+        ];
+    }
     cluster.add_proxies().await;
     let mut disks = match Disks::mount(&cluster) {
         Ok(disks) => Some(disks),
@@ -287,6 +298,7 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         cluster.spawn(id);
     }
     let all = cluster.ids.clone();
+
     let mut stuck = None;
     if let Err(why) = writer_within(&cluster, Duration::from_secs(30)).await {
         // Not a safety question, but the schedule cannot run: report it
@@ -299,7 +311,7 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut injected = Vec::new();
     let mut crashes = Vec::new();
     for step in &steps {
-        injected.push(inject(&mut cluster, step, disks.is_some()).await);
+        injected.push(inject(&mut cluster, step, disks.is_some(), shim.is_some()).await);
         crashes.extend(cluster.exited());
     }
     crashes.extend(cluster.exited());
@@ -463,10 +475,11 @@ async fn resolve(cluster: &Cluster, target: Target, pick: u64) -> u64 {
 }
 
 /// Injects, holds and heals one step's fault; returns the fault injected.
-async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
+async fn inject(cluster: &mut Cluster, step: &Step, disks: bool, shim: bool) -> Fault {
     let pick = step.hold.as_millis() as u64;
     let fault = match step.fault {
         Fault::DiskFull(target) if !disks => Fault::Isolate(target),
+        Fault::SlowFsync(target) if !shim => Fault::Pause(target),
         fault => fault,
     };
     eprintln!(
@@ -532,6 +545,13 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
             tokio::time::sleep(Duration::from_millis(500)).await;
             cluster.spawn(id);
         }
+        Fault::SlowFsync(target) => {
+            let id = resolve(cluster, target, pick).await;
+            let file = cluster.data_dir(id).join(FSYNC_DELAY);
+            std::fs::write(&file, "2000").expect("write the fsync delay");
+            tokio::time::sleep(step.hold).await;
+            let _ = std::fs::remove_file(&file);
+        }
         Fault::DiskFull(target) => {
             let id = resolve(cluster, target, pick).await;
             Disks::fill(cluster, id);
@@ -542,6 +562,43 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool) -> Fault {
     }
     tokio::time::sleep(step.settle).await;
     fault
+}
+
+/// The file in a node's data dir that the fsync shim reads.
+const FSYNC_DELAY: &str = "fsync-delay-ms";
+
+/// Builds the fsync shim (`fsync_shim.c`) once per test process with the C
+/// compiler; `None`, with a note, when there is none (the slow-fsync fault
+/// then becomes a pause).
+fn fsync_shim() -> Option<std::path::PathBuf> {
+    static SHIM: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    SHIM.get_or_init(|| {
+        let source =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/fsync_shim.c");
+        let out =
+            std::env::temp_dir().join(format!("replica-ha-fsync-shim-{}.so", std::process::id()));
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&out)
+            .arg(&source)
+            .arg("-ldl")
+            .output();
+        match built {
+            Ok(o) if o.status.success() => Some(out),
+            Ok(o) => {
+                eprintln!(
+                    "chaos: no fsync shim ({}); slow-fsync pauses instead",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                );
+                None
+            }
+            Err(err) => {
+                eprintln!("chaos: no fsync shim (cc: {err}); slow-fsync pauses instead");
+                None
+            }
+        }
+    })
+    .clone()
 }
 
 /// Starts fio streaming sequential 1 MiB writes at queue depth 8 into the

@@ -40,6 +40,10 @@ pub enum Fault {
     /// the writer is then killed mid-stream: the next promotion must
     /// converge what the term left marked, quickly and completely.
     Fill,
+    /// Every fsync and fdatasync of the node (its Raft log and its data)
+    /// stalls for 2 s at a time during the hold, through an LD_PRELOAD
+    /// shim: its lease must run out on time, and no gate may overlap.
+    SlowFsync(Target),
 }
 
 impl fmt::Display for Fault {
@@ -57,6 +61,7 @@ impl fmt::Display for Fault {
             Fault::Transfer => write!(f, "transfer"),
             Fault::DiskFull(t) => write!(f, "disk-full-{}", target(t)),
             Fault::Fill => write!(f, "fill"),
+            Fault::SlowFsync(t) => write!(f, "slow-fsync-{}", target(t)),
         }
     }
 }
@@ -96,7 +101,7 @@ fn draw(rng: &mut Rng) -> Step {
             } else {
                 Target::Follower
             };
-            let (fault, hold) = match rng.below(8) {
+            let (fault, hold) = match rng.below(9) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
                 // lease runs out while the process is stopped; up to longer
@@ -109,6 +114,7 @@ fn draw(rng: &mut Rng) -> Step {
                 4 => (Fault::Restart(target), rng.millis(100, 1500)),
                 5 => (Fault::DiskFull(target), rng.millis(400, 3000)),
                 6 => (Fault::Fill, rng.millis(1500, 5000)),
+                7 => (Fault::SlowFsync(target), rng.millis(1000, 5000)),
                 _ => (Fault::Transfer, Duration::ZERO),
             };
             Step {

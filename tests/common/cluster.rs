@@ -64,6 +64,9 @@ pub struct Cluster {
     children: BTreeMap<u64, Child>,
     pub cluster_id: String,
     pub extra_args: Vec<String>,
+    /// Extra environment for every node process (the fault campaign's
+    /// fsync shim); `{dir}` in a value becomes the node's data dir.
+    pub env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -127,6 +130,7 @@ impl Cluster {
             children: BTreeMap::new(),
             cluster_id: "test-cluster".into(),
             extra_args: vec!["--size".into(), "16MiB".into()],
+            env: Vec::new(),
         }
     }
 
@@ -208,6 +212,10 @@ impl Cluster {
         let child = Command::new(BIN)
             .args(self.args(id))
             .env("RUST_LOG", "info,openraft=warn")
+            .envs(self.env.iter().map(|(k, v)| {
+                let dir = self.data_dir(id).display().to_string();
+                (k.clone(), v.replace("{dir}", &dir))
+            }))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
