@@ -25,7 +25,11 @@
 //! since the last pass were all acknowledged is flushed on every in-sync
 //! replica, and then, under the extent's stripe (no write to it in flight),
 //! every in-sync replica drops its mark. An extent written again meanwhile,
-//! or with an unacknowledged write this term, stays marked.
+//! or with an unacknowledged write this term, stays marked. An extent with
+//! an unacknowledged write may differ among the members (the write reached
+//! some, and the ones it missed could not be dropped); the same pass copies
+//! it from one in-sync member to the others first ([`Engine::repair_unsure`]),
+//! so the set agrees again within the term, not only at the next promotion.
 //!
 //! **No late landing.** A request whose outcome the engine never learned (a
 //! timeout, a broken connection) may still be applied by its replica later.
@@ -190,6 +194,9 @@ struct EngineState {
     generations: BTreeMap<String, u64>,
     /// This term's writes, per extent.
     activity: Activity,
+    /// Extents copied to a replica by a rebuild that was abandoned: marked
+    /// with this term there, retired once a later rebuild returns it.
+    orphan_copies: BTreeMap<String, BTreeSet<u64>>,
 }
 
 impl Engine {
@@ -229,6 +236,7 @@ impl Engine {
                 rebuilding: BTreeMap::new(),
                 generations: BTreeMap::new(),
                 activity: Activity::default(),
+                orphan_copies: BTreeMap::new(),
             }),
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
@@ -457,9 +465,10 @@ impl Engine {
             }
             // A replica whose return's outcome is unknown stays joining (see
             // `finish_rebuild`): its failures keep failing writes.
+            let orphans = state.orphan_copies.remove(id).unwrap_or_default();
             let rebuild = state.rebuilding.entry(id.to_string()).or_default();
             rebuild.failed = false;
-            rebuild.copied.clear();
+            rebuild.copied.extend(orphans);
             term
         };
         self.barrier().await;
@@ -587,6 +596,30 @@ impl Engine {
             self.lock().in_sync = committed;
             return Err(format!("a write to {id} failed while it rejoined"));
         }
+        // Its marks. Those of older terms are stale: the rebuild compared
+        // every extent with an in-sync copy, and those copies converged at
+        // this term's promotion. Those of this term (copies of an abandoned
+        // attempt, writes it took while it was out) name extents that agree
+        // now: retire them like a write's. A fence at this term reads them
+        // and changes nothing else (the floor is already past it). Best
+        // effort: a mark too many costs only a copy at the next promotion.
+        match self.bounded(target.fence(term)).await {
+            Ok(reply) => {
+                let mut state = self.lock();
+                let extents: Vec<u64> = reply
+                    .dirty
+                    .iter()
+                    .filter(|m| m.term == term)
+                    .map(|m| m.extent)
+                    .filter(|e| !state.activity.unsure.contains(e))
+                    .collect();
+                state.activity.done.extend(extents);
+            }
+            Err(err) => tracing::debug!(replica = %id, %err, "could not read its marks"),
+        }
+        if let Err(err) = self.bounded(target.clear_dirty_below(term)).await {
+            tracing::debug!(replica = %id, %err, "could not clear older marks");
+        }
         tracing::info!(term, replica = %id, "replica back in the in-sync set");
         Ok(())
     }
@@ -655,10 +688,15 @@ impl Engine {
                             && !activity.unsure.contains(e)
                     })
                     .collect();
+                // Members, and replicas being rebuilt (they took the same
+                // writes; a rebuild compares every extent before it joins,
+                // so a mark retired there can never hide a difference).
                 let members: Vec<Arc<dyn Replica>> = self
                     .replicas
                     .iter()
-                    .filter(|r| state.in_sync.contains(r.id()))
+                    .filter(|r| {
+                        state.in_sync.contains(r.id()) || state.rebuilding.contains_key(r.id())
+                    })
                     .cloned()
                     .collect();
                 (ready, members)
@@ -675,24 +713,103 @@ impl Engine {
                     (replica.id(), outcome)
                 }
             });
+            let mut kept = false;
             for (id, outcome) in join_all(calls).await {
                 if let Err(err) = outcome {
-                    // Only a mark too many: the next promotion converges it.
+                    // Only a mark too many; a member's is tried again.
                     tracing::debug!(replica = %id, %err, "could not retire marks");
+                    kept |= self.lock().in_sync.contains(id);
                 }
             }
-            retired += ready.len();
+            if kept {
+                self.lock().activity.done.extend(ready);
+            } else {
+                retired += ready.len();
+            }
         }
         Ok(retired)
     }
 
-    /// Runs [`Engine::retire_marks`] every `interval` while active, until
-    /// the task is dropped.
+    /// Makes the in-sync replicas agree again on extents that one of this
+    /// term's writes may have left different (it was not acknowledged: it
+    /// reached some members and not others, and the ones it missed could not
+    /// be dropped). Under the extent's stripe, so no write to it is in
+    /// flight, the extent is copied from the first replica in read order —
+    /// an in-sync copy, so it holds every acknowledged write — to every
+    /// other member, and all of them flush. A repaired extent's marks are
+    /// then retired like a write's; one that could not be repaired stays
+    /// marked for the next pass or the next promotion. Without this, a
+    /// rebuild could copy one member's version and the set would disagree
+    /// until the next failover. Returns how many extents were repaired.
+    pub async fn repair_unsure(&self) -> Result<usize, DeviceError> {
+        let (term, unsure) = {
+            let state = self.lock();
+            let term = state.term.ok_or(DeviceError::Inactive)?;
+            let unsure: Vec<u64> = state.activity.unsure.iter().copied().take(64).collect();
+            (term, unsure)
+        };
+        let mut repaired = 0;
+        for extent in unsure {
+            let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
+            if self.term() != Some(term) {
+                break;
+            }
+            let offset = extent * self.extent_size;
+            if offset >= self.config.size {
+                self.lock().activity.unsure.remove(&extent);
+                continue;
+            }
+            let len = self.extent_size.min(self.config.size - offset);
+            let mut order = self.read_order().into_iter();
+            let Some(source) = order.next() else {
+                break;
+            };
+            let others: Vec<Arc<dyn Replica>> = order.collect();
+            let Ok(data) = self.bounded(source.read(offset, len)).await else {
+                continue;
+            };
+            let writes = others.iter().map(|replica| {
+                let (stamp, data) = (self.stamp(term, replica.id()), data.clone());
+                async move {
+                    let outcome = self
+                        .bounded(replica.write(stamp, offset, data, false))
+                        .await;
+                    self.disown_if_lost(replica.id(), stamp, &outcome);
+                    outcome
+                }
+            });
+            if join_all(writes).await.iter().any(Result::is_err) {
+                continue;
+            }
+            let flushes = std::iter::once(&source).chain(&others).map(|replica| {
+                let stamp = self.stamp(term, replica.id());
+                async move {
+                    let outcome = self.bounded(replica.flush(stamp)).await;
+                    self.disown_if_lost(replica.id(), stamp, &outcome);
+                    outcome
+                }
+            });
+            if join_all(flushes).await.iter().any(Result::is_err) {
+                continue;
+            }
+            let mut state = self.lock();
+            state.activity.unsure.remove(&extent);
+            state.activity.done.insert(extent);
+            repaired += 1;
+        }
+        Ok(repaired)
+    }
+
+    /// Runs [`Engine::repair_unsure`] and [`Engine::retire_marks`] every
+    /// `interval` while active, until the task is dropped.
     pub async fn run_mark_retirement(self: Arc<Self>, interval: Duration) {
         loop {
             tokio::time::sleep(interval).await;
             if self.term().is_none() {
                 continue;
+            }
+            if let Err(err) = self.repair_unsure().await {
+                tracing::debug!(%err, "repair of unacknowledged extents skipped");
             }
             if let Err(err) = self.retire_marks().await {
                 tracing::debug!(%err, "mark retirement skipped");
@@ -702,7 +819,14 @@ impl Engine {
 
     /// Stops rebuilding `id` (it stays out of the in-sync set).
     pub fn abort_rebuild(&self, id: &str) {
-        self.lock().rebuilding.remove(id);
+        let mut state = self.lock();
+        if let Some(rebuild) = state.rebuilding.remove(id) {
+            state
+                .orphan_copies
+                .entry(id.to_string())
+                .or_default()
+                .extend(rebuild.copied);
+        }
     }
 
     /// Whether a write to `id` failed since its rebuild began (or it is no
@@ -872,6 +996,7 @@ impl WriterEngine for Engine {
         state.rebuilding.clear();
         state.generations.clear();
         state.activity = Activity::default();
+        state.orphan_copies.clear();
         state.term = Some(term);
         tracing::info!(term, in_sync = ?state.in_sync, "engine active");
         Ok(())

@@ -676,11 +676,15 @@ async fn converge(cluster: &Cluster, within: Duration) -> Result<(u64, Vec<u64>)
                 .filter_map(|name| name.trim_start_matches('n').parse().ok())
                 .collect();
             let rebuilding = status.replicas.iter().any(|r| r.resync_running);
+            // With the clients stopped, the writer repairs what an
+            // unacknowledged write left different and retires every mark:
+            // none left means the members agree (S6 within the term).
+            let marks: u64 = status.replicas.iter().map(|r| r.dirty_extents).sum();
             last = format!(
-                "writer {id}, in-sync {:?}, rebuilding {rebuilding}",
+                "writer {id}, in-sync {:?}, rebuilding {rebuilding}, marks {marks}",
                 status.in_sync
             );
-            if in_sync.len() == cluster.ids.len() && !rebuilding {
+            if in_sync.len() == cluster.ids.len() && !rebuilding && marks == 0 {
                 return Ok((*id, in_sync));
             }
         }
