@@ -37,12 +37,14 @@ use schedule::{Fault, Step, Target};
 use workload::{BLOCK, Layout, Workload};
 
 const NODES: u64 = 3;
-/// The part of the volume the workload's clients write.
+/// The part of the volume the workload's clients write, after the fill
+/// region.
 const SIZE: u64 = 32 * 1024 * 1024;
-/// Beyond it, the region the `fill` fault streams into.
+/// The first part of the volume, which the `fill` fault streams into.
 const FILL: u64 = 32 * 1024 * 1024;
 const EXTENT: u64 = 1024 * 1024;
 const LAYOUT: Layout = Layout {
+    base: FILL,
     clients: 3,
     per_client: 600,
     hot: 40,
@@ -526,18 +528,18 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool, shim: bool) -> 
         }
         Fault::Fill => {
             let id = resolve(cluster, Target::Leader, pick).await;
-            let mut fio = stream_into(cluster, id, step.hold);
+            let mut stream = stream_into(cluster, id, step.hold);
             tokio::time::sleep(step.hold).await;
             cluster.kill(id);
             eprintln!("chaos:   node {id} killed while a client streamed into it");
-            // fio ends by itself once its connection is gone.
+            // The copy loop ends by itself once its connection is gone.
             let deadline = Instant::now() + Duration::from_secs(20);
-            while fio
+            while stream
                 .as_mut()
                 .is_some_and(|f| f.try_wait().ok().flatten().is_none())
             {
                 if Instant::now() > deadline {
-                    let _ = fio.as_mut().map(|f| f.kill());
+                    let _ = stream.as_mut().map(|f| f.kill());
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -601,35 +603,50 @@ fn fsync_shim() -> Option<std::path::PathBuf> {
     .clone()
 }
 
-/// Starts fio streaming sequential 1 MiB writes at queue depth 8 into the
-/// fill region of node `id`'s export, over and over, for a little longer
-/// than `hold`. `None` (and a note) when fio is not installed.
+/// Streams into the fill region of node `id`'s export for about `hold`:
+/// `nbdcopy` at its default parallelism (several connections, many
+/// requests in flight) copies a 32 MiB image over the region again and
+/// again, the way a user copies a disk image in. Runs in the background;
+/// `None` (and a note) when nbdcopy is not installed.
 fn stream_into(cluster: &Cluster, id: u64, hold: Duration) -> Option<std::process::Child> {
     let url = format!("nbd://{}/vol0", cluster.nbd_addrs[&id]);
-    let spawned = std::process::Command::new("fio")
-        .args([
-            "--name=fill",
-            "--ioengine=nbd",
-            &format!("--uri={url}"),
-            "--rw=write",
-            "--bs=1M",
-            "--iodepth=8",
-            &format!("--offset={SIZE}"),
-            &format!("--size={FILL}"),
-            "--time_based",
-            &format!("--runtime={}ms", hold.as_millis() + 5000),
-            "--output=/dev/null",
-        ])
+    let image = fill_image();
+    let script = format!(
+        "end=$((SECONDS + {})); while [ $SECONDS -lt $end ]; do nbdcopy {} {url} || exit 0; done",
+        hold.as_secs() + 5,
+        image.display()
+    );
+    let spawned = std::process::Command::new("bash")
+        .args(["-c", &script])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn();
     match spawned {
         Ok(child) => Some(child),
         Err(err) => {
-            eprintln!("chaos:   fill skipped: cannot run fio: {err}");
+            eprintln!("chaos:   fill skipped: cannot run nbdcopy: {err}");
             None
         }
     }
+}
+
+/// A 32 MiB image of pseudo-random bytes for the fill fault, made once
+/// per test process.
+fn fill_image() -> std::path::PathBuf {
+    static IMAGE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    IMAGE
+        .get_or_init(|| {
+            let path =
+                std::env::temp_dir().join(format!("replica-ha-fill-{}.img", std::process::id()));
+            let mut rng = rng::Rng::new(0x5eed);
+            let mut bytes = Vec::with_capacity(FILL as usize);
+            while bytes.len() < FILL as usize {
+                bytes.extend_from_slice(&rng.below(u64::MAX).to_le_bytes());
+            }
+            std::fs::write(&path, &bytes).expect("write the fill image");
+            path
+        })
+        .clone()
 }
 
 async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {

@@ -35,9 +35,9 @@ pub enum Fault {
     /// The node's replica file system is full: writes that allocate fail
     /// with ENOSPC (and so do metadata writes) until it is healed.
     DiskFull(Target),
-    /// A client streams large sequential writes (fio, 1 MiB at queue depth
-    /// 8) into the writer for the hold, hundreds of MiB in one term, and
-    /// the writer is then killed mid-stream: the next promotion must
+    /// nbdcopy, at its default parallelism, copies an image into the
+    /// writer again and again for the hold, hundreds of MiB in one term,
+    /// and the writer is then killed mid-stream: the next promotion must
     /// converge what the term left marked, quickly and completely.
     Fill,
     /// Every fsync and fdatasync of the node (its Raft log and its data)

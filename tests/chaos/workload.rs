@@ -117,6 +117,8 @@ pub struct Record {
 /// first `hot` of each client's blocks are written half of the time.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
+    /// Where the workload's part of the volume begins.
+    pub base: u64,
     pub clients: u32,
     pub per_client: u64,
     pub hot: u64,
@@ -126,7 +128,7 @@ pub struct Layout {
 impl Layout {
     pub fn offset(&self, block: u64) -> u64 {
         let stride = self.size / (u64::from(self.clients) * self.per_client);
-        block * (stride / BLOCK as u64 * BLOCK as u64)
+        self.base + block * (stride / BLOCK as u64 * BLOCK as u64)
     }
 
     pub fn blocks_of(&self, client: u32) -> std::ops::Range<u64> {
