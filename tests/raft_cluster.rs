@@ -438,3 +438,77 @@ async fn a_frozen_leader_wakes_without_a_lease_and_its_gate_never_overlaps_the_n
         (old_gate.3 - new_gate.2) / 1000
     );
 }
+
+/// One stint per term, with real processes: the writer is frozen a little
+/// longer than its lease but not long enough for an election, several
+/// times. Each time its lease lapses and then comes back at the same term;
+/// it must never open its gate twice for one term (it resigns for a fresh
+/// term instead), and the cluster keeps taking writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_whose_lease_lapses_never_reopens_the_same_term() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    for _ in 0..5 {
+        let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], ELECTION * 4).await;
+        cluster
+            .write(writer, 0, bytes::Bytes::from(vec![7u8; 4096]))
+            .await
+            .unwrap();
+        cluster.pause(writer);
+        // Past the 250 ms lease, short of the followers' 450 ms + jitter.
+        tokio::time::sleep(Duration::from_millis(330)).await;
+        cluster.resume(writer);
+        // Let it notice, and resign or go on.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], ELECTION * 4).await;
+    cluster
+        .write(writer, 0, bytes::Bytes::from(vec![8u8; 4096]))
+        .await
+        .unwrap();
+    let resigned: usize = [1, 2, 3]
+        .iter()
+        .map(|id| cluster.log(*id).matches("earlier stint").count())
+        .sum();
+    eprintln!("same-term re-promotions refused (resigned for a fresh term): {resigned}");
+    for id in [1, 2, 3] {
+        let journal = std::fs::read_to_string(cluster.journal_path(id)).unwrap_or_default();
+        let mut opened = std::collections::BTreeSet::new();
+        for line in journal.lines().filter(|l| l.starts_with("open ")) {
+            let term = line
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .to_string();
+            assert!(
+                opened.insert(term.clone()),
+                "node {id} opened its gate twice at {term}:\n{journal}"
+            );
+        }
+    }
+}
+
+/// A sole voter whose lease lapses and returns at the same term has no one
+/// to hand over to: it promotes again at that term (its replica is the only
+/// one) and keeps taking writes, with no stuck fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sole_voter_whose_lease_lapses_keeps_writing() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(1).await;
+    for round in 0..3u8 {
+        let (writer, _) = cluster.wait_for_writer(&[1], ELECTION).await;
+        cluster
+            .write(writer, 0, bytes::Bytes::from(vec![round; 4096]))
+            .await
+            .unwrap();
+        cluster.pause(writer);
+        tokio::time::sleep(Duration::from_millis(330)).await;
+        cluster.resume(writer);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1], ELECTION).await;
+    cluster
+        .write(writer, 0, bytes::Bytes::from(vec![9u8; 4096]))
+        .await
+        .unwrap();
+    assert!(cluster.read(writer, 0, 4096).await.unwrap() == vec![9u8; 4096]);
+}

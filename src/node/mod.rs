@@ -47,8 +47,8 @@ use crate::replica::remote::RemoteReplica;
 use crate::replica::resync::{ResyncConfig, Resyncer};
 use crate::replica::service::ReplicaService;
 use crate::replica::{
-    Engine, EngineConfig, InSyncTracker, LocalReplica, Replica, ReplicaError, ReplicaStore,
-    StoreIdentity,
+    Engine, EngineConfig, FloorBook, InSyncTracker, LocalReplica, Replica, ReplicaError,
+    ReplicaStore, StoreIdentity,
 };
 use view::NodeView;
 
@@ -432,6 +432,7 @@ fn start_controller(
         }
     }
     let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
+    let floors = Arc::new(FloorBook::default());
     let engine = Engine::new(
         EngineConfig {
             local_id: local_id.clone(),
@@ -442,7 +443,8 @@ fn start_controller(
         replicas.clone(),
         Arc::clone(&tracker),
     )
-    .map_err(|e| ConfigError(e.to_string()))?;
+    .map_err(|e| ConfigError(e.to_string()))?
+    .with_floor_book(Arc::clone(&floors));
     let fencer = TokenFencer::new(
         local_id,
         replicas.clone(),
@@ -450,7 +452,8 @@ fn start_controller(
         config.min_in_sync,
         config.size,
         REPLICA_TIMEOUT,
-    );
+    )
+    .with_floor_book(floors);
     let engine = Arc::new(engine);
     let controller = Controller::new(
         Arc::clone(&engine) as Arc<dyn crate::ha::WriterEngine>,

@@ -71,7 +71,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::{InSyncTracker, Replica, ReplicaError, Stamp};
+use super::{FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{ReplicaState, ReplicaStatus, WriterEngine};
 use crate::volume::{Device, DeviceError, check_request};
 
@@ -107,6 +107,8 @@ pub struct Engine {
     stripes: Vec<RwLock<()>>,
     /// The extent size the stripes are counted in.
     extent_size: u64,
+    /// What the fencer found (see [`FloorBook`]).
+    floors: Arc<FloorBook>,
 }
 
 /// How many stripes the extents map onto.
@@ -241,7 +243,14 @@ impl Engine {
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size: super::store::DEFAULT_EXTENT_SIZE,
+            floors: Arc::default(),
         })
+    }
+
+    /// Reads the floors the node's fencer finds (see [`FloorBook`]).
+    pub fn with_floor_book(mut self, floors: Arc<FloorBook>) -> Self {
+        self.floors = floors;
+        self
     }
 
     /// The active term, if any.
@@ -994,7 +1003,12 @@ impl WriterEngine for Engine {
         state.in_sync = committed;
         state.degraded.clear();
         state.rebuilding.clear();
-        state.generations.clear();
+        state.generations = self
+            .floors
+            .of_term(term)
+            .into_iter()
+            .map(|(id, floor)| (id, (floor.generation + 1).max(FIRST_GENERATION)))
+            .collect();
         state.activity = Activity::default();
         state.orphan_copies.clear();
         state.term = Some(term);

@@ -40,8 +40,13 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use futures::future::join_all;
 
-use super::{FenceReply, InSyncTracker, Replica, ReplicaError, Stamp};
+use super::{FenceReply, FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{Fencer, Writer};
+
+/// The stamp the fencer uses for replica `id` (generation 0 if unknown).
+fn stamp_of(stamps: &BTreeMap<String, Stamp>, id: &str) -> Stamp {
+    stamps.get(id).copied().unwrap_or_default()
+}
 
 /// How many marked extents one convergence step copies before it makes them
 /// durable and retires their marks.
@@ -57,6 +62,7 @@ pub struct TokenFencer {
     min_in_sync: usize,
     size: u64,
     timeout: Duration,
+    floors: Arc<FloorBook>,
 }
 
 impl TokenFencer {
@@ -76,7 +82,15 @@ impl TokenFencer {
             min_in_sync,
             size,
             timeout,
+            floors: Arc::default(),
         }
+    }
+
+    /// Shares the floors this fencer finds with an engine (see
+    /// [`FloorBook`]).
+    pub fn with_floor_book(mut self, floors: Arc<FloorBook>) -> Self {
+        self.floors = floors;
+        self
     }
 
     /// Sends `Fence(term)` to every replica and keeps those that took it.
@@ -91,6 +105,13 @@ impl TokenFencer {
         for (id, reply) in join_all(calls).await {
             match reply {
                 Ok(reply) if reply.floor == term => {
+                    self.floors.note(
+                        &id,
+                        Stamp {
+                            term,
+                            generation: reply.generation,
+                        },
+                    );
                     fenced.insert(id, reply);
                 }
                 Ok(reply) => {
@@ -108,7 +129,7 @@ impl TokenFencer {
     /// Copies one extent from `source` to every target, written with `term`.
     async fn copy_to_all(
         &self,
-        term: u64,
+        stamps: &BTreeMap<String, Stamp>,
         source: &Arc<dyn Replica>,
         targets: &[&Arc<dyn Replica>],
         extent: u64,
@@ -150,7 +171,7 @@ impl TokenFencer {
             let data = data.clone();
             async move {
                 target
-                    .write(Stamp::term(term), offset, data, false)
+                    .write(stamp_of(stamps, target.id()), offset, data, false)
                     .await
                     .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))
             }
@@ -221,6 +242,19 @@ impl TokenFencer {
             .collect();
         let all: Vec<&Arc<dyn Replica>> =
             members.iter().filter_map(|id| self.replica(id)).collect();
+        // Each member's floor may be a later generation of this term (a
+        // stint of this node's own at the term, or a rebuild): stamp what
+        // the fencer sends it with that generation, so it is admitted.
+        let stamps: BTreeMap<String, Stamp> = fenced
+            .iter()
+            .map(|(id, reply)| {
+                let stamp = Stamp {
+                    term,
+                    generation: reply.generation,
+                };
+                (id.clone(), stamp)
+            })
+            .collect();
         let extents: Vec<u64> = extents
             .into_iter()
             .filter(|extent| {
@@ -235,23 +269,27 @@ impl TokenFencer {
         // extents still marked instead of starting over.
         for batch in extents.chunks(CONVERGE_BATCH) {
             let copies = futures::stream::iter(batch.iter().copied())
-                .map(|extent| self.copy_to_all(term, source, &targets, extent, extent_size))
+                .map(|extent| self.copy_to_all(&stamps, source, &targets, extent, extent_size))
                 .buffer_unordered(COPIES_IN_FLIGHT);
             let copied: Vec<Result<(), String>> = copies.collect().await;
             copied.into_iter().collect::<Result<(), String>>()?;
-            self.on_all(&all, |replica| async move {
-                replica.flush(Stamp::term(term)).await
+            self.on_all(&all, |replica| {
+                let stamp = stamp_of(&stamps, replica.id());
+                async move { replica.flush(stamp).await }
             })
             .await
             .map_err(|e| format!("flushing converged extents: {e}"))?;
-            self.on_all(&all, |replica| async move {
-                replica
-                    // Through `term`: the copies themselves marked the
-                    // batch with it on the targets, and no write of `term`
-                    // has happened yet (the gate is closed).
-                    .retire_marks(Stamp::term(term), term, batch)
-                    .await
-                    .map(|_| ())
+            self.on_all(&all, |replica| {
+                let stamp = stamp_of(&stamps, replica.id());
+                async move {
+                    replica
+                        // Through `term`: the copies themselves marked the
+                        // batch with it on the targets, and no write of
+                        // `term` has happened yet (the gate is closed).
+                        .retire_marks(stamp, term, batch)
+                        .await
+                        .map(|_| ())
+                }
             })
             .await
             .map_err(|e| format!("retiring converged marks: {e}"))?;
@@ -259,7 +297,7 @@ impl TokenFencer {
         for id in members {
             let replica = self.replica(id).ok_or("unknown replica")?;
             replica
-                .flush(Stamp::term(term))
+                .flush(stamp_of(&stamps, id))
                 .await
                 .map_err(|e| format!("flushing {id}: {e}"))?;
             replica

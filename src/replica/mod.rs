@@ -74,6 +74,33 @@ impl std::fmt::Display for Stamp {
     }
 }
 
+/// The floors the fencer found at its last fence, by replica id, shared with
+/// the engine of the same node: an activation stamps each replica's first
+/// request one generation above what the fencer used there, so a copy of
+/// the fence still on its way is drained or refused (no late landing).
+#[derive(Debug, Default)]
+pub struct FloorBook(Mutex<std::collections::BTreeMap<String, Stamp>>);
+
+impl FloorBook {
+    /// Records that replica `id`'s floor is `floor`.
+    pub fn note(&self, id: &str, floor: Stamp) {
+        self.lock().insert(id.to_string(), floor);
+    }
+
+    /// The recorded floors of `term`.
+    pub fn of_term(&self, term: u64) -> Vec<(String, Stamp)> {
+        self.lock()
+            .iter()
+            .filter(|(_, stamp)| stamp.term == term)
+            .map(|(id, stamp)| (id.clone(), *stamp))
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Stamp>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// An extent that a writer of `term` may have written without an
 /// acknowledgement reaching every replica; promotion makes it identical on
 /// all in-sync replicas (S6).
@@ -90,6 +117,9 @@ pub struct DirtyExtent {
 pub struct FenceReply {
     /// The replica's durable fence floor after the fence (≥ T on success).
     pub floor: u64,
+    /// The floor's generation within its term (see [`Stamp`]): requests of
+    /// the fencer at the floor's term must carry at least this one.
+    pub generation: u64,
     /// Every extent still marked dirty, of any term.
     pub dirty: Vec<DirtyExtent>,
     /// The extent size the marks are counted in.
@@ -101,6 +131,8 @@ pub struct FenceReply {
 pub struct ReplicaInfo {
     /// Its durable fence floor.
     pub floor: u64,
+    /// The floor's generation within its term (see [`Stamp`]).
+    pub generation: u64,
     /// How many (term, extent) dirty marks it holds.
     pub dirty_extents: u64,
     /// Requests it admitted below its fence floor (the S2 audit; always 0

@@ -143,6 +143,7 @@ impl Replica for RemoteReplica {
             .into_inner();
         Ok(FenceReply {
             floor: reply.floor,
+            generation: reply.generation,
             dirty: reply
                 .dirty
                 .into_iter()
@@ -204,6 +205,7 @@ impl Replica for RemoteReplica {
             .into_inner();
         Ok(ReplicaInfo {
             floor: reply.floor,
+            generation: reply.generation,
             dirty_extents: reply.dirty_extents,
             stale_accepts: reply.stale_accepts,
         })

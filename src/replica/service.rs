@@ -211,6 +211,7 @@ impl ReplicaRpc for ReplicaService {
             floor: reply.floor,
             dirty: reply.dirty.iter().map(to_pb).collect(),
             extent_size: reply.extent_size,
+            generation: reply.generation,
         }))
     }
 
@@ -273,6 +274,7 @@ impl ReplicaRpc for ReplicaService {
             extent_size: self.store.identity().extent_size,
             dirty_extents: info.dirty_extents,
             stale_accepts: info.stale_accepts,
+            generation: info.generation,
         }))
     }
 }

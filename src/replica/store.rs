@@ -338,6 +338,7 @@ impl ReplicaStore {
         let floor = self.raise_floor(Stamp::term(term)).await?;
         Ok(FenceReply {
             floor: floor.term,
+            generation: floor.generation,
             dirty: self.dirty_extents()?,
             extent_size: self.identity.extent_size,
         })
@@ -395,8 +396,10 @@ impl ReplicaStore {
 
     /// The fence floor, the number of dirty marks and the audit counter.
     pub async fn info(&self) -> Result<super::ReplicaInfo, ReplicaError> {
+        let floor = self.floor_stamp().await;
         Ok(super::ReplicaInfo {
-            floor: self.floor().await,
+            floor: floor.term,
+            generation: floor.generation,
             dirty_extents: self.dirty_tree.len() as u64,
             stale_accepts: self.stale_accepts(),
         })
