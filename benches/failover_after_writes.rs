@@ -10,7 +10,8 @@
 //! the median and maximum, and the median's ratio to the amount 0.
 //!
 //! Run: `cargo bench --bench failover_after_writes` (`RUNS=5` samples per
-//! amount, `AMOUNTS_MIB=0,256` to choose amounts). Needs `fio`.
+//! amount, `AMOUNTS_MIB=0,256` to choose amounts, `FAILOVER_DEBUG=1` to
+//! print the new writer's promotion steps). Needs `fio`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -99,6 +100,27 @@ async fn main() {
             println!(
                 "{mib:>5} MiB written, run {run}: writer {writer} killed, new writer after {took:?}"
             );
+            if std::env::var("FAILOVER_DEBUG").is_ok() {
+                // Where the time went: the promotion steps of the new writer.
+                for id in &others {
+                    let log = cluster.log(*id);
+                    let steps: Vec<&str> = log
+                        .lines()
+                        .filter(|l| {
+                            [
+                                "won leadership",
+                                "fenced and reconciled",
+                                "promoted: gate open",
+                            ]
+                            .iter()
+                            .any(|k| l.contains(k))
+                        })
+                        .collect();
+                    for line in steps.iter().rev().take(3).rev() {
+                        println!("    node {id}: {line}");
+                    }
+                }
+            }
             samples.push(took);
             cluster.spawn(writer);
         }
