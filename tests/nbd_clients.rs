@@ -17,34 +17,17 @@ use tokio::time::Instant;
 
 const WRITER_WAIT: Duration = Duration::from_secs(20);
 
-/// Runs a tool to completion (bounded) and returns its output.
+const TOOL_LIMIT: Duration = Duration::from_secs(120);
+
 async fn run(program: &str, args: &[&str]) -> Output {
-    let mut command = tokio::process::Command::new(program);
-    command.args(args).kill_on_drop(true);
-    let output = tokio::time::timeout(Duration::from_secs(120), command.output())
-        .await
-        .unwrap_or_else(|_| panic!("{program} {args:?} did not finish within 120 s"));
-    output.unwrap_or_else(|err| {
-        panic!("cannot run {program} ({err}); install qemu-utils libnbd-bin fio (.ci/run does)")
-    })
+    common::tools::run_within(program, args, TOOL_LIMIT).await
 }
 
-/// Runs a tool that must succeed; returns its stdout.
 async fn run_ok(program: &str, args: &[&str]) -> String {
-    let output = run(program, args).await;
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    common::tools::run_ok_within(program, args, TOOL_LIMIT).await
 }
 
-fn uri(addr: SocketAddr) -> String {
-    format!("nbd://{addr}/vol0")
-}
+use common::tools::uri;
 
 /// A qemu-io command list against `addr`'s export (read-only with `-r`).
 async fn qemu_io(addr: SocketAddr, read_only: bool, commands: &[String]) -> Output {

@@ -14,7 +14,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Output;
 use std::time::Duration;
 
 use common::cluster::{Cluster, one_cluster_at_a_time};
@@ -22,33 +21,13 @@ use common::cluster::{Cluster, one_cluster_at_a_time};
 const WRITER_WAIT: Duration = Duration::from_secs(30);
 const COPY_MIB: u64 = 1024;
 
-/// Runs a tool to completion (bounded) and returns its output.
-async fn run(program: &str, args: &[&str]) -> Output {
-    let mut command = tokio::process::Command::new(program);
-    command.args(args).kill_on_drop(true);
-    let output = tokio::time::timeout(Duration::from_secs(240), command.output())
-        .await
-        .unwrap_or_else(|_| panic!("{program} {args:?} did not finish within 240 s"));
-    output.unwrap_or_else(|err| {
-        panic!("cannot run {program} ({err}); install qemu-utils libnbd-bin fio (.ci/run does)")
-    })
-}
+const TOOL_LIMIT: Duration = Duration::from_secs(240);
 
 async fn run_ok(program: &str, args: &[&str]) -> String {
-    let output = run(program, args).await;
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{program} {args:?} failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    common::tools::run_ok_within(program, args, TOOL_LIMIT).await
 }
 
-fn uri(addr: SocketAddr) -> String {
-    format!("nbd://{addr}/vol0")
-}
+use common::tools::uri;
 
 async fn sha256(path: &Path) -> String {
     let out = run_ok("sha256sum", &[path.to_str().unwrap()]).await;

@@ -289,11 +289,23 @@ struct FenceRig {
 }
 
 async fn fence_rig(in_sync: &[&str]) -> FenceRig {
+    fence_rig_of(in_sync, SIZE, Duration::from_millis(300)).await
+}
+
+/// Three stores of `size` bytes and a fencer over them whose calls time
+/// out after `timeout`.
+async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRig {
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let mut replicas = Vec::new();
     for id in ["n1", "n2", "n3"] {
-        replicas.push(FaultyReplica::new(id, store(dir.path(), id).await));
+        let store = ReplicaStore::open(
+            dir.path().join(id),
+            replica_ha::replica::StoreIdentity::new("test", "vol0", size),
+        )
+        .await
+        .expect("open store");
+        replicas.push(FaultyReplica::new(id, Arc::new(store)));
     }
     let tracker = Arc::new(MemoryInSync::new(in_sync.iter().copied()));
     let fencer = TokenFencer::new(
@@ -304,8 +316,8 @@ async fn fence_rig(in_sync: &[&str]) -> FenceRig {
             .collect(),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         2,
-        SIZE,
-        Duration::from_millis(300),
+        size,
+        timeout,
     );
     FenceRig {
         _dir: dir,
@@ -414,31 +426,12 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
 /// only the rest.
 #[tokio::test]
 async fn an_interrupted_convergence_resumes_where_it_was() {
-    common::init_tracing();
-    const BIG: u64 = 256 << 20;
-    let dir = tempfile::tempdir().unwrap();
-    let mut replicas = Vec::new();
-    for id in ["n1", "n2", "n3"] {
-        let store = ReplicaStore::open(
-            dir.path().join(id),
-            replica_ha::replica::StoreIdentity::new("test", "vol0", BIG),
-        )
-        .await
-        .unwrap();
-        replicas.push(FaultyReplica::new(id, Arc::new(store)));
-    }
-    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
-    let fencer = TokenFencer::new(
-        "n1",
-        replicas
-            .iter()
-            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
-            .collect(),
-        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        2,
-        BIG,
-        Duration::from_secs(5),
-    );
+    let FenceRig {
+        _dir,
+        replicas,
+        tracker,
+        fencer,
+    } = fence_rig_of(&["n1", "n2", "n3"], 256 << 20, Duration::from_secs(5)).await;
     // Term 1 left 128 extents marked, with n1's copy differing from n2's.
     for extent in 0..128u64 {
         replicas[0]

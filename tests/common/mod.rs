@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod power;
 pub mod proxy;
+pub mod tools;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

@@ -1,0 +1,36 @@
+//! Running the real clients (qemu-io, nbdinfo, nbdcopy, fio, …) from tests:
+//! bounded, with a clear message when a tool is missing or fails.
+
+use std::net::SocketAddr;
+use std::process::Output;
+use std::time::Duration;
+
+/// Runs a tool to completion within `limit` and returns its output.
+pub async fn run_within(program: &str, args: &[&str], limit: Duration) -> Output {
+    let mut command = tokio::process::Command::new(program);
+    command.args(args).kill_on_drop(true);
+    let output = tokio::time::timeout(limit, command.output())
+        .await
+        .unwrap_or_else(|_| panic!("{program} {args:?} did not finish within {limit:?}"));
+    output.unwrap_or_else(|err| {
+        panic!("cannot run {program} ({err}); install qemu-utils libnbd-bin fio (.ci/run does)")
+    })
+}
+
+/// Runs a tool that must succeed within `limit`; returns its stdout.
+pub async fn run_ok_within(program: &str, args: &[&str], limit: Duration) -> String {
+    let output = run_within(program, args, limit).await;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{program} {args:?} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The NBD URI of the volume at `addr`.
+pub fn uri(addr: SocketAddr) -> String {
+    format!("nbd://{addr}/vol0")
+}
