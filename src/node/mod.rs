@@ -57,7 +57,8 @@ use view::NodeView;
 /// converge is about what the writer wrote in this long.
 const MARK_RETIREMENT: Duration = Duration::from_millis(200);
 
-/// How long one replica may take to answer one request.
+/// How long a replica may stay silent (answer nothing while it has requests)
+/// before it counts as failed; see `replica::liveness`.
 const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Why a node stopped with an error.
@@ -425,7 +426,10 @@ fn start_controller(
                 &addr.to_string(),
                 &config.cluster_id,
                 &config.volume,
-                REPLICA_TIMEOUT,
+                // The engine and the fencer give up on a silent replica
+                // after REPLICA_TIMEOUT; the transport allows a busy one to
+                // take as long as they may wait.
+                crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
             )
             .map_err(ConfigError)?;
             replicas.push(Arc::new(remote));

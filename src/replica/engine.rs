@@ -71,6 +71,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
+use super::liveness::Liveness;
 use super::{FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{ReplicaState, ReplicaStatus, WriterEngine};
 use crate::volume::{Device, DeviceError, check_request};
@@ -109,6 +110,8 @@ pub struct Engine {
     extent_size: u64,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
+    /// When each replica last answered.
+    liveness: Liveness,
 }
 
 /// How many stripes the extents map onto.
@@ -244,6 +247,7 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size: super::store::DEFAULT_EXTENT_SIZE,
             floors: Arc::default(),
+            liveness: Liveness::default(),
         })
     }
 
@@ -351,7 +355,7 @@ impl Engine {
         let results = join_all(replicas.iter().map(|replica| {
             let stamp = self.stamp(term, replica.id());
             let call = op(stamp, Arc::clone(replica));
-            async move { (stamp, self.bounded(call).await) }
+            async move { (stamp, self.bounded(replica.id(), call).await) }
         }))
         .await;
         replicas
@@ -364,19 +368,16 @@ impl Engine {
             .collect()
     }
 
-    /// `call`, bounded by the replica timeout.
+    /// `call` to replica `id`, given up on once the replica falls silent
+    /// for the replica timeout (see [`super::liveness`]).
     async fn bounded<T>(
         &self,
+        id: &str,
         call: impl std::future::Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
-        let timeout = self.config.replica_timeout;
-        tokio::time::timeout(timeout, call)
+        self.liveness
+            .bounded(id, self.config.replica_timeout, call)
             .await
-            .unwrap_or_else(|_| {
-                Err(ReplicaError::Unavailable(format!(
-                    "no answer within {timeout:?}"
-                )))
-            })
     }
 
     /// The stamp a request of `term` to replica `id` carries now. An
@@ -488,7 +489,7 @@ impl Engine {
             .replica(id)
             .ok_or_else(|| DeviceError::Io(format!("{id} is unknown")))?;
         let stamp = self.stamp(term, id);
-        let drained = self.bounded(target.flush(stamp)).await;
+        let drained = self.bounded(target.id(), target.flush(stamp)).await;
         self.disown_if_lost(id, stamp, &drained);
         if let Err(err) = drained {
             self.abort_rebuild(id);
@@ -526,7 +527,9 @@ impl Engine {
         }
         let data = source.read(offset, len).await.map_err(|e| e.to_string())?;
         let stamp = self.stamp(term, id);
-        let written = self.bounded(target.write(stamp, offset, data, false)).await;
+        let written = self
+            .bounded(target.id(), target.write(stamp, offset, data, false))
+            .await;
         self.disown_if_lost(id, stamp, &written);
         written.map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
         if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
@@ -556,7 +559,7 @@ impl Engine {
         // on the target before the set counts on it.
         let target = self.replica(id).ok_or("unknown replica")?;
         let stamp = self.stamp(term, id);
-        let flushed = self.bounded(target.flush(stamp)).await;
+        let flushed = self.bounded(target.id(), target.flush(stamp)).await;
         self.disown_if_lost(id, stamp, &flushed);
         if let Err(err) = flushed {
             self.abort_rebuild(id);
@@ -612,7 +615,7 @@ impl Engine {
         // now: retire them like a write's. A fence at this term reads them
         // and changes nothing else (the floor is already past it). Best
         // effort: a mark too many costs only a copy at the next promotion.
-        match self.bounded(target.fence(term)).await {
+        match self.bounded(target.id(), target.fence(term)).await {
             Ok(reply) => {
                 let mut state = self.lock();
                 let extents: Vec<u64> = reply
@@ -626,7 +629,10 @@ impl Engine {
             }
             Err(err) => tracing::debug!(replica = %id, %err, "could not read its marks"),
         }
-        if let Err(err) = self.bounded(target.clear_dirty_below(term)).await {
+        if let Err(err) = self
+            .bounded(target.id(), target.clear_dirty_below(term))
+            .await
+        {
             tracing::debug!(replica = %id, %err, "could not clear older marks");
         }
         tracing::info!(term, replica = %id, "replica back in the in-sync set");
@@ -717,7 +723,9 @@ impl Engine {
                 let stamp = self.stamp(term, replica.id());
                 let ready = &ready;
                 async move {
-                    let outcome = self.bounded(replica.retire_marks(stamp, term, ready)).await;
+                    let outcome = self
+                        .bounded(replica.id(), replica.retire_marks(stamp, term, ready))
+                        .await;
                     self.disown_if_lost(replica.id(), stamp, &outcome);
                     (replica.id(), outcome)
                 }
@@ -774,14 +782,14 @@ impl Engine {
                 break;
             };
             let others: Vec<Arc<dyn Replica>> = order.collect();
-            let Ok(data) = self.bounded(source.read(offset, len)).await else {
+            let Ok(data) = self.bounded(source.id(), source.read(offset, len)).await else {
                 continue;
             };
             let writes = others.iter().map(|replica| {
                 let (stamp, data) = (self.stamp(term, replica.id()), data.clone());
                 async move {
                     let outcome = self
-                        .bounded(replica.write(stamp, offset, data, false))
+                        .bounded(replica.id(), replica.write(stamp, offset, data, false))
                         .await;
                     self.disown_if_lost(replica.id(), stamp, &outcome);
                     outcome
@@ -793,7 +801,7 @@ impl Engine {
             let flushes = std::iter::once(&source).chain(&others).map(|replica| {
                 let stamp = self.stamp(term, replica.id());
                 async move {
-                    let outcome = self.bounded(replica.flush(stamp)).await;
+                    let outcome = self.bounded(replica.id(), replica.flush(stamp)).await;
                     self.disown_if_lost(replica.id(), stamp, &outcome);
                     outcome
                 }
@@ -950,11 +958,9 @@ impl Device for Engine {
         check_request(offset, len, self.config.size)?;
         let mut errors = Vec::new();
         for replica in self.read_order() {
-            let read = replica.read(offset, len);
-            match tokio::time::timeout(self.config.replica_timeout, read).await {
-                Ok(Ok(data)) => return Ok(data),
-                Ok(Err(err)) => errors.push(format!("{}: {err}", replica.id())),
-                Err(_) => errors.push(format!("{}: timed out", replica.id())),
+            match self.bounded(replica.id(), replica.read(offset, len)).await {
+                Ok(data) => return Ok(data),
+                Err(err) => errors.push(format!("{}: {err}", replica.id())),
             }
         }
         if errors.is_empty() {

@@ -40,6 +40,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use futures::future::join_all;
 
+use super::liveness::Liveness;
 use super::{FenceReply, FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
 use crate::ha::{Fencer, Writer};
 
@@ -63,6 +64,7 @@ pub struct TokenFencer {
     size: u64,
     timeout: Duration,
     floors: Arc<FloorBook>,
+    liveness: Liveness,
 }
 
 impl TokenFencer {
@@ -83,6 +85,7 @@ impl TokenFencer {
             size,
             timeout,
             floors: Arc::default(),
+            liveness: Liveness::default(),
         }
     }
 
@@ -96,9 +99,7 @@ impl TokenFencer {
     /// Sends `Fence(term)` to every replica and keeps those that took it.
     async fn fence_all(&self, term: u64) -> Result<BTreeMap<String, FenceReply>, String> {
         let calls = self.replicas.iter().map(|replica| async move {
-            let reply = tokio::time::timeout(self.timeout, replica.fence(term))
-                .await
-                .unwrap_or_else(|_| Err(ReplicaError::Unavailable("fence timed out".into())));
+            let reply = self.within(replica, replica.fence(term)).await;
             (replica.id().to_string(), reply)
         });
         let mut fenced = BTreeMap::new();
@@ -144,8 +145,7 @@ impl TokenFencer {
         let digest = |replica: &Arc<dyn Replica>| {
             let replica = Arc::clone(replica);
             async move {
-                replica
-                    .digests(offset, len)
+                self.within(&replica, replica.digests(offset, len))
                     .await
                     .map(|(_, d)| d)
                     .map_err(|e| format!("digest of extent {extent} on {}: {e}", replica.id()))
@@ -163,15 +163,15 @@ impl TokenFencer {
         if differing.is_empty() {
             return Ok(());
         }
-        let data = source
-            .read(offset, len)
+        let data = self
+            .within(source, source.read(offset, len))
             .await
             .map_err(|e| format!("reading extent {extent} from {}: {e}", source.id()))?;
         let writes = differing.iter().map(|target| {
             let data = data.clone();
             async move {
-                target
-                    .write(stamp_of(stamps, target.id()), offset, data, false)
+                let write = target.write(stamp_of(stamps, target.id()), offset, data, false);
+                self.within(target, write)
                     .await
                     .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))
             }
@@ -192,9 +192,25 @@ impl TokenFencer {
     {
         let calls = replicas.iter().map(|replica| {
             let call = call(replica);
-            async move { call.await.map_err(|e| format!("{}: {e}", replica.id())) }
+            async move {
+                self.within(replica, call)
+                    .await
+                    .map_err(|e| format!("{}: {e}", replica.id()))
+            }
         });
         join_all(calls).await.into_iter().collect()
+    }
+
+    /// `call` to `replica`, given up on once the replica falls silent for
+    /// the timeout (see [`super::liveness`]).
+    async fn within<T>(
+        &self,
+        replica: &Arc<dyn Replica>,
+        call: impl std::future::Future<Output = Result<T, ReplicaError>>,
+    ) -> Result<T, ReplicaError> {
+        self.liveness
+            .bounded(replica.id(), self.timeout, call)
+            .await
     }
 
     fn replica(&self, id: &str) -> Option<&Arc<dyn Replica>> {
@@ -296,12 +312,10 @@ impl TokenFencer {
         }
         for id in members {
             let replica = self.replica(id).ok_or("unknown replica")?;
-            replica
-                .flush(stamp_of(&stamps, id))
+            self.within(replica, replica.flush(stamp_of(&stamps, id)))
                 .await
                 .map_err(|e| format!("flushing {id}: {e}"))?;
-            replica
-                .clear_dirty_below(term)
+            self.within(replica, replica.clear_dirty_below(term))
                 .await
                 .map_err(|e| format!("clearing marks on {id}: {e}"))?;
         }

@@ -16,6 +16,7 @@
 
 pub mod engine;
 pub mod fencer;
+pub mod liveness;
 pub mod remote;
 pub mod resync;
 pub mod service;
