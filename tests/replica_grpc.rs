@@ -22,8 +22,8 @@ use replica_ha::replica::fencer::TokenFencer;
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
-    Engine, EngineConfig, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError,
-    ReplicaStore, Stamp,
+    Engine, EngineConfig, FloorBook, InSyncTracker, LocalReplica, MemoryInSync, Replica,
+    ReplicaError, ReplicaStore, Stamp,
 };
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
 use tonic::Code;
@@ -286,6 +286,18 @@ struct FenceRig {
     replicas: Vec<Arc<FaultyReplica>>,
     tracker: Arc<MemoryInSync>,
     fencer: TokenFencer,
+    /// The new writer's engine on n1, sharing the fencer's floor book.
+    engine: Engine,
+}
+
+impl FenceRig {
+    /// Promotes n1's engine at `term` after a fence, and runs one of its
+    /// mark-retirement passes: what a convergence leaves for the writer
+    /// (making it durable, dropping the older marks) is done then.
+    async fn write_at(&self, term: u64) {
+        self.engine.activate(term).await.unwrap();
+        self.engine.retire_marks().await.unwrap();
+    }
 }
 
 async fn fence_rig(in_sync: &[&str]) -> FenceRig {
@@ -308,22 +320,38 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
         replicas.push(FaultyReplica::new(id, Arc::new(store)));
     }
     let tracker = Arc::new(MemoryInSync::new(in_sync.iter().copied()));
+    let dyn_replicas: Vec<Arc<dyn Replica>> = replicas
+        .iter()
+        .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+        .collect();
+    let floors = Arc::new(FloorBook::default());
     let fencer = TokenFencer::new(
         "n1",
-        replicas
-            .iter()
-            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
-            .collect(),
+        dyn_replicas.clone(),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         2,
         size,
         timeout,
-    );
+    )
+    .with_floor_book(Arc::clone(&floors));
+    let engine = Engine::new(
+        EngineConfig {
+            local_id: "n1".into(),
+            min_in_sync: 1,
+            replica_timeout: timeout,
+            size,
+        },
+        dyn_replicas,
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+    )
+    .unwrap()
+    .with_floor_book(floors);
     FenceRig {
         _dir: dir,
         replicas,
         tracker,
         fencer,
+        engine,
     }
 }
 
@@ -391,7 +419,8 @@ async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
 
 /// S6: an older writer left an unacknowledged write on one replica only;
 /// after the fence every in-sync replica holds the same bytes there, and
-/// the older marks are gone.
+/// once the new writer's first retirement pass ran, the older marks are
+/// gone.
 #[tokio::test]
 async fn older_dirty_extents_converge_before_the_new_writer_writes() {
     let rig = fence_rig(&["n1", "n2", "n3"]).await;
@@ -407,6 +436,7 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
         .await
         .unwrap();
     rig.fencer.fence(None, 2).await.unwrap();
+    rig.write_at(2).await;
     let expected = rig.replicas[0].store().read(extent, 1 << 20).await.unwrap();
     for r in &rig.replicas {
         assert_eq!(r.store().read(extent, 1 << 20).await.unwrap(), expected);
@@ -426,12 +456,8 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
 /// only the rest.
 #[tokio::test]
 async fn an_interrupted_convergence_resumes_where_it_was() {
-    let FenceRig {
-        _dir,
-        replicas,
-        tracker,
-        fencer,
-    } = fence_rig_of(&["n1", "n2", "n3"], 256 << 20, Duration::from_secs(5)).await;
+    let rig = fence_rig_of(&["n1", "n2", "n3"], 256 << 20, Duration::from_secs(5)).await;
+    let (replicas, tracker, fencer) = (&rig.replicas, &rig.tracker, &rig.fencer);
     // Term 1 left 128 extents marked, with n1's copy differing from n2's.
     for extent in 0..128u64 {
         replicas[0]
@@ -464,6 +490,7 @@ async fn an_interrupted_convergence_resumes_where_it_was() {
     assert_eq!(older(1), older(0));
     replicas[2].set(Fault::None);
     fencer.fence(None, 2).await.unwrap();
+    rig.write_at(2).await;
     for (i, r) in replicas.iter().enumerate() {
         assert_eq!(older(i), 0);
         for extent in [0u64, 99, 100, 127] {
@@ -475,4 +502,47 @@ async fn an_interrupted_convergence_resumes_where_it_was() {
         }
     }
     assert_eq!(tracker.in_sync().await.unwrap().len(), 3);
+}
+
+/// A short convergence leaves making its extents durable to the new
+/// writer, off the failover's path: the older marks stay until the
+/// writer's first pass has flushed every member (a crash before that pass
+/// finds them again and converges once more), and then go, with the marks
+/// the copies made.
+#[tokio::test]
+async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer() {
+    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    for (i, r) in rig.replicas.iter().enumerate() {
+        r.store()
+            .write(1, 5 << 20, block(0xc0 + i as u8), false)
+            .await
+            .unwrap();
+    }
+    let older = |r: &FaultyReplica| {
+        r.store()
+            .dirty_extents()
+            .unwrap()
+            .iter()
+            .filter(|m| m.term < 2)
+            .count()
+    };
+    rig.fencer.fence(None, 2).await.unwrap();
+    let expected = rig.replicas[0]
+        .store()
+        .read(5 << 20, 1 << 20)
+        .await
+        .unwrap();
+    for r in &rig.replicas {
+        assert_eq!(r.store().read(5 << 20, 1 << 20).await.unwrap(), expected);
+        assert_eq!(older(r), 1, "{} keeps its older mark until a flush", r.id());
+    }
+    rig.write_at(2).await;
+    for r in &rig.replicas {
+        assert!(
+            r.store().dirty_extents().unwrap().is_empty(),
+            "{}: the older mark and the copy's own are retired after the flush",
+            r.id()
+        );
+        assert_eq!(r.store().read(5 << 20, 1 << 20).await.unwrap(), expected);
+    }
 }

@@ -30,6 +30,10 @@
 //! some, and the ones it missed could not be dropped); the same pass copies
 //! it from one in-sync member to the others first ([`Engine::repair_unsure`]),
 //! so the set agrees again within the term, not only at the next promotion.
+//! The first pass after an activation also finishes the promotion's
+//! convergence: once its flush made every member durable, it drops the
+//! older terms' marks (see `fencer`), and the extents the convergence copied
+//! are retired like the term's own writes.
 //!
 //! **No late landing.** A request whose outcome the engine never learned (a
 //! timeout, a broken connection) may still be applied by its replica later.
@@ -155,6 +159,10 @@ struct Activity {
     /// replicas (it was not acknowledged): they stay marked for the next
     /// promotion to converge.
     unsure: BTreeSet<u64>,
+    /// Older terms' marks are still on the members: the promotion's
+    /// convergence made them agree but left making that durable, and
+    /// dropping those marks, to the writer (see [`Engine::retire_marks`]).
+    older_marks: bool,
 }
 
 /// Counts one write in flight on its extents; when dropped, records how it
@@ -665,7 +673,7 @@ impl Engine {
     /// the hot set, and a promotion converges only that (DRBD's activity
     /// log). Returns how many extents were retired.
     pub async fn retire_marks(&self) -> Result<usize, DeviceError> {
-        let (term, batch) = {
+        let (term, batch, older_marks) = {
             let mut state = self.lock();
             let term = state.term.ok_or(DeviceError::Inactive)?;
             let done = std::mem::take(&mut state.activity.done);
@@ -673,14 +681,17 @@ impl Engine {
                 .into_iter()
                 .filter(|e| !state.activity.unsure.contains(e))
                 .collect();
-            (term, batch)
+            (term, batch, state.activity.older_marks)
         };
-        if batch.is_empty() {
+        if batch.is_empty() && !older_marks {
             return Ok(0);
         }
         if let Err(err) = self.flush().await {
             self.lock().activity.done.extend(batch);
             return Err(err);
+        }
+        if older_marks {
+            self.clear_older_marks(term).await;
         }
         let mut by_stripe: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
         for extent in batch {
@@ -745,6 +756,38 @@ impl Engine {
             }
         }
         Ok(retired)
+    }
+
+    /// After a flush of every member: drops the older terms' marks the
+    /// promotion left (their extents agree since the convergence, and are
+    /// durable since the flush). A member that fails keeps them, and the
+    /// next pass tries again; until then a failover converges them again.
+    async fn clear_older_marks(&self, term: u64) {
+        let members: Vec<Arc<dyn Replica>> = {
+            let state = self.lock();
+            self.replicas
+                .iter()
+                .filter(|r| state.in_sync.contains(r.id()))
+                .cloned()
+                .collect()
+        };
+        let calls = members.iter().map(|replica| async move {
+            self.bounded(replica.id(), replica.clear_dirty_below(term))
+                .await
+                .map_err(|err| (replica.id(), err))
+        });
+        let failed: Vec<_> = join_all(calls)
+            .await
+            .into_iter()
+            .filter_map(Result::err)
+            .collect();
+        let mut state = self.lock();
+        if failed.is_empty() && state.term == Some(term) {
+            state.activity.older_marks = false;
+        }
+        for (id, err) in failed {
+            tracing::debug!(replica = %id, %err, "older marks kept for the next pass");
+        }
     }
 
     /// Makes the in-sync replicas agree again on extents that one of this
@@ -1015,7 +1058,12 @@ impl WriterEngine for Engine {
             .into_iter()
             .map(|(id, floor)| (id, (floor.generation + 1).max(FIRST_GENERATION)))
             .collect();
-        state.activity = Activity::default();
+        state.activity = Activity {
+            // What the promotion's convergence copied and left marked.
+            done: self.floors.take_copied(term),
+            older_marks: true,
+            ..Activity::default()
+        };
         state.orphan_copies.clear();
         state.term = Some(term);
         tracing::info!(term, in_sync = ?state.in_sync, "engine active");

@@ -16,11 +16,17 @@
 //!    is one) to the other reached in-sync replicas, written with term `T`.
 //!    An extent whose BLAKE3 digest already agrees on a target is not
 //!    copied there. The copies go in batches of [`CONVERGE_BATCH`]
-//!    extents, eight at a time; after each batch every member flushes and drops the older
-//!    marks of that batch, so an attempt cut short (a timeout, a failed
-//!    replica, a new writer) keeps its progress and the next one resumes
-//!    with what is still marked: no amount of marks can make the fence
-//!    timeout unreachable. Then the marks below `T` are cleared. The marks
+//!    extents, eight at a time. Afterwards every member agrees, in its page
+//!    cache; making that durable (a flush of every member) and dropping the
+//!    older marks is left to the new writer's first mark-retirement pass,
+//!    off the failover's path: until then the marks stay, so a crash or a
+//!    power cut before that pass finds them again and the next promotion
+//!    converges them once more. The extents copied are handed to the
+//!    writer through the [`FloorBook`], so the marks the copies made on
+//!    their targets go with its own. An attempt that fails, or runs past
+//!    [`SETTLE_AFTER`], settles what it finished itself (flush, then drop
+//!    the marks), so the next attempt resumes with what is still marked: no
+//!    amount of marks can make the fence timeout unreachable. The marks
 //!    are few to begin with: a writer retires its own during its term (see
 //!    `Engine::retire_marks`), so only its hot set is left. Any in-sync copy
 //!    holds every acknowledged write, so whichever source is chosen, the
@@ -34,7 +40,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -54,6 +60,10 @@ fn stamp_of(stamps: &BTreeMap<String, Stamp>, id: &str) -> Stamp {
 const CONVERGE_BATCH: usize = 64;
 /// How many extents are copied at once.
 const COPIES_IN_FLIGHT: usize = 8;
+
+/// How long a convergence runs before it settles what it did (see
+/// [`TokenFencer::settle`]); a short one leaves that to the new writer.
+const SETTLE_AFTER: Duration = Duration::from_secs(1);
 
 /// Fences by term and reconciles. See the module docs.
 pub struct TokenFencer {
@@ -135,7 +145,7 @@ impl TokenFencer {
         targets: &[&Arc<dyn Replica>],
         extent: u64,
         extent_size: u64,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let offset = extent * extent_size;
         let len = extent_size.min(self.size - offset);
         // Most marked extents already agree (their writes were acknowledged
@@ -161,7 +171,7 @@ impl TokenFencer {
             }
         }
         if differing.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let data = self
             .within(source, source.read(offset, len))
@@ -176,7 +186,11 @@ impl TokenFencer {
                     .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))
             }
         });
-        join_all(writes).await.into_iter().collect()
+        join_all(writes)
+            .await
+            .into_iter()
+            .collect::<Result<(), String>>()
+            .map(|()| true)
     }
 
     /// Runs `call` on every replica of `replicas` at once; the first error
@@ -201,6 +215,47 @@ impl TokenFencer {
         join_all(calls).await.into_iter().collect()
     }
 
+    /// Makes the converged `extents` durable on every member, then drops
+    /// their marks through `term` there (older ones, and the ones the
+    /// copies made).
+    async fn settle(
+        &self,
+        term: u64,
+        all: &[&Arc<dyn Replica>],
+        stamps: &BTreeMap<String, Stamp>,
+        extents: &[u64],
+        report: &mut Convergence,
+    ) -> Result<(), String> {
+        if extents.is_empty() {
+            return Ok(());
+        }
+        let flushing = Instant::now();
+        self.on_all(all, |replica| {
+            let stamp = stamp_of(stamps, replica.id());
+            async move { replica.flush(stamp).await }
+        })
+        .await
+        .map_err(|e| format!("flushing converged extents: {e}"))?;
+        report.flushing += flushing.elapsed();
+        for chunk in extents.chunks(CONVERGE_BATCH) {
+            self.on_all(all, |replica| {
+                let stamp = stamp_of(stamps, replica.id());
+                async move {
+                    replica
+                        // Through `term`: the copies themselves marked the
+                        // extents with it on the targets, and no write of
+                        // `term` has happened yet (the gate is closed).
+                        .retire_marks(stamp, term, chunk)
+                        .await
+                        .map(|_| ())
+                }
+            })
+            .await
+            .map_err(|e| format!("retiring converged marks: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// `call` to `replica`, given up on once the replica falls silent for
     /// the timeout (see [`super::liveness`]).
     async fn within<T>(
@@ -223,7 +278,8 @@ impl TokenFencer {
         term: u64,
         members: &BTreeSet<String>,
         fenced: &BTreeMap<String, FenceReply>,
-    ) -> Result<usize, String> {
+    ) -> Result<Convergence, String> {
+        let mut report = Convergence::default();
         let source_id = if members.contains(&self.local_id) {
             self.local_id.clone()
         } else {
@@ -279,55 +335,78 @@ impl TokenFencer {
                     .is_some_and(|offset| offset < self.size)
             })
             .collect();
-        // In batches: copy a batch's extents in parallel, make them durable
-        // on every member, then drop their older marks there. A later
-        // attempt (after a timeout, or by the next writer) resumes with the
-        // extents still marked instead of starting over.
+        // In batches of extents compared (and copied where they differ) in
+        // parallel. Making them durable and dropping their older marks is
+        // left to the new writer, off the failover's path (see
+        // `Engine::retire_marks`), unless this attempt runs long or fails:
+        // then what it finished is settled here, so a later attempt (after
+        // a timeout, or by the next writer) resumes with the extents still
+        // marked instead of starting over.
+        let started = Instant::now();
+        let mut unsettled: Vec<u64> = Vec::new();
+        let mut copied_extents: Vec<u64> = Vec::new();
         for batch in extents.chunks(CONVERGE_BATCH) {
             let copies = futures::stream::iter(batch.iter().copied())
-                .map(|extent| self.copy_to_all(&stamps, source, &targets, extent, extent_size))
+                .map(|extent| {
+                    let copy = self.copy_to_all(&stamps, source, &targets, extent, extent_size);
+                    async move { (extent, copy.await) }
+                })
                 .buffer_unordered(COPIES_IN_FLIGHT);
-            let copied: Vec<Result<(), String>> = copies.collect().await;
-            copied.into_iter().collect::<Result<(), String>>()?;
-            self.on_all(&all, |replica| {
-                let stamp = stamp_of(&stamps, replica.id());
-                async move { replica.flush(stamp).await }
-            })
-            .await
-            .map_err(|e| format!("flushing converged extents: {e}"))?;
-            self.on_all(&all, |replica| {
-                let stamp = stamp_of(&stamps, replica.id());
-                async move {
-                    replica
-                        // Through `term`: the copies themselves marked the
-                        // batch with it on the targets, and no write of
-                        // `term` has happened yet (the gate is closed).
-                        .retire_marks(stamp, term, batch)
-                        .await
-                        .map(|_| ())
+            let outcomes: Vec<(u64, Result<bool, String>)> = copies.collect().await;
+            let mut failed = None;
+            for (extent, outcome) in outcomes {
+                match outcome {
+                    Ok(copied) => {
+                        if copied {
+                            copied_extents.push(extent);
+                        }
+                    }
+                    Err(err) => failed = failed.or(Some(err)),
                 }
-            })
-            .await
-            .map_err(|e| format!("retiring converged marks: {e}"))?;
+            }
+            if let Some(err) = failed {
+                self.floors.note_copied(term, copied_extents);
+                if let Err(settling) = self
+                    .settle(term, &all, &stamps, &unsettled, &mut report)
+                    .await
+                {
+                    tracing::warn!(term, %settling, "could not keep the convergence's progress");
+                }
+                return Err(err);
+            }
+            unsettled.extend_from_slice(batch);
+            if started.elapsed() >= SETTLE_AFTER {
+                self.settle(term, &all, &stamps, &unsettled, &mut report)
+                    .await?;
+                unsettled.clear();
+                copied_extents.clear();
+            }
         }
-        for id in members {
-            let replica = self.replica(id).ok_or("unknown replica")?;
-            self.within(replica, replica.flush(stamp_of(&stamps, id)))
-                .await
-                .map_err(|e| format!("flushing {id}: {e}"))?;
-            self.within(replica, replica.clear_dirty_below(term))
-                .await
-                .map_err(|e| format!("clearing marks on {id}: {e}"))?;
-        }
-        Ok(extents.len())
+        report.copied = copied_extents.len();
+        self.floors.note_copied(term, copied_extents);
+        report.marked = extents.len();
+        Ok(report)
     }
+}
+
+/// What one convergence did, for the log.
+#[derive(Debug, Default)]
+struct Convergence {
+    /// Extents marked by an older term on some member.
+    marked: usize,
+    /// Of those, extents that differed and were copied.
+    copied: usize,
+    /// Time spent making the batches durable.
+    flushing: Duration,
 }
 
 #[async_trait]
 impl Fencer for TokenFencer {
     async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String> {
+        let started = Instant::now();
         let committed = self.tracker.in_sync().await?;
         let fenced = self.fence_all(term).await?;
+        let fenced_after = started.elapsed();
         let need = self.replicas.len().saturating_sub(self.min_in_sync) + 1;
         if fenced.len() < need {
             return Err(format!(
@@ -357,7 +436,17 @@ impl Fencer for TokenFencer {
             self.tracker.remove(term, &unreached).await?
         };
         let converged = self.converge(term, &members, &fenced).await?;
-        tracing::info!(term, prev = ?prev_writer, fenced = ?fenced.keys().collect::<Vec<_>>(), converged, "fenced and reconciled");
+        tracing::info!(
+            term,
+            prev = ?prev_writer,
+            fenced = ?fenced.keys().collect::<Vec<_>>(),
+            converged = converged.marked,
+            copied = converged.copied,
+            fence_ms = fenced_after.as_millis() as u64,
+            flush_ms = converged.flushing.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            "fenced and reconciled"
+        );
         Ok(())
     }
 }

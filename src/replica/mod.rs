@@ -75,31 +75,57 @@ impl std::fmt::Display for Stamp {
     }
 }
 
-/// The floors the fencer found at its last fence, by replica id, shared with
-/// the engine of the same node: an activation stamps each replica's first
-/// request one generation above what the fencer used there, so a copy of
-/// the fence still on its way is drained or refused (no late landing).
+/// What the fencer found and left at its last fence, shared with the engine
+/// of the same node:
+/// - the floors, by replica id: an activation stamps each replica's first
+///   request one generation above what the fencer used there, so a copy of
+///   the fence still on its way is drained or refused (no late landing);
+/// - the extents its convergence copied: the copies marked them with the
+///   new term on their targets, and the writer retires those marks with
+///   its own once a flush made the copies durable (see
+///   `Engine::retire_marks`).
 #[derive(Debug, Default)]
-pub struct FloorBook(Mutex<std::collections::BTreeMap<String, Stamp>>);
+pub struct FloorBook {
+    floors: Mutex<std::collections::BTreeMap<String, Stamp>>,
+    copied: Mutex<(u64, std::collections::BTreeSet<u64>)>,
+}
 
 impl FloorBook {
     /// Records that replica `id`'s floor is `floor`.
     pub fn note(&self, id: &str, floor: Stamp) {
-        self.lock().insert(id.to_string(), floor);
+        lock(&self.floors).insert(id.to_string(), floor);
     }
 
     /// The recorded floors of `term`.
     pub fn of_term(&self, term: u64) -> Vec<(String, Stamp)> {
-        self.lock()
+        lock(&self.floors)
             .iter()
             .filter(|(_, stamp)| stamp.term == term)
             .map(|(id, stamp)| (id.clone(), *stamp))
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Stamp>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// Records that the convergence of `term` copied `extents`.
+    pub fn note_copied(&self, term: u64, extents: impl IntoIterator<Item = u64>) {
+        let mut copied = lock(&self.copied);
+        if copied.0 != term {
+            *copied = (term, Default::default());
+        }
+        copied.1.extend(extents);
     }
+
+    /// Takes the extents the convergence of `term` copied.
+    pub fn take_copied(&self, term: u64) -> std::collections::BTreeSet<u64> {
+        let mut copied = lock(&self.copied);
+        if copied.0 != term {
+            return Default::default();
+        }
+        std::mem::take(&mut copied.1)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// An extent that a writer of `term` may have written without an
