@@ -17,6 +17,7 @@
 pub mod engine;
 pub mod fencer;
 pub mod liveness;
+pub mod meta;
 pub mod remote;
 pub mod resync;
 pub mod service;

@@ -39,7 +39,7 @@
 //!   opening with another identity fails with a clear error and touches
 //!   nothing.
 
-use crate::sled_ops::Flusher;
+use super::meta::{Meta, MetaSlot};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -122,9 +122,8 @@ pub struct ReplicaStore {
     dir: PathBuf,
     identity: StoreIdentity,
     file: Arc<File>,
-    flusher: Flusher,
-    fence_tree: sled::Tree,
-    dirty_tree: sled::Tree,
+    /// The metadata database (see [`super::meta`]).
+    meta: Arc<MetaSlot>,
     /// The durable fence floor, mirrored in memory. Read guard: a request in
     /// flight. Write guard: a fence or a floor raise (drains the readers).
     floor: Arc<RwLock<Stamp>>,
@@ -171,8 +170,8 @@ impl ReplicaStore {
             .open()
             .map_err(|err| ReplicaError::Io(format!("opening {}: {err}", dir.display())))?;
         let identity_tree = db.open_tree("identity")?;
-        let fence_tree = db.open_tree("fence")?;
-        let dirty_tree = db.open_tree("dirty")?;
+        let meta = Meta::of(&db)?;
+        let fence_tree = &meta.fence;
 
         let data_path = dir.join(DATA_FILE);
         let stored = read_identity(&identity_tree)?;
@@ -227,13 +226,12 @@ impl ReplicaStore {
             Some(bytes) => decode_u64(&bytes, "stale-accept count")?,
             None => 0,
         };
+        let meta_path = dir.join(META_DIR);
         Ok(Self {
             dir,
             identity,
             file: Arc::new(file),
-            flusher: Flusher::new(&db),
-            fence_tree,
-            dirty_tree,
+            meta: MetaSlot::new(meta_path, meta),
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
             stale_accepts: AtomicU64::new(stale_accepts),
@@ -400,7 +398,7 @@ impl ReplicaStore {
         Ok(super::ReplicaInfo {
             floor: floor.term,
             generation: floor.generation,
-            dirty_extents: self.dirty_tree.len() as u64,
+            dirty_extents: self.meta.get()?.dirty.len() as u64,
             stale_accepts: self.stale_accepts(),
         })
     }
@@ -413,10 +411,11 @@ impl ReplicaStore {
 
     /// Every durable dirty mark, ordered by term then extent.
     pub fn dirty_extents(&self) -> Result<Vec<DirtyExtent>, ReplicaError> {
-        self.dirty_tree
+        let meta = self.meta.get()?;
+        meta.dirty
             .iter()
             .keys()
-            .map(|key| decode_dirty(&key?))
+            .map(|key| decode_dirty(&key.map_err(|e| self.meta.failed(e))?))
             .collect()
     }
 
@@ -432,14 +431,19 @@ impl ReplicaStore {
                 floor: drained.term,
             });
         }
+        let meta = self.meta.get()?;
         let end = term.to_be_bytes();
-        let keys: Vec<sled::IVec> = self
-            .dirty_tree
+        let keys: Vec<sled::IVec> = meta
+            .dirty
             .range(..end.as_slice())
             .keys()
-            .collect::<Result<_, _>>()?;
-        crate::sled_ops::remove_all(&self.dirty_tree, &keys)?;
-        self.flusher.flush().await?;
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.meta.failed(e))?;
+        crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
         self.lock_marked().retain(|mark| mark.term >= term);
         Ok(())
     }
@@ -478,14 +482,15 @@ impl ReplicaStore {
             term: through,
             extent: u64::MAX,
         });
+        let meta = self.meta.get()?;
         let mut keys = Vec::new();
-        for key in self.dirty_tree.range(..=end.as_slice()).keys() {
-            let key = key?;
+        for key in meta.dirty.range(..=end.as_slice()).keys() {
+            let key = key.map_err(|e| self.meta.failed(e))?;
             if wanted.contains(&decode_dirty(&key)?.extent) {
                 keys.push(key);
             }
         }
-        crate::sled_ops::remove_all(&self.dirty_tree, &keys)?;
+        crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
         self.lock_marked()
             .retain(|mark| mark.term > through || !wanted.contains(&mark.extent));
         Ok(keys.len())
@@ -517,17 +522,24 @@ impl ReplicaStore {
                     );
                     // One atomic read-modify-write, so concurrent stale
                     // admissions cannot store their counts out of order.
-                    let stored = self.fence_tree.update_and_fetch(STALE_ACCEPTS_KEY, |old| {
-                        let count = old
-                            .and_then(|bytes| <[u8; 8]>::try_from(bytes).ok())
-                            .map_or(0, u64::from_be_bytes);
-                        Some((count + 1).to_be_bytes().to_vec())
-                    })?;
+                    let meta = self.meta.get()?;
+                    let stored = meta
+                        .fence
+                        .update_and_fetch(STALE_ACCEPTS_KEY, |old| {
+                            let count = old
+                                .and_then(|bytes| <[u8; 8]>::try_from(bytes).ok())
+                                .map_or(0, u64::from_be_bytes);
+                            Some((count + 1).to_be_bytes().to_vec())
+                        })
+                        .map_err(|e| self.meta.failed(e))?;
                     let count = stored
                         .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_ref()).ok())
                         .map_or(0, u64::from_be_bytes);
                     self.stale_accepts.fetch_max(count, Ordering::SeqCst);
-                    self.flusher.flush().await?;
+                    meta.flusher
+                        .flush()
+                        .await
+                        .map_err(|e| self.meta.failed(e))?;
                     return Ok(guard);
                 }
                 return Err(ReplicaError::StaleTerm { term, floor });
@@ -545,8 +557,14 @@ impl ReplicaStore {
     async fn raise_floor(&self, stamp: Stamp) -> Result<Stamp, ReplicaError> {
         let mut floor = self.floor.write().await;
         if stamp > *floor {
-            self.fence_tree.insert(FLOOR_KEY, &encode_stamp(stamp))?;
-            self.flusher.flush().await?;
+            let meta = self.meta.get()?;
+            meta.fence
+                .insert(FLOOR_KEY, &encode_stamp(stamp))
+                .map_err(|e| self.meta.failed(e))?;
+            meta.flusher
+                .flush()
+                .await
+                .map_err(|e| self.meta.failed(e))?;
             *floor = stamp;
         }
         Ok(*floor)
@@ -571,8 +589,12 @@ impl ReplicaStore {
         }
         let empty: &[u8] = &[];
         let pairs = missing.iter().map(|mark| (encode_dirty(mark), empty));
-        crate::sled_ops::insert_all(&self.dirty_tree, pairs)?;
-        self.flusher.flush().await?;
+        let meta = self.meta.get()?;
+        crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
         self.lock_marked().extend(missing);
         Ok(())
     }
