@@ -15,7 +15,9 @@
 //! A second property drives the real engine over three real stores: random
 //! writes, replicas that fail, or hold a write on the wire past the replica
 //! timeout and let it land later (a late landing), releases, and online
-//! rebuilds racing the writes (a join racing a failing write). After every
+//! rebuilds racing the writes (a join racing a failing write), flushes that
+//! stall like a slow fsync, and the writer's mark-retirement passes racing
+//! all of it. After every
 //! step, and once everything held has landed or been refused:
 //!
 //! - every member of the committed in-sync set holds, for every block, the
@@ -355,6 +357,12 @@ mod engine_world {
         Release(usize),
         /// Rebuild replica i if it is out of sync and not being rebuilt.
         Rebuild(usize),
+        /// Replica i's flushes stall this many milliseconds each (a slow
+        /// fsync; longer than the replica timeout, it looks silent).
+        StallFlushes(usize, u64),
+        /// The writer's mark-retirement pass (it flushes every member),
+        /// in the background, racing whatever follows.
+        Retire,
         /// Let time pass.
         Wait(u64),
     }
@@ -368,6 +376,8 @@ mod engine_world {
             3 => node.clone().prop_map(Op::Heal),
             2 => node.clone().prop_map(Op::Release),
             2 => node.clone().prop_map(Op::Rebuild),
+            1 => (node.clone(), 1u64..400).prop_map(|(i, ms)| Op::StallFlushes(i, ms)),
+            2 => Just(Op::Retire),
             2 => (1u64..300).prop_map(Op::Wait),
         ]
     }
@@ -382,6 +392,7 @@ mod engine_world {
         /// acknowledged (None while in flight).
         history: BTreeMap<u64, Vec<(u8, Option<bool>)>>,
         writes: Vec<(u64, usize, JoinHandle<bool>)>,
+        /// Background rebuilds and retirement passes.
         rebuilds: Vec<JoinHandle<()>>,
         rebuilding: Arc<std::sync::Mutex<BTreeSet<usize>>>,
         held: [u64; 3],
@@ -480,6 +491,15 @@ mod engine_world {
                             rebuilding.lock().unwrap().remove(&i);
                         }));
                     }
+                }
+                Op::StallFlushes(i, ms) => {
+                    self.replicas[i].set(Fault::SlowFlushes(Duration::from_millis(ms)))
+                }
+                Op::Retire => {
+                    let engine = Arc::clone(&self.engine);
+                    self.rebuilds.push(tokio::spawn(async move {
+                        let _ = engine.retire_marks().await;
+                    }));
                 }
                 Op::Wait(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
             }

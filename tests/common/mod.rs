@@ -35,6 +35,9 @@ pub enum Fault {
     /// passes goes on even if its caller gave up on it, as a request already
     /// on the wire would: see [`FaultyReplica::late_outcomes`].
     HoldWrites { pass: bool },
+    /// Every flush takes this long before it reaches the store, as on a
+    /// disk whose fsync stalls; everything else passes.
+    SlowFlushes(Duration),
 }
 
 /// A local replica with a switchable fault.
@@ -110,6 +113,7 @@ impl FaultyReplica {
                 Err(ReplicaError::Unavailable("injected".into()))
             }
             Fault::FailWritesAt(_) => Ok(()),
+            Fault::SlowFlushes(_) => Ok(()),
             Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
             Fault::HoldWrites { pass } => {
                 self.held.send_modify(|n| *n += 1);
@@ -163,6 +167,10 @@ impl Replica for FaultyReplica {
         self.inner.read(offset, len).await
     }
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
+        let stall = *self.fault.lock().unwrap();
+        if let Fault::SlowFlushes(stall) = stall {
+            tokio::time::sleep(stall).await;
+        }
         self.gate(None).await?;
         self.inner.flush(stamp).await
     }
