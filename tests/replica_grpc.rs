@@ -546,3 +546,61 @@ async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer(
         assert_eq!(r.store().read(5 << 20, 1 << 20).await.unwrap(), expected);
     }
 }
+
+/// S6 and S7 together: the convergence leaves its flush to the writer, so
+/// a power cut of every node right after the fence, before the writer's
+/// first pass, undoes the copy. The older marks are durable and still
+/// there, so the next fence converges the extent again.
+#[tokio::test]
+async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_again() {
+    use common::power::PowerCutReplica;
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in ["n1", "n2", "n3"] {
+        nodes.push(PowerCutReplica::new(id, common::store(dir.path(), id).await).await);
+    }
+    let replicas: Vec<Arc<dyn Replica>> = nodes
+        .iter()
+        .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+        .collect();
+    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let fencer = TokenFencer::new(
+        "n1",
+        replicas,
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        2,
+        SIZE,
+        Duration::from_secs(1),
+    );
+    // Term 1's writer left a write on n2 only, durable there (FUA).
+    let extent = 2u64 << 20;
+    nodes[1]
+        .write(Stamp::from(1), extent, block(0xe7), true)
+        .await
+        .unwrap();
+    fencer.fence(None, 2).await.unwrap();
+    let n1 = nodes[0].store().read(extent, 4096).await.unwrap();
+    assert_eq!(nodes[1].store().read(extent, 4096).await.unwrap(), n1);
+
+    for node in &nodes {
+        node.power_cut().await;
+    }
+    assert!(
+        nodes[1].store().read(extent, 4096).await.unwrap() == block(0xe7),
+        "the power cut undid the unflushed copy on n2"
+    );
+    assert!(
+        nodes[1]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .iter()
+            .any(|m| m.term == 1 && m.extent == 2),
+        "term 1's mark outlived the fence that did not flush"
+    );
+    fencer.fence(None, 3).await.unwrap();
+    for node in &nodes {
+        assert_eq!(node.store().read(extent, 4096).await.unwrap(), n1);
+    }
+}
