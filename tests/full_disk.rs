@@ -41,21 +41,6 @@ impl Drop for Tmpfs {
     }
 }
 
-/// Fills the file system at `dir` to the last byte.
-fn fill(dir: &Path) -> std::path::PathBuf {
-    use std::io::Write;
-    let path = dir.join("filler");
-    let mut file = std::fs::File::create(&path).expect("create the filler");
-    let chunk = vec![0u8; 1 << 20];
-    let mut size = chunk.len();
-    while size > 0 {
-        if file.write_all(&chunk[..size]).is_err() {
-            size /= 2;
-        }
-    }
-    path
-}
-
 fn block(byte: u8) -> Bytes {
     Bytes::from(vec![byte; 4096])
 }
@@ -77,7 +62,8 @@ async fn a_store_whose_disk_filled_up_works_again_once_there_is_room() {
     .expect("open the store");
     store.fence(3).await.unwrap();
     store.write(3, 0, block(1), false).await.unwrap();
-    let filler = fill(fs.path());
+    let filler = fs.path().join("filler");
+    common::fill_file_system(&filler);
 
     // Writes into new extents need new marks: with no room, some fail.
     let mut refused = 0;

@@ -358,6 +358,7 @@ impl TokenFencer {
                 match outcome {
                     Ok(copied) => {
                         if copied {
+                            report.copied += 1;
                             copied_extents.push(extent);
                         }
                     }
@@ -382,7 +383,6 @@ impl TokenFencer {
                 copied_extents.clear();
             }
         }
-        report.copied = copied_extents.len();
         self.floors.note_copied(term, copied_extents);
         report.marked = extents.len();
         Ok(report)

@@ -116,6 +116,24 @@ mod tests {
         Ok(())
     }
 
+    /// Replica `id` answers `count` other requests, one every half timeout,
+    /// in the background.
+    fn answering_others(
+        liveness: &Arc<Liveness>,
+        id: &'static str,
+        count: u32,
+    ) -> tokio::task::JoinHandle<()> {
+        let liveness = Arc::clone(liveness);
+        tokio::spawn(async move {
+            for _ in 0..count {
+                liveness
+                    .bounded(id, TIMEOUT, answer_after(TIMEOUT / 2))
+                    .await
+                    .expect("an answered request succeeds");
+            }
+        })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_silent_replica_fails_after_one_timeout() {
         let liveness = Liveness::default();
@@ -132,17 +150,7 @@ mod tests {
         let liveness = Arc::new(Liveness::default());
         // Others are answered every half timeout while one request waits
         // five timeouts in the queue.
-        let others = {
-            let liveness = Arc::clone(&liveness);
-            tokio::spawn(async move {
-                for _ in 0..12 {
-                    liveness
-                        .bounded("r", TIMEOUT, answer_after(TIMEOUT / 2))
-                        .await
-                        .unwrap();
-                }
-            })
-        };
+        let others = answering_others(&liveness, "r", 12);
         let slow = liveness.bounded("r", TIMEOUT, answer_after(TIMEOUT * 5));
         assert!(slow.await.is_ok());
         others.await.unwrap();
@@ -151,16 +159,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_the_replica_lost_fails_even_while_others_are_answered() {
         let liveness = Arc::new(Liveness::default());
-        let others = {
-            let liveness = Arc::clone(&liveness);
-            tokio::spawn(async move {
-                for _ in 0..(STUCK_AFTER * 3) {
-                    let _ = liveness
-                        .bounded("r", TIMEOUT, answer_after(TIMEOUT / 2))
-                        .await;
-                }
-            })
-        };
+        let others = answering_others(&liveness, "r", STUCK_AFTER * 3);
         let started = Instant::now();
         let lost = liveness
             .bounded("r", TIMEOUT, std::future::pending::<Result<(), _>>())
@@ -173,16 +172,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn answers_from_one_replica_do_not_keep_another_alive() {
         let liveness = Arc::new(Liveness::default());
-        let others = {
-            let liveness = Arc::clone(&liveness);
-            tokio::spawn(async move {
-                for _ in 0..20 {
-                    let _ = liveness
-                        .bounded("a", TIMEOUT, answer_after(TIMEOUT / 2))
-                        .await;
-                }
-            })
-        };
+        let others = answering_others(&liveness, "a", 20);
         let started = Instant::now();
         let silent = liveness
             .bounded("b", TIMEOUT, std::future::pending::<Result<(), _>>())

@@ -88,15 +88,7 @@ impl Disks {
 
     /// Fills node `id`'s replica file system to the last byte.
     fn fill(cluster: &Cluster, id: u64) {
-        use std::io::Write;
-        let mut file = std::fs::File::create(Self::filler(cluster, id)).expect("create the filler");
-        let chunk = vec![0u8; 1 << 20];
-        let mut size = chunk.len();
-        while size > 0 {
-            if file.write_all(&chunk[..size]).is_err() {
-                size /= 2;
-            }
-        }
+        common::fill_file_system(&Self::filler(cluster, id));
     }
 
     fn free(cluster: &Cluster, id: u64) {

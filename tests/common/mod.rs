@@ -306,3 +306,17 @@ pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Fills the file system that holds `path` to the last byte, with a file
+/// at `path` (a full disk, for the tests that need one).
+pub fn fill_file_system(path: &std::path::Path) {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).expect("create the filler");
+    let chunk = vec![0u8; 1 << 20];
+    let mut size = chunk.len();
+    while size > 0 {
+        if file.write_all(&chunk[..size]).is_err() {
+            size /= 2;
+        }
+    }
+}
