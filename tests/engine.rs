@@ -608,3 +608,57 @@ async fn marks_of_acknowledged_durable_writes_are_retired_during_the_term() {
     assert_eq!(rig.engine.retire_marks().await.unwrap(), 1);
     assert_eq!(marks(0), vec![9]);
 }
+
+/// What a client was promised survives a power cut of every replica at
+/// once: a write acknowledged with FUA, and a write followed by an
+/// acknowledged flush, are on every disk. A write with neither may be lost;
+/// the double does lose it, which shows that the test can see a loss.
+#[tokio::test]
+async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every_replica() {
+    use common::power::PowerCutReplica;
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        nodes.push(PowerCutReplica::new(id, store(dir.path(), id).await).await);
+    }
+    let replicas: Vec<Arc<dyn Replica>> = nodes
+        .iter()
+        .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+        .collect();
+    let tracker = LoggingTracker::new(&IDS, Arc::default());
+    let engine = Engine::new(
+        EngineConfig {
+            local_id: "n1".into(),
+            min_in_sync: 2,
+            replica_timeout: SHORT,
+            size: SIZE,
+        },
+        replicas,
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+    )
+    .unwrap();
+    engine.activate(2).await.unwrap();
+    let (fua, flushed, loose) = (0, 1 << 20, 2 << 20);
+    engine.write_at(flushed, block(0xf2), false).await.unwrap();
+    engine.flush().await.unwrap();
+    // After the flush, so that only its own FUA can make it durable.
+    engine.write_at(fua, block(0xf1), true).await.unwrap();
+    engine.write_at(loose, block(0xf3), false).await.unwrap();
+    assert_eq!(tracker.in_sync().await.unwrap(), set(&IDS));
+    for node in &nodes {
+        node.power_cut().await;
+    }
+    for (node, id) in nodes.iter().zip(IDS) {
+        let on = |offset| async move { node.store().read(offset, 4096).await.unwrap() };
+        assert!(on(fua).await == block(0xf1), "{id} lost a FUA write");
+        assert!(
+            on(flushed).await == block(0xf2),
+            "{id} lost a flushed write"
+        );
+        assert!(
+            on(loose).await == Bytes::from(vec![0; 4096]),
+            "{id} kept a write that was never made durable: the double cut nothing"
+        );
+    }
+}

@@ -81,11 +81,17 @@ impl PowerCutReplica {
             (ranges, state.image.clone())
         };
         let store = self.inner.store();
-        let term = store.floor().await.max(1);
+        // At the store's own floor, so the restore is neither refused as
+        // stale nor raises the floor.
+        let info = store.info().await.expect("the store's floor");
+        let stamp = Stamp {
+            term: info.floor.max(1),
+            generation: info.generation,
+        };
         for (offset, len) in restore {
             let old = Bytes::copy_from_slice(&image[offset as usize..(offset + len) as usize]);
             store
-                .write(term, offset, old, true)
+                .write(stamp, offset, old, true)
                 .await
                 .expect("restore the durable image");
         }
