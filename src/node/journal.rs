@@ -36,9 +36,12 @@ pub struct FileJournal {
 
 struct Inner {
     file: File,
-    /// The term and the latest end logged for it.
+    /// The term and the latest end logged for it: on the wall clock, and
+    /// the monotonic deadline it came from (compared without conversion,
+    /// whose jitter would make the same deadline look later).
     term: u64,
     logged_end: u64,
+    logged_deadline: Option<Instant>,
     /// Whether a write already failed (warned once, not per line).
     failed: bool,
 }
@@ -52,6 +55,7 @@ impl FileJournal {
                 file,
                 term: 0,
                 logged_end: 0,
+                logged_deadline: None,
                 failed: false,
             }),
         })
@@ -100,6 +104,7 @@ impl GateJournal for FileJournal {
         let mut inner = self.lock();
         inner.term = term;
         inner.logged_end = at.max(until);
+        inner.logged_deadline = deadline;
         Self::append(
             &mut inner,
             format!("open term={term} at={at} until={until}\n"),
@@ -109,11 +114,15 @@ impl GateJournal for FileJournal {
     fn admitted(&self, term: u64, deadline: Instant) {
         let (at, until) = (wall_now_ns(), wall_ns(deadline));
         let mut inner = self.lock();
-        if inner.term == term && at.max(until) <= inner.logged_end {
+        let known = inner.logged_deadline.is_some_and(|logged| deadline <= logged);
+        if inner.term == term && known && at <= inner.logged_end {
             return;
         }
-        inner.term = term;
-        inner.logged_end = at.max(until);
+        if inner.term != term {
+            (inner.term, inner.logged_end, inner.logged_deadline) = (term, 0, None);
+        }
+        inner.logged_end = inner.logged_end.max(at.max(until));
+        inner.logged_deadline = inner.logged_deadline.max(Some(deadline));
         Self::append(
             &mut inner,
             format!("admit term={term} at={at} until={until}\n"),
