@@ -512,34 +512,7 @@ impl ReplicaStore {
             }
             if term < floor {
                 if cfg!(feature = "unsafe-skip-term-check") {
-                    // The deliberately broken build: admit it, and count it
-                    // durably (a restart must not hide it) where the fault
-                    // campaign's checker looks.
-                    tracing::warn!(
-                        term,
-                        floor,
-                        "admitted a stale term (unsafe-skip-term-check)"
-                    );
-                    // One atomic read-modify-write, so concurrent stale
-                    // admissions cannot store their counts out of order.
-                    let meta = self.meta.get()?;
-                    let stored = meta
-                        .fence
-                        .update_and_fetch(STALE_ACCEPTS_KEY, |old| {
-                            let count = old
-                                .and_then(|bytes| <[u8; 8]>::try_from(bytes).ok())
-                                .map_or(0, u64::from_be_bytes);
-                            Some((count + 1).to_be_bytes().to_vec())
-                        })
-                        .map_err(|e| self.meta.failed(e))?;
-                    let count = stored
-                        .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_ref()).ok())
-                        .map_or(0, u64::from_be_bytes);
-                    self.stale_accepts.fetch_max(count, Ordering::SeqCst);
-                    meta.flusher
-                        .flush()
-                        .await
-                        .map_err(|e| self.meta.failed(e))?;
+                    self.count_stale_accept(term, floor).await?;
                     return Ok(guard);
                 }
                 return Err(ReplicaError::StaleTerm { term, floor });
@@ -550,6 +523,38 @@ impl ReplicaStore {
             drop(guard);
             self.raise_floor(stamp).await?;
         }
+    }
+
+    /// The deliberately broken build (feature `unsafe-skip-term-check`)
+    /// admits a stale request instead of refusing it, and counts it here:
+    /// durably, so a restart cannot hide it from the fault campaign's
+    /// checker. Never called in a correct build.
+    async fn count_stale_accept(&self, term: u64, floor: u64) -> Result<(), ReplicaError> {
+        tracing::warn!(
+            term,
+            floor,
+            "admitted a stale term (unsafe-skip-term-check)"
+        );
+        // One atomic read-modify-write, so concurrent stale admissions
+        // cannot store their counts out of order.
+        let meta = self.meta.get()?;
+        let stored = meta
+            .fence
+            .update_and_fetch(STALE_ACCEPTS_KEY, |old| {
+                let count = old
+                    .and_then(|bytes| <[u8; 8]>::try_from(bytes).ok())
+                    .map_or(0, u64::from_be_bytes);
+                Some((count + 1).to_be_bytes().to_vec())
+            })
+            .map_err(|e| self.meta.failed(e))?;
+        let count = stored
+            .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_ref()).ok())
+            .map_or(0, u64::from_be_bytes);
+        self.stale_accepts.fetch_max(count, Ordering::SeqCst);
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))
     }
 
     /// Takes the write guard (draining every request in flight), raises the
