@@ -16,8 +16,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use replica_ha::ha::WriterEngine;
+use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::replica::{
-    Engine, EngineConfig, LocalReplica, MemoryInSync, Replica, ReplicaStore, StoreIdentity,
+    Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
 };
 use replica_ha::volume::Device;
 

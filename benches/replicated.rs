@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use replica_ha::ha::WriterEngine;
+use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
-    Engine, EngineConfig, LocalReplica, MemoryInSync, Replica, ReplicaStore, StoreIdentity,
+    Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
 };
 use replica_ha::volume::Device;
 
@@ -39,9 +40,13 @@ async fn serve(store: Arc<ReplicaStore>) -> String {
         .expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     tokio::spawn(
-        replica_ha::net::server()
-            .add_service(ReplicaService::new(store).into_server())
-            .serve_with_incoming(replica_ha::net::incoming(listener)),
+        replica_ha::net::Transport::default()
+            .server()
+            .add_service(replica_ha::net::Transport::default().serve(
+                replica_ha::net::Audience::Members,
+                ReplicaService::new(store).into_server(),
+            ))
+            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
     );
     addr
 }
@@ -71,10 +76,17 @@ async fn main() {
         open(dir.path(), "n3").await,
     );
     let timeout = Duration::from_secs(5);
+    let transport = replica_ha::net::Transport::default();
     let replicas: Vec<Arc<dyn Replica>> = vec![
         Arc::new(LocalReplica::new("n1", s1)),
-        Arc::new(RemoteReplica::new("n2", &serve(s2).await, "bench", "vol0", timeout).expect("n2")),
-        Arc::new(RemoteReplica::new("n3", &serve(s3).await, "bench", "vol0", timeout).expect("n3")),
+        Arc::new(
+            RemoteReplica::new("n2", &transport, &serve(s2).await, "bench", "vol0", timeout)
+                .expect("n2"),
+        ),
+        Arc::new(
+            RemoteReplica::new("n3", &transport, &serve(s3).await, "bench", "vol0", timeout)
+                .expect("n3"),
+        ),
     ];
     let engine = Engine::new(
         EngineConfig {

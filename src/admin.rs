@@ -33,11 +33,9 @@ impl AdminService {
         Self { view }
     }
 
-    /// The tonic server of this service.
+    /// The tonic server of this service (the transport sets its limits).
     pub fn into_server(self) -> AdminServer<Self> {
         AdminServer::new(self)
-            .max_decoding_message_size(crate::net::MAX_MESSAGE)
-            .max_encoding_message_size(crate::net::MAX_MESSAGE)
     }
 }
 

@@ -24,7 +24,11 @@ fn block(tag: u64) -> Bytes {
 }
 
 fn replica_client(cluster: &Cluster, id: u64) -> ReplicaClient<tonic::transport::Channel> {
-    ReplicaClient::new(replica_ha::net::channel(&cluster.addrs[&id].to_string()).unwrap())
+    ReplicaClient::new(
+        replica_ha::net::Transport::default()
+            .channel(&cluster.addrs[&id].to_string())
+            .unwrap(),
+    )
 }
 
 fn volume() -> Option<pb::VolumeRef> {
@@ -143,7 +147,9 @@ async fn acknowledged_writes_survive_a_sigkill_of_the_writer() {
     let in_flight = {
         let addr = cluster.addrs[&old].to_string();
         tokio::spawn(async move {
-            let channel = replica_ha::net::channel(&addr).unwrap();
+            let channel = replica_ha::net::Transport::default()
+                .channel(&addr)
+                .unwrap();
             let mut client = replica_ha::proto::admin::admin_client::AdminClient::new(channel);
             let mut acked = Vec::new();
             for i in 40..400u64 {
@@ -226,7 +232,9 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     for worker in 0..4u64 {
         let addr = cluster.addrs[&old].to_string();
         writers.push(tokio::spawn(async move {
-            let channel = replica_ha::net::channel(&addr).unwrap();
+            let channel = replica_ha::net::Transport::default()
+                .channel(&addr)
+                .unwrap();
             let mut client = replica_ha::proto::admin::admin_client::AdminClient::new(channel);
             for i in 0..2000u64 {
                 // Overlapping: every worker cycles over the same 64 blocks.
@@ -293,8 +301,8 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
     let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     cluster.write(writer, 0, block(7)).await.unwrap();
     let target = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
-    let mut client =
-        replica_client(&cluster, target).max_encoding_message_size(replica_ha::net::MAX_MESSAGE);
+    let mut client = replica_client(&cluster, target)
+        .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
     let write = |cluster_id: &str, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
         volume: Some(pb::VolumeRef {
             cluster_id: cluster_id.into(),

@@ -574,6 +574,7 @@ async fn members_and_campaign_come_from_the_coordinator() {
         cluster
             .elect("nobody")
             .unwrap_err()
+            .to_string()
             .contains("unknown node")
     );
     assert_eq!(Role::FencePending.as_str(), "fence_pending");

@@ -25,8 +25,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Fault, FaultyReplica, LoggingTracker, SHORT, SIZE, store};
+use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::{ReplicaState, WriterEngine};
-use replica_ha::replica::{Engine, EngineConfig, InSyncTracker, Replica};
+use replica_ha::replica::{Engine, EngineConfig, Replica};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
 const IDS: [&str; 3] = ["n1", "n2", "n3"];
@@ -307,7 +308,7 @@ async fn invalid_configurations_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let a: Arc<dyn Replica> = FaultyReplica::new("a", store(dir.path(), "a").await);
     let b: Arc<dyn Replica> = FaultyReplica::new("b", store(dir.path(), "b").await);
-    let tracker = Arc::new(replica_ha::replica::MemoryInSync::new(["a", "b"]));
+    let tracker = Arc::new(replica_ha::ha::fake::MemoryInSync::new(["a", "b"]));
     let config = |local: &str, min| EngineConfig {
         local_id: local.into(),
         min_in_sync: min,

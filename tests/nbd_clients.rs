@@ -310,7 +310,9 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     for id in &cluster.ids {
-        let channel = replica_ha::net::channel(&cluster.addrs[id].to_string()).unwrap();
+        let channel = replica_ha::net::Transport::default()
+            .channel(&cluster.addrs[id].to_string())
+            .unwrap();
         let mut health = HealthClient::new(channel);
         let check = |service: &str| HealthCheckRequest {
             service: service.into(),
@@ -335,7 +337,9 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    let channel = replica_ha::net::channel(&cluster.addrs[&writer].to_string()).unwrap();
+    let channel = replica_ha::net::Transport::default()
+        .channel(&cluster.addrs[&writer].to_string())
+        .unwrap();
     let mut reflection = ServerReflectionClient::new(channel);
     let request = ServerReflectionRequest {
         host: String::new(),

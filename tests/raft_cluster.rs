@@ -378,7 +378,9 @@ async fn a_frozen_leader_wakes_without_a_lease_and_its_gate_never_overlaps_the_n
         let addr = cluster.addrs[&old].to_string();
         let stop = Arc::clone(&stop);
         clients.push(tokio::spawn(async move {
-            let channel = replica_ha::net::channel(&addr).unwrap();
+            let channel = replica_ha::net::Transport::default()
+                .channel(&addr)
+                .unwrap();
             let mut client = AdminClient::new(channel);
             while !stop.load(Ordering::SeqCst) {
                 let mut request = tonic::Request::new(WriteRequest {

@@ -126,7 +126,13 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
             .filter(|(peer, _)| **peer != id)
             .map(|(peer, addr)| (*peer, addr.clone()))
             .collect();
-        let peers = Peers::new("lease-test".into(), id, others, timing.election_max);
+        let peers = Peers::new(
+            "lease-test".into(),
+            id,
+            others,
+            replica_ha::net::Transport::default(),
+            timing.election_max,
+        );
         let config = timing.raft_config("lease-test").unwrap();
         let raft = Raft::new(
             id,
@@ -139,11 +145,15 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
         .unwrap();
         let coordinator =
             RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing);
-        let service = RaftService::new(raft.clone(), Arc::clone(&peers)).into_server();
+        let service = replica_ha::net::Transport::default().serve(
+            replica_ha::net::Audience::Members,
+            RaftService::new(raft.clone(), Arc::clone(&peers)).into_server(),
+        );
         let server = tokio::spawn(async move {
-            let _ = replica_ha::net::server()
+            let _ = replica_ha::net::Transport::default()
+                .server()
                 .add_service(service)
-                .serve_with_incoming(replica_ha::net::incoming(listener))
+                .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener))
                 .await;
         });
         let members: BTreeSet<NodeId> = ids.into_iter().collect();

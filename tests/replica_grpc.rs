@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{Fault, FaultyReplica, SIZE, store};
+use replica_ha::ha::InSyncTracker;
+use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ha::{Fencer, WriterEngine};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
@@ -22,8 +24,7 @@ use replica_ha::replica::fencer::TokenFencer;
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
-    Engine, EngineConfig, FloorBook, InSyncTracker, LocalReplica, MemoryInSync, Replica,
-    ReplicaError, ReplicaStore, Stamp,
+    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaStore, Stamp,
 };
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
 use tonic::Code;
@@ -32,9 +33,13 @@ async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
-        replica_ha::net::server()
-            .add_service(ReplicaService::new(store).into_server())
-            .serve_with_incoming(replica_ha::net::incoming(listener)),
+        replica_ha::net::Transport::default()
+            .server()
+            .add_service(replica_ha::net::Transport::default().serve(
+                replica_ha::net::Audience::Members,
+                ReplicaService::new(store).into_server(),
+            ))
+            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
     );
     addr
 }
@@ -53,6 +58,7 @@ fn block(byte: u8) -> Bytes {
 fn remote(addr: SocketAddr, id: &str) -> RemoteReplica {
     RemoteReplica::new(
         id,
+        &replica_ha::net::Transport::default(),
         &addr.to_string(),
         "test",
         "vol0",
@@ -73,9 +79,13 @@ async fn a_fence_tells_the_node_its_new_floor() {
         Arc::new(move |floor| seen.lock().unwrap().push(floor))
     });
     tokio::spawn(
-        replica_ha::net::server()
-            .add_service(service.into_server())
-            .serve_with_incoming(replica_ha::net::incoming(listener)),
+        replica_ha::net::Transport::default()
+            .server()
+            .add_service(
+                replica_ha::net::Transport::default()
+                    .serve(replica_ha::net::Audience::Members, service.into_server()),
+            )
+            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
     );
     remote(addr, "n1").fence(4).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![4]);
@@ -127,8 +137,12 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), "n1").await;
     let addr = serve(Arc::clone(&local)).await;
-    let mut client = ReplicaClient::new(replica_ha::net::channel(&addr.to_string()).unwrap())
-        .max_encoding_message_size(replica_ha::net::MAX_MESSAGE);
+    let mut client = ReplicaClient::new(
+        replica_ha::net::Transport::default()
+            .channel(&addr.to_string())
+            .unwrap(),
+    )
+    .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
     local.write(5, 0, block(5), false).await.unwrap();
 
     let write =
@@ -225,6 +239,7 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
     });
     let replica = RemoteReplica::new(
         "n9",
+        &replica_ha::net::Transport::default(),
         &addr.to_string(),
         "test",
         "vol0",
@@ -393,7 +408,7 @@ async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
     rig.replicas[1].set(Fault::Fail);
     rig.replicas[2].set(Fault::Hang);
     let err = rig.fencer.fence(None, 2).await.unwrap_err();
-    assert!(err.contains("only 1 of 3"), "{err}");
+    assert!(err.to_string().contains("only 1 of 3"), "{err}");
     assert_eq!(
         rig.tracker.in_sync().await.unwrap(),
         set(&["n1", "n2", "n3"])
@@ -405,7 +420,7 @@ async fn a_fence_without_an_in_sync_member_fails() {
     let rig = fence_rig(&["n3"]).await;
     rig.replicas[2].set(Fault::Fail);
     let err = rig.fencer.fence(None, 2).await.unwrap_err();
-    assert!(err.contains("in-sync"), "{err}");
+    assert!(err.to_string().contains("in-sync"), "{err}");
     assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&["n3"]));
 }
 
@@ -414,7 +429,7 @@ async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
     let rig = fence_rig(&["n1", "n2", "n3"]).await;
     rig.replicas[1].store().fence(7).await.unwrap();
     let err = rig.fencer.fence(None, 5).await.unwrap_err();
-    assert!(err.contains("newer writer"), "{err}");
+    assert!(err.to_string().contains("newer writer"), "{err}");
 }
 
 /// S6: an older writer left an unacknowledged write on one replica only;

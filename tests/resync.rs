@@ -22,7 +22,9 @@ const MIB: u64 = 1 << 20;
 
 /// The BLAKE3 extent digests of node `id`'s whole replica.
 async fn digests(cluster: &Cluster, id: u64) -> Vec<Bytes> {
-    let channel = replica_ha::net::channel(&cluster.addrs[&id].to_string()).unwrap();
+    let channel = replica_ha::net::Transport::default()
+        .channel(&cluster.addrs[&id].to_string())
+        .unwrap();
     let mut client = ReplicaClient::new(channel);
     let reply = client
         .digest(pb::DigestRequest {

@@ -206,7 +206,9 @@ impl World {
                         self.advance(deadline - now).await?;
                     }
                 }
-                self.cluster.elect(NODES[i]).map_err(TestCaseError::fail)?;
+                self.cluster
+                    .elect(NODES[i])
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
             }
             Op::Renew => self.cluster.renew(),
             Op::Expire { notify } => self.cluster.expire(notify),
@@ -330,9 +332,11 @@ mod engine_world {
 
     use bytes::Bytes;
     use proptest::prelude::*;
+    use replica_ha::ha::InSyncTracker;
     use replica_ha::ha::WriterEngine;
+    use replica_ha::ha::fake::MemoryInSync;
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
-    use replica_ha::replica::{Engine, EngineConfig, InSyncTracker, MemoryInSync, Replica};
+    use replica_ha::replica::{Engine, EngineConfig, Replica};
     use replica_ha::volume::Device;
     use tokio::task::JoinHandle;
 

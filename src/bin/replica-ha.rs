@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use replica_ha::net::{Limits, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides};
 use replica_ha::proto::admin::admin_client::AdminClient;
 use replica_ha::proto::admin::{StatusReply, StatusRequest, TransferRequest};
@@ -219,8 +220,10 @@ async fn run_node(args: NodeArgs) -> ExitCode {
 }
 
 async fn admin_client(addr: &str) -> Result<AdminClient<tonic::transport::Channel>, String> {
-    let channel = replica_ha::net::channel(addr)?;
-    Ok(AdminClient::new(channel))
+    let transport = Transport::plain(Limits::default());
+    transport
+        .client(addr, AdminClient::new)
+        .map_err(|e| e.to_string())
 }
 
 async fn status(addr: &str, json: bool) -> ExitCode {

@@ -46,7 +46,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{
-    ActiveDevice, Coordinator, Fencer, HaError, Leadership, ReplicaStatus, Writer, WriterEngine,
+    ActiveDevice, Coordinator, FenceError, Fencer, HaError, Leadership, ReplicaStatus, Writer,
+    WriterEngine,
 };
 
 /// Timing of the controller.
@@ -400,7 +401,7 @@ impl Controller {
             None => return Ok(Next::Again),
             Some(Ok(Ok(()))) => None,
             Some(Ok(Err(err))) => Some(err),
-            Some(Err(_)) => Some(format!("timed out after {:?}", self.config.fence_timeout)),
+            Some(Err(_)) => Some(FenceError::TimedOut(self.config.fence_timeout)),
         };
         if let Some(err) = failure {
             self.lock().fence_failures += 1;

@@ -14,6 +14,12 @@
 //! write of an older term can be acknowledged any more (S1). When in doubt it
 //! must fail: a failed fence keeps the new leader passive, which is safe; a
 //! false success lets two writers corrupt the volume.
+//!
+//! An [`InSyncTracker`] holds the committed in-sync set, and is the only way
+//! the writer's engine and the fencer change it (S5). Raft's coordinator
+//! provides the durable, committed one.
+
+use std::collections::BTreeSet;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
@@ -102,5 +108,111 @@ pub trait Fencer: Send + Sync {
     /// Fences every writer older than `term`, `prev_writer` among them (it
     /// may be `None` on a fresh volume). Ok only once no write of an older
     /// term can be acknowledged; idempotent.
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String>;
+    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError>;
+}
+
+/// Why a fence did not shut the previous writer out; the new leader stays
+/// passive and tries again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FenceError {
+    /// A replica has taken a newer term than the one being fenced with.
+    #[error("replica {replica} has seen term {floor} > {term}: a newer writer exists")]
+    NewerWriter {
+        replica: String,
+        floor: u64,
+        term: u64,
+    },
+    /// Too few replicas took the term for no older writer to reach
+    /// `min_in_sync` of them.
+    #[error(
+        "only {fenced} of {replicas} replicas took term {term}; {need} are needed to shut out the old writer"
+    )]
+    TooFewFenced {
+        term: u64,
+        fenced: usize,
+        replicas: usize,
+        need: usize,
+    },
+    /// None of the fenced replicas is in the committed in-sync set, so
+    /// none holds every acknowledged write.
+    #[error("no fenced replica is in the in-sync set {in_sync:?}; waiting for one")]
+    NoInSyncFenced { in_sync: BTreeSet<String> },
+    /// The in-sync set could not be read or changed.
+    #[error(transparent)]
+    InSync(#[from] InSyncError),
+    /// The fence did not finish within the controller's fence timeout.
+    #[error("timed out after {0:?}")]
+    TimedOut(std::time::Duration),
+    /// No in-sync replica is left to converge from.
+    #[error("no in-sync replica to converge from")]
+    NoSource,
+    /// The fenced replicas count their marks in different extent sizes.
+    #[error("replica {replica} reports extent size {reported}, not {expected}")]
+    ExtentSize {
+        replica: String,
+        reported: u64,
+        expected: u64,
+    },
+    /// A request to a replica failed while converging.
+    #[error("{step} on {replica}: {cause}")]
+    Replica {
+        step: &'static str,
+        replica: String,
+        cause: String,
+    },
+}
+
+impl FenceError {
+    /// A failed `step` (`"digesting extent"`, `"flushing"`, …) on `replica`.
+    pub fn replica(step: &'static str, replica: &str, cause: impl std::fmt::Display) -> Self {
+        Self::Replica {
+            step,
+            replica: replica.to_string(),
+            cause: cause.to_string(),
+        }
+    }
+}
+
+/// The committed in-sync set, and the only way the engine may change it.
+///
+/// Invariant (S5): every member holds every acknowledged write. So a replica
+/// that missed a write must be removed — durably, by a committed change —
+/// *before* that write is acknowledged, and it returns only through a
+/// finished resync.
+#[async_trait]
+pub trait InSyncTracker: Send + Sync {
+    /// The committed in-sync set.
+    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError>;
+    /// Commits the return of rebuilt `replicas` on behalf of the writer of
+    /// `term` and returns the committed set. Fails, changing nothing, unless
+    /// `term` is the recorded writer's.
+    async fn add(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, InSyncError>;
+    /// Commits the removal of `replicas` on behalf of the writer of `term`
+    /// and returns the committed set. Fails, changing nothing, when the
+    /// writer of `term` can no longer commit (it was deposed).
+    async fn remove(
+        &self,
+        term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, InSyncError>;
+}
+
+/// Why the in-sync set could not be read or changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InSyncError {
+    /// A replica id that names no node.
+    #[error("bad replica id {0:?}")]
+    BadId(String),
+    /// The change was refused, and nothing changed: its term is not the
+    /// recorded writer's.
+    #[error("in-sync change refused: {0}")]
+    Refused(String),
+    /// The change could not be committed: no quorum, a newer leader, or
+    /// shutting down.
+    #[error("in-sync change not committed: {0}")]
+    Uncommitted(String),
 }

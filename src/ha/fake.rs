@@ -10,11 +10,13 @@
 //!   command, and logs every attempt.
 //! - [`MemoryEngine`] is a [`WriterEngine`] over a byte vector that logs the
 //!   term of every write it accepts.
+//! - [`MemoryInSync`] is an in-sync set in memory whose commits fail on
+//!   command, as a deposed writer's would.
 //! - [`MemoryCopy`] is a node's own replica for the read gate
 //!   ([`super::LocalCopy`]), whose membership in the in-sync set the test
 //!   sets.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -25,13 +27,24 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{
-    Coordinator, Fencer, HaError, Leadership, Lease, LocalCopy, ReplicaState, ReplicaStatus,
-    Writer, WriterEngine,
+    Coordinator, FenceError, Fencer, HaError, InSyncError, InSyncTracker, Leadership, Lease,
+    LocalCopy, ReplicaState, ReplicaStatus, Writer, WriterEngine,
 };
 use crate::volume::{Access, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why [`FakeCluster::elect`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ElectError {
+    /// The current leader's lease has not run out.
+    #[error("the lease of term {term} is valid for another {remaining:?}")]
+    LeaseValid { term: u64, remaining: Duration },
+    /// No such node joined the fake cluster.
+    #[error("unknown node {0}")]
+    UnknownNode(String),
 }
 
 struct FakeNode {
@@ -116,20 +129,19 @@ impl FakeCluster {
     /// Elects `id` for a new term, granting it a fresh lease, and notifies
     /// every node that hears. Refused while the current leader's lease is
     /// valid. Returns the new term.
-    pub fn elect(&self, id: &str) -> Result<u64, String> {
+    pub fn elect(&self, id: &str) -> Result<u64, ElectError> {
         let mut state = lock(&self.state);
         let now = Instant::now();
         if let Some(lease) = state.leader_lease() {
             if now < lease.deadline {
-                return Err(format!(
-                    "the lease of term {} is valid for another {:?}",
-                    lease.term,
-                    lease.deadline - now
-                ));
+                return Err(ElectError::LeaseValid {
+                    term: lease.term,
+                    remaining: lease.deadline - now,
+                });
             }
         }
         if !state.nodes.contains_key(id) {
-            return Err(format!("unknown node {id}"));
+            return Err(ElectError::UnknownNode(id.to_string()));
         }
         state.term += 1;
         state.leader = Some(id.to_string());
@@ -414,7 +426,7 @@ pub struct FakeFencer {
 
 #[async_trait]
 impl Fencer for FakeFencer {
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String> {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError> {
         let delay = *lock(&self.script.delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -436,7 +448,13 @@ impl Fencer for FakeFencer {
         if ok {
             Ok(())
         } else {
-            Err(format!("{} could not fence for term {term}", self.node))
+            // As if no replica took the term.
+            Err(FenceError::TooFewFenced {
+                term,
+                fenced: 0,
+                replicas: 1,
+                need: 1,
+            })
         }
     }
 }
@@ -594,5 +612,83 @@ impl LocalCopy for MemoryCopy {
         Ok(Bytes::copy_from_slice(
             &data[offset as usize..(offset + len) as usize],
         ))
+    }
+}
+
+/// An in-sync set kept in memory, for a single process and for tests.
+/// The Raft coordinator provides the durable, committed one.
+pub struct MemoryInSync {
+    set: Mutex<BTreeSet<String>>,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl MemoryInSync {
+    /// Starts with `members` in sync.
+    pub fn new<I, S>(members: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            set: Mutex::new(members.into_iter().map(Into::into).collect()),
+            fail: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Makes every later `remove` fail, as a deposed writer's commit would.
+    pub fn fail_removals(&self, fail: bool) {
+        self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        self.set
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[async_trait]
+impl InSyncTracker for MemoryInSync {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError> {
+        Ok(self.lock().clone())
+    }
+    async fn remove(
+        &self,
+        _term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, InSyncError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(InSyncError::Refused("the fake refuses on command".into()));
+        }
+        let mut set = self.lock();
+        set.retain(|member| !replicas.contains(member));
+        Ok(set.clone())
+    }
+    async fn add(
+        &self,
+        _term: u64,
+        replicas: &BTreeSet<String>,
+    ) -> Result<BTreeSet<String>, InSyncError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(InSyncError::Refused("the fake refuses on command".into()));
+        }
+        let mut set = self.lock();
+        set.extend(replicas.iter().cloned());
+        Ok(set.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn memory_in_sync_removes_and_refuses_on_command() {
+        let set = MemoryInSync::new(["a", "b", "c"]);
+        let removed: BTreeSet<String> = ["b".to_string()].into();
+        assert_eq!(set.remove(1, &removed).await.unwrap().len(), 2);
+        set.fail_removals(true);
+        assert!(set.remove(1, &removed).await.is_err());
+        assert_eq!(set.in_sync().await.unwrap().len(), 2);
     }
 }

@@ -8,6 +8,8 @@
 //!   term is both the lease and the fencing token. It also exposes the live
 //!   [`Lease`] deadline that the gate checks on every write (S4).
 //! - [`Fencer`] shuts the previous writer out before a new one writes (S1).
+//! - [`InSyncTracker`] holds the committed in-sync set; the engine and the
+//!   fencer change it only through a commit (S5).
 //! - [`WriterEngine`] is the data plane the gate fronts: a [`Device`] that can
 //!   be activated with a term.
 //! - [`Controller`] is the state machine `Follower → FencePending → Leader`.
@@ -38,7 +40,9 @@ mod reads;
 use async_trait::async_trait;
 
 pub use controller::{Controller, ControllerConfig, Role, Status};
-pub use coordinator::{Coordinator, Fencer, Leadership, Lease, Writer};
+pub use coordinator::{
+    Coordinator, FenceError, Fencer, InSyncError, InSyncTracker, Leadership, Lease, Writer,
+};
 pub use gate::{ActiveDevice, GateJournal};
 pub use reads::{LocalCopy, ReadGate};
 
@@ -104,7 +108,7 @@ pub enum HaError {
     /// Fence-before-promote could not confirm the old writer is shut out; the
     /// node stays passive.
     #[error("fence failed, refusing to promote: {0}")]
-    FenceFailed(String),
+    FenceFailed(#[from] FenceError),
     /// The controller was stopped.
     #[error("controller stopped")]
     Stopped,
@@ -114,4 +118,8 @@ pub enum HaError {
     /// The coordinator failed or its observation stream ended.
     #[error("coordinator: {0}")]
     Coordinator(String),
+    /// The replicated state machine refused a committed request, changing
+    /// nothing (its term is not the recorded writer's, or it is stale).
+    #[error("refused: {0}")]
+    Refused(String),
 }

@@ -36,9 +36,10 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
-use crate::ha::{Controller, ControllerConfig, Coordinator, ReadGate};
+use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGate};
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::nbd::Export;
+use crate::net::{Audience, Limits, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
@@ -47,8 +48,8 @@ use crate::replica::remote::RemoteReplica;
 use crate::replica::resync::{ResyncConfig, Resyncer};
 use crate::replica::service::ReplicaService;
 use crate::replica::{
-    Engine, EngineConfig, FloorBook, InSyncTracker, LocalReplica, Replica, ReplicaError,
-    ReplicaStore, StoreIdentity,
+    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaStore,
+    StoreIdentity,
 };
 use view::NodeView;
 
@@ -121,10 +122,12 @@ impl Node {
             .filter(|(id, _)| **id != config.id)
             .map(|(id, addr)| (*id, addr.to_string()))
             .collect();
+        let transport = Transport::plain(Limits::default());
         let peers = Peers::new(
             config.cluster_id.clone(),
             config.id,
             addresses,
+            transport.clone(),
             config.timing.election_max,
         );
         let raft_config = config
@@ -159,7 +162,8 @@ impl Node {
         };
 
         let store = Arc::new(open_replica(&config).await?);
-        let (controller, engine, replicas) = start_controller(&config, &store, &coordinator)?;
+        let (controller, engine, replicas) =
+            start_controller(&config, &transport, &store, &coordinator)?;
         if let Some(path) = &config.gate_journal {
             let journal = journal::FileJournal::open(path)
                 .map_err(|err| ConfigError(format!("gate journal {}: {err}", path.display())))?;
@@ -212,21 +216,22 @@ impl Node {
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
+        let replica_service = ReplicaService::new(Arc::clone(&store)).on_fenced({
+            let controller = Arc::clone(&controller);
+            Arc::new(move |floor| controller.step_down(floor))
+        });
         let server = tokio::spawn(
-            crate::net::server()
-                .add_service(RaftService::new(raft.clone(), Arc::clone(&peers)).into_server())
-                .add_service(
-                    ReplicaService::new(Arc::clone(&store))
-                        .on_fenced({
-                            let controller = Arc::clone(&controller);
-                            Arc::new(move |floor| controller.step_down(floor))
-                        })
-                        .into_server(),
-                )
-                .add_service(admin.into_server())
+            transport
+                .server()
+                .add_service(transport.serve(
+                    Audience::Members,
+                    RaftService::new(raft.clone(), Arc::clone(&peers)).into_server(),
+                ))
+                .add_service(transport.serve(Audience::Members, replica_service.into_server()))
+                .add_service(transport.serve(Audience::Operators, admin.into_server()))
                 .add_service(health_service)
                 .add_service(reflection)
-                .serve_with_incoming_shutdown(crate::net::incoming(listener), async move {
+                .serve_with_incoming_shutdown(transport.incoming(listener), async move {
                     let _ = stopped.wait_for(|stop| *stop).await;
                 }),
         );
@@ -413,6 +418,7 @@ type Replicas = Vec<Arc<dyn Replica>>;
 /// the replicas, this node's first.
 fn start_controller(
     config: &NodeConfig,
+    transport: &Transport,
     store: &Arc<ReplicaStore>,
     coordinator: &Arc<RaftCoordinator>,
 ) -> Result<(Arc<Controller>, Arc<Engine>, Replicas), NodeError> {
@@ -423,6 +429,7 @@ fn start_controller(
         if *id != config.id {
             let remote = RemoteReplica::new(
                 id.to_string(),
+                transport,
                 &addr.to_string(),
                 &config.cluster_id,
                 &config.volume,
@@ -431,7 +438,7 @@ fn start_controller(
                 // take as long as they may wait.
                 crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
             )
-            .map_err(ConfigError)?;
+            .map_err(|e| ConfigError(e.to_string()))?;
             replicas.push(Arc::new(remote));
         }
     }

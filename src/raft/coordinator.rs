@@ -35,9 +35,8 @@ use tokio::time::Instant;
 use super::network::Peers;
 use super::state_machine::Applied;
 use super::{NodeId, Raft, Request, Response, StateMachine, WriterRecord};
-use crate::ha::{Coordinator, HaError, Leadership, Lease, Writer};
+use crate::ha::{Coordinator, HaError, InSyncError, InSyncTracker, Leadership, Lease, Writer};
 use crate::proto::raft::TransferRequest;
-use crate::replica::InSyncTracker;
 
 /// Raft's timing. The defaults fail over in well under a second on
 /// loopback.
@@ -207,7 +206,7 @@ impl RaftCoordinator {
             )));
         }
         if let Some(refused) = written.data.refused.clone() {
-            return Err(HaError::Coordinator(refused));
+            return Err(HaError::Refused(refused));
         }
         Ok(written.data)
     }
@@ -243,7 +242,7 @@ impl RaftCoordinator {
                     .await
                     .map(|_| ())
                     .map_err(|s| s.message().to_string()),
-                Err(err) => Err(err),
+                Err(err) => Err(err.to_string()),
             };
             if let Err(err) = sent {
                 if peer == to {
@@ -514,9 +513,9 @@ impl Coordinator for RaftCoordinator {
     }
 }
 
-fn parse_ids(ids: &BTreeSet<String>) -> Result<BTreeSet<NodeId>, String> {
+fn parse_ids(ids: &BTreeSet<String>) -> Result<BTreeSet<NodeId>, InSyncError> {
     ids.iter()
-        .map(|id| id.parse().map_err(|_| format!("bad replica id {id:?}")))
+        .map(|id| id.parse().map_err(|_| InSyncError::BadId(id.clone())))
         .collect()
 }
 
@@ -526,7 +525,7 @@ fn format_ids(ids: &BTreeSet<NodeId>) -> BTreeSet<String> {
 
 #[async_trait]
 impl InSyncTracker for RaftCoordinator {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError> {
         Ok(format_ids(&self.state_machine.current().control.in_sync))
     }
 
@@ -534,7 +533,7 @@ impl InSyncTracker for RaftCoordinator {
         &self,
         term: u64,
         replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
+    ) -> Result<BTreeSet<String>, InSyncError> {
         let remove = parse_ids(replicas)?;
         self.commit_in_sync(term, Request::ShrinkInSync { term, remove })
             .await
@@ -544,7 +543,7 @@ impl InSyncTracker for RaftCoordinator {
         &self,
         term: u64,
         replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
+    ) -> Result<BTreeSet<String>, InSyncError> {
         let add = parse_ids(replicas)?;
         self.commit_in_sync(term, Request::GrowInSync { term, add })
             .await
@@ -557,11 +556,11 @@ impl RaftCoordinator {
         &self,
         term: u64,
         request: Request,
-    ) -> Result<BTreeSet<String>, String> {
-        let response = self
-            .commit(term, request)
-            .await
-            .map_err(|err| err.to_string())?;
+    ) -> Result<BTreeSet<String>, InSyncError> {
+        let response = self.commit(term, request).await.map_err(|err| match err {
+            HaError::Refused(why) => InSyncError::Refused(why),
+            other => InSyncError::Uncommitted(other.to_string()),
+        })?;
         Ok(format_ids(&response.in_sync))
     }
 }

@@ -66,17 +66,30 @@ use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
 use super::{NodeId, Raft, TypeConfig};
+use crate::net::{Transport, TransportError};
 use crate::proto::raft::raft_client::RaftClient;
 use crate::proto::raft::raft_server;
 use crate::proto::raft::{
     PreVoteReply, PreVoteRequest, RaftMessage, TransferReply, TransferRequest,
 };
 
+/// Why no client for a peer could be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    /// The node is not one of the configured peers.
+    #[error("node {0} is not a configured peer")]
+    Unknown(NodeId),
+    /// The peer's address is unusable.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
 /// What the client and the server of one node share.
 pub struct Peers {
     cluster_id: String,
     self_id: NodeId,
     addresses: BTreeMap<NodeId, String>,
+    transport: Transport,
     channels: Mutex<HashMap<NodeId, Channel>>,
     heard: Mutex<HashMap<NodeId, Instant>>,
     /// Votes are refused until then (the start-up window).
@@ -114,12 +127,14 @@ impl Peers {
         cluster_id: String,
         self_id: NodeId,
         addresses: BTreeMap<NodeId, String>,
+        transport: Transport,
         election_timeout_max: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster_id,
             self_id,
             addresses,
+            transport,
             channels: Mutex::default(),
             heard: Mutex::default(),
             votes_from: Instant::now() + election_timeout_max,
@@ -169,25 +184,20 @@ impl Peers {
     }
 
     /// A client for `peer`, on its cached channel.
-    pub fn client(&self, peer: NodeId) -> Result<RaftClient<Channel>, String> {
+    pub fn client(&self, peer: NodeId) -> Result<RaftClient<Channel>, PeerError> {
         let mut channels = lock(&self.channels);
         let channel = match channels.get(&peer) {
             Some(channel) => channel.clone(),
             None => {
-                let addr = self
-                    .addresses
-                    .get(&peer)
-                    .ok_or_else(|| format!("node {peer} is not a configured peer"))?;
+                let addr = self.addresses.get(&peer).ok_or(PeerError::Unknown(peer))?;
                 // The channel spawns its connection task where it is built.
                 let _on_raft = self.runtime.get().map(Handle::enter);
-                let channel = crate::net::channel(addr)?;
+                let channel = self.transport.channel(addr)?;
                 channels.insert(peer, channel.clone());
                 channel
             }
         };
-        Ok(RaftClient::new(channel)
-            .max_decoding_message_size(crate::net::MAX_MESSAGE)
-            .max_encoding_message_size(crate::net::MAX_MESSAGE))
+        Ok(self.transport.limit(RaftClient::new(channel)))
     }
 
     /// Records that `peer` accepted our vote of `term` in a request sent at
@@ -387,7 +397,10 @@ impl PeerClient {
             .peers
             .envelope(request)
             .map_err(|e| RPCError::Network(NetworkError::new(&NetErr(e))))?;
-        let mut client = self.peers.client(self.target).map_err(unreachable)?;
+        let mut client = self
+            .peers
+            .client(self.target)
+            .map_err(|e| unreachable(e.to_string()))?;
         let mut grpc = GrpcRequest::new(message);
         grpc.set_timeout(ttl);
         let reply = match rpc {
@@ -505,11 +518,9 @@ impl RaftService {
         Self { raft, peers }
     }
 
-    /// The tonic server of this service.
+    /// The tonic server of this service (the transport sets its limits).
     pub fn into_server(self) -> raft_server::RaftServer<Self> {
         raft_server::RaftServer::new(self)
-            .max_decoding_message_size(crate::net::MAX_MESSAGE)
-            .max_encoding_message_size(crate::net::MAX_MESSAGE)
     }
 
     /// Runs `handler` with this service's Raft and peers, on the Raft

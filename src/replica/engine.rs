@@ -76,8 +76,8 @@ use bytes::Bytes;
 use futures::future::join_all;
 
 use super::liveness::Liveness;
-use super::{FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
-use crate::ha::{ReplicaState, ReplicaStatus, WriterEngine};
+use super::{FloorBook, Replica, ReplicaError, Stamp};
+use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
 use crate::volume::{Device, DeviceError, check_request};
 
 /// How an engine is set up.
@@ -98,6 +98,52 @@ pub struct EngineConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid engine configuration: {0}")]
 pub struct EngineConfigError(pub String);
+
+/// Why a step of a rebuild failed; the rebuild is abandoned and starts
+/// again later.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RebuildError {
+    /// The engine has no term: this node is not the writer.
+    #[error("the engine is not active")]
+    Inactive,
+    /// No replica of the volume has this id.
+    #[error("{0} is not a replica of this volume")]
+    Unknown(String),
+    /// The replica is in the in-sync set already.
+    #[error("{0} is in sync already")]
+    InSync(String),
+    /// The rebuild failed or was abandoned (a new term, a write that failed
+    /// on the target).
+    #[error("the rebuild of {0} failed or was abandoned")]
+    Abandoned(String),
+    /// A write to the target failed while it was rebuilt or rejoined, so it
+    /// may lack an acknowledged write.
+    #[error("a write to {0} failed during its rebuild")]
+    WriteFailed(String),
+    /// No in-sync replica is left to copy from.
+    #[error("no in-sync replica to copy from")]
+    NoSource,
+    /// A request to a replica failed.
+    #[error("{step} {replica}: {cause}")]
+    Replica {
+        step: &'static str,
+        replica: String,
+        cause: ReplicaError,
+    },
+    /// The return could not be committed.
+    #[error(transparent)]
+    Commit(#[from] InSyncError),
+}
+
+impl RebuildError {
+    pub(super) fn replica(step: &'static str, replica: &str, cause: ReplicaError) -> Self {
+        Self::Replica {
+            step,
+            replica: replica.to_string(),
+            cause,
+        }
+    }
+}
 
 /// The mirroring engine. See the module docs.
 pub struct Engine {
@@ -474,12 +520,15 @@ impl Engine {
     /// Starts rebuilding `id`: from now on it receives every write. Returns
     /// the term the rebuild runs under, once every write that began without
     /// it has finished.
-    pub async fn begin_rebuild(&self, id: &str) -> Result<u64, DeviceError> {
+    pub async fn begin_rebuild(&self, id: &str) -> Result<u64, RebuildError> {
         let term = {
             let mut state = self.lock();
-            let term = state.term.ok_or(DeviceError::Inactive)?;
-            if state.in_sync.contains(id) || !self.replicas.iter().any(|r| r.id() == id) {
-                return Err(DeviceError::Io(format!("{id} is in sync or unknown")));
+            let term = state.term.ok_or(RebuildError::Inactive)?;
+            if !self.replicas.iter().any(|r| r.id() == id) {
+                return Err(RebuildError::Unknown(id.to_string()));
+            }
+            if state.in_sync.contains(id) {
+                return Err(RebuildError::InSync(id.to_string()));
             }
             // A replica whose return's outcome is unknown stays joining (see
             // `finish_rebuild`): its failures keep failing writes.
@@ -493,17 +542,13 @@ impl Engine {
         // A request to the target whose outcome was lost (see
         // `disown_if_lost`) must not land after the comparison: a flush with
         // the target's current stamp drains it or makes it refused.
-        let target = self
-            .replica(id)
-            .ok_or_else(|| DeviceError::Io(format!("{id} is unknown")))?;
+        let target = self.target(id)?;
         let stamp = self.stamp(term, id);
         let drained = self.bounded(target.id(), target.flush(stamp)).await;
         self.disown_if_lost(id, stamp, &drained);
-        if let Err(err) = drained {
+        if let Err(cause) = drained {
             self.abort_rebuild(id);
-            return Err(DeviceError::Io(format!(
-                "draining {id} before its rebuild: {err}"
-            )));
+            return Err(RebuildError::replica("draining", id, cause));
         }
         Ok(term)
     }
@@ -511,35 +556,39 @@ impl Engine {
     /// Compares extent `extent` of the first in-sync replica and `id`
     /// under the extent's stripe, and copies it to `id` when they differ.
     /// Returns the bytes copied.
-    pub async fn copy_extent(&self, id: &str, extent: u64) -> Result<u64, String> {
+    pub async fn copy_extent(&self, id: &str, extent: u64) -> Result<u64, RebuildError> {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
-        let term = self.term().ok_or("the engine is not active")?;
+        let term = self.term().ok_or(RebuildError::Inactive)?;
         if self.rebuild_failed(id) {
-            return Err(format!("the rebuild of {id} failed or was abandoned"));
+            return Err(RebuildError::Abandoned(id.to_string()));
         }
         let source = self
             .read_order()
             .into_iter()
             .next()
-            .ok_or("no in-sync replica to copy from")?;
-        let target = self.replica(id).ok_or("unknown replica")?;
+            .ok_or(RebuildError::NoSource)?;
+        let target = self.target(id)?;
         let offset = extent * self.extent_size;
         if offset >= self.config.size {
             return Ok(0);
         }
         let len = self.extent_size.min(self.config.size - offset);
         let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
-        let (a, b) = (a.map_err(|e| e.to_string())?, b.map_err(|e| e.to_string())?);
+        let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
+        let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
         if a == b {
             return Ok(0);
         }
-        let data = source.read(offset, len).await.map_err(|e| e.to_string())?;
+        let data = source
+            .read(offset, len)
+            .await
+            .map_err(|e| RebuildError::replica("reading", source.id(), e))?;
         let stamp = self.stamp(term, id);
         let written = self
             .bounded(target.id(), target.write(stamp, offset, data, false))
             .await;
         self.disown_if_lost(id, stamp, &written);
-        written.map_err(|e| format!("writing extent {extent} to {id}: {e}"))?;
+        written.map_err(|e| RebuildError::replica("writing", id, e))?;
         if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
             rebuild.copied.insert(extent);
         }
@@ -548,11 +597,14 @@ impl Engine {
 
     /// Commits the return of `id` to the in-sync set, once no write it
     /// failed could have been acknowledged without it.
-    pub async fn finish_rebuild(&self, id: &str) -> Result<(), String> {
+    pub async fn finish_rebuild(&self, id: &str) -> Result<(), RebuildError> {
         let term = {
             let mut state = self.lock();
-            let term = state.term.ok_or("the engine is not active")?;
-            let rebuild = state.rebuilding.get_mut(id).ok_or("not rebuilding")?;
+            let term = state.term.ok_or(RebuildError::Inactive)?;
+            let rebuild = state
+                .rebuilding
+                .get_mut(id)
+                .ok_or_else(|| RebuildError::Abandoned(id.to_string()))?;
             rebuild.joining = true;
             term
         };
@@ -561,17 +613,17 @@ impl Engine {
         self.barrier().await;
         if self.rebuild_failed(id) {
             self.abort_rebuild(id);
-            return Err(format!("a write to {id} failed during its rebuild"));
+            return Err(RebuildError::WriteFailed(id.to_string()));
         }
         // S5 and S7: the copies were written without FUA; make them durable
         // on the target before the set counts on it.
-        let target = self.replica(id).ok_or("unknown replica")?;
+        let target = self.target(id)?;
         let stamp = self.stamp(term, id);
         let flushed = self.bounded(target.id(), target.flush(stamp)).await;
         self.disown_if_lost(id, stamp, &flushed);
-        if let Err(err) = flushed {
+        if let Err(cause) = flushed {
             self.abort_rebuild(id);
-            return Err(format!("flushing {id} before its return: {err}"));
+            return Err(RebuildError::replica("flushing", id, cause));
         }
         let ids: BTreeSet<String> = [id.to_string()].into();
         // In-sync changes are serialized with the acknowledgement decisions
@@ -597,7 +649,7 @@ impl Engine {
                         }
                     }
                 }
-                return Err(err);
+                return Err(err.into());
             }
         };
         let failed_meanwhile = {
@@ -614,7 +666,7 @@ impl Engine {
             // again before it serves as a full copy.
             let committed = self.tracker.remove(term, &ids).await?;
             self.lock().in_sync = committed;
-            return Err(format!("a write to {id} failed while it rejoined"));
+            return Err(RebuildError::WriteFailed(id.to_string()));
         }
         // Its marks. Those of older terms are stale: the rebuild compared
         // every extent with an in-sync copy, and those copies converged at
@@ -645,6 +697,12 @@ impl Engine {
         }
         tracing::info!(term, replica = %id, "replica back in the in-sync set");
         Ok(())
+    }
+
+    /// The replica `id`, as the target of a rebuild step.
+    fn target(&self, id: &str) -> Result<Arc<dyn Replica>, RebuildError> {
+        self.replica(id)
+            .ok_or_else(|| RebuildError::Unknown(id.to_string()))
     }
 
     /// Counts a write to `[offset, offset+len)` as in flight until the
@@ -952,7 +1010,7 @@ impl Engine {
             .tracker
             .remove(term, &to_remove)
             .await
-            .map_err(DeviceError::InSyncCommit)?;
+            .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?;
         {
             let mut state = self.lock();
             state.in_sync = committed.clone();
@@ -1047,7 +1105,7 @@ impl WriterEngine for Engine {
             .tracker
             .in_sync()
             .await
-            .map_err(DeviceError::InSyncCommit)?;
+            .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?;
         let mut state = self.lock();
         state.in_sync = committed;
         state.degraded.clear();

@@ -47,8 +47,8 @@ use futures::StreamExt;
 use futures::future::join_all;
 
 use super::liveness::Liveness;
-use super::{FenceReply, FloorBook, InSyncTracker, Replica, ReplicaError, Stamp};
-use crate::ha::{Fencer, Writer};
+use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
+use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
 
 /// The stamp the fencer uses for replica `id` (generation 0 if unknown).
 fn stamp_of(stamps: &BTreeMap<String, Stamp>, id: &str) -> Stamp {
@@ -107,7 +107,7 @@ impl TokenFencer {
     }
 
     /// Sends `Fence(term)` to every replica and keeps those that took it.
-    async fn fence_all(&self, term: u64) -> Result<BTreeMap<String, FenceReply>, String> {
+    async fn fence_all(&self, term: u64) -> Result<BTreeMap<String, FenceReply>, FenceError> {
         let calls = self.replicas.iter().map(|replica| async move {
             let reply = self.within(replica, replica.fence(term)).await;
             (replica.id().to_string(), reply)
@@ -126,10 +126,11 @@ impl TokenFencer {
                     fenced.insert(id, reply);
                 }
                 Ok(reply) => {
-                    return Err(format!(
-                        "replica {id} has seen term {} > {term}: a newer writer exists",
-                        reply.floor
-                    ));
+                    return Err(FenceError::NewerWriter {
+                        replica: id,
+                        floor: reply.floor,
+                        term,
+                    });
                 }
                 Err(err) => tracing::warn!(replica = %id, term, %err, "fence not taken"),
             }
@@ -145,7 +146,7 @@ impl TokenFencer {
         targets: &[&Arc<dyn Replica>],
         extent: u64,
         extent_size: u64,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, FenceError> {
         let offset = extent * extent_size;
         let len = extent_size.min(self.size - offset);
         // Most marked extents already agree (their writes were acknowledged
@@ -158,7 +159,7 @@ impl TokenFencer {
                 self.within(&replica, replica.digests(offset, len))
                     .await
                     .map(|(_, d)| d)
-                    .map_err(|e| format!("digest of extent {extent} on {}: {e}", replica.id()))
+                    .map_err(|e| FenceError::replica("digesting", replica.id(), e))
             }
         };
         let (ours, theirs) =
@@ -176,30 +177,31 @@ impl TokenFencer {
         let data = self
             .within(source, source.read(offset, len))
             .await
-            .map_err(|e| format!("reading extent {extent} from {}: {e}", source.id()))?;
+            .map_err(|e| FenceError::replica("reading", source.id(), e))?;
         let writes = differing.iter().map(|target| {
             let data = data.clone();
             async move {
                 let write = target.write(stamp_of(stamps, target.id()), offset, data, false);
                 self.within(target, write)
                     .await
-                    .map_err(|e| format!("copying extent {extent} to {}: {e}", target.id()))
+                    .map_err(|e| FenceError::replica("copying", target.id(), e))
             }
         });
         join_all(writes)
             .await
             .into_iter()
-            .collect::<Result<(), String>>()
+            .collect::<Result<(), FenceError>>()
             .map(|()| true)
     }
 
-    /// Runs `call` on every replica of `replicas` at once; the first error
-    /// wins.
+    /// Runs `step`, `call`, on every replica of `replicas` at once; the
+    /// first error wins.
     async fn on_all<'a, F, Fut>(
         &self,
+        step: &'static str,
         replicas: &[&'a Arc<dyn Replica>],
         call: F,
-    ) -> Result<(), String>
+    ) -> Result<(), FenceError>
     where
         F: Fn(&'a Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
@@ -209,7 +211,7 @@ impl TokenFencer {
             async move {
                 self.within(replica, call)
                     .await
-                    .map_err(|e| format!("{}: {e}", replica.id()))
+                    .map_err(|e| FenceError::replica(step, replica.id(), e))
             }
         });
         join_all(calls).await.into_iter().collect()
@@ -225,20 +227,19 @@ impl TokenFencer {
         stamps: &BTreeMap<String, Stamp>,
         extents: &[u64],
         report: &mut Convergence,
-    ) -> Result<(), String> {
+    ) -> Result<(), FenceError> {
         if extents.is_empty() {
             return Ok(());
         }
         let flushing = Instant::now();
-        self.on_all(all, |replica| {
+        self.on_all("flushing converged extents", all, |replica| {
             let stamp = stamp_of(stamps, replica.id());
             async move { replica.flush(stamp).await }
         })
-        .await
-        .map_err(|e| format!("flushing converged extents: {e}"))?;
+        .await?;
         report.flushing += flushing.elapsed();
         for chunk in extents.chunks(CONVERGE_BATCH) {
-            self.on_all(all, |replica| {
+            self.on_all("retiring converged marks", all, |replica| {
                 let stamp = stamp_of(stamps, replica.id());
                 async move {
                     replica
@@ -250,8 +251,7 @@ impl TokenFencer {
                         .map(|_| ())
                 }
             })
-            .await
-            .map_err(|e| format!("retiring converged marks: {e}"))?;
+            .await?;
         }
         Ok(())
     }
@@ -278,24 +278,25 @@ impl TokenFencer {
         term: u64,
         members: &BTreeSet<String>,
         fenced: &BTreeMap<String, FenceReply>,
-    ) -> Result<Convergence, String> {
+    ) -> Result<Convergence, FenceError> {
         let mut report = Convergence::default();
         let source_id = if members.contains(&self.local_id) {
             self.local_id.clone()
         } else {
-            members.iter().next().cloned().ok_or("no in-sync replica")?
+            members.iter().next().cloned().ok_or(FenceError::NoSource)?
         };
-        let source = self.replica(&source_id).ok_or("unknown source replica")?;
+        let source = self.replica(&source_id).ok_or(FenceError::NoSource)?;
         let mut extents = BTreeSet::new();
         let mut extent_size = 0;
         for id in members {
             if let Some(reply) = fenced.get(id) {
                 if reply.extent_size == 0 || (extent_size != 0 && reply.extent_size != extent_size)
                 {
-                    return Err(format!(
-                        "replica {id} reports extent size {}, not {extent_size}",
-                        reply.extent_size
-                    ));
+                    return Err(FenceError::ExtentSize {
+                        replica: id.clone(),
+                        reported: reply.extent_size,
+                        expected: extent_size,
+                    });
                 }
                 extent_size = reply.extent_size;
                 extents.extend(
@@ -352,7 +353,7 @@ impl TokenFencer {
                     async move { (extent, copy.await) }
                 })
                 .buffer_unordered(COPIES_IN_FLIGHT);
-            let outcomes: Vec<(u64, Result<bool, String>)> = copies.collect().await;
+            let outcomes: Vec<(u64, Result<bool, FenceError>)> = copies.collect().await;
             let mut failed = None;
             for (extent, outcome) in outcomes {
                 match outcome {
@@ -402,23 +403,22 @@ struct Convergence {
 
 #[async_trait]
 impl Fencer for TokenFencer {
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), String> {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError> {
         let started = Instant::now();
         let committed = self.tracker.in_sync().await?;
         let fenced = self.fence_all(term).await?;
         let fenced_after = started.elapsed();
         let need = self.replicas.len().saturating_sub(self.min_in_sync) + 1;
         if fenced.len() < need {
-            return Err(format!(
-                "only {} of {} replicas took term {term}; {need} are needed to shut out the old writer",
-                fenced.len(),
-                self.replicas.len()
-            ));
+            return Err(FenceError::TooFewFenced {
+                term,
+                fenced: fenced.len(),
+                replicas: self.replicas.len(),
+                need,
+            });
         }
         if !fenced.keys().any(|id| committed.contains(id)) {
-            return Err(format!(
-                "no fenced replica is in the in-sync set {committed:?}; waiting for one"
-            ));
+            return Err(FenceError::NoInSyncFenced { in_sync: committed });
         }
         let unreached: BTreeSet<String> = committed
             .iter()

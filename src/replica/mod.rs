@@ -4,10 +4,10 @@
 //!   (S2), drains older writes on a fence (S3), records the extents each term
 //!   touched (S6) and makes its metadata durable before it answers (S7).
 //! - [`Replica`]: the seam the engine writes through. [`LocalReplica`] calls a
-//!   store in-process; the gRPC client (issue 4) reaches a peer's store.
-//! - [`InSyncTracker`]: the seam through which the engine shrinks the in-sync
-//!   set. The Raft coordinator commits the change; the engine may acknowledge
-//!   a write that skipped a replica only after that commit (S5).
+//!   store in-process; [`remote`] reaches a peer's store over gRPC. The
+//!   in-sync set is changed only through the core's
+//!   [`crate::ha::InSyncTracker`]: the engine may acknowledge a write that
+//!   skipped a replica only after its removal was committed (S5).
 //! - [`engine`]: the synchronous mirror.
 //! - [`service`] and [`remote`]: a store served over gRPC, and the
 //!   [`Replica`] client that reaches it (S2 and S3 hold over the wire).
@@ -23,13 +23,12 @@ pub mod resync;
 pub mod service;
 pub mod store;
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, RebuildError};
 pub use store::{ReplicaStore, StoreIdentity};
 
 use crate::volume::RangeError;
@@ -321,94 +320,6 @@ impl Replica for LocalReplica {
     }
 }
 
-/// The committed in-sync set, and the only way the engine may change it.
-///
-/// Invariant (S5): every member holds every acknowledged write. So a replica
-/// that missed a write must be removed — durably, by a committed change —
-/// *before* that write is acknowledged, and it returns only through a
-/// finished resync.
-#[async_trait]
-pub trait InSyncTracker: Send + Sync {
-    /// The committed in-sync set.
-    async fn in_sync(&self) -> Result<BTreeSet<String>, String>;
-    /// Commits the return of rebuilt `replicas` on behalf of the writer of
-    /// `term` and returns the committed set. Fails, changing nothing, unless
-    /// `term` is the recorded writer's.
-    async fn add(&self, term: u64, replicas: &BTreeSet<String>)
-    -> Result<BTreeSet<String>, String>;
-    /// Commits the removal of `replicas` on behalf of the writer of `term`
-    /// and returns the committed set. Fails, changing nothing, when the
-    /// writer of `term` can no longer commit (it was deposed).
-    async fn remove(
-        &self,
-        term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String>;
-}
-
-/// An in-sync set kept in memory, for a single process and for tests.
-/// The Raft coordinator provides the durable, committed one.
-pub struct MemoryInSync {
-    set: Mutex<BTreeSet<String>>,
-    fail: std::sync::atomic::AtomicBool,
-}
-
-impl MemoryInSync {
-    /// Starts with `members` in sync.
-    pub fn new<I, S>(members: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
-        Self {
-            set: Mutex::new(members.into_iter().map(Into::into).collect()),
-            fail: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    /// Makes every later `remove` fail, as a deposed writer's commit would.
-    pub fn fail_removals(&self, fail: bool) {
-        self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
-        self.set
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-#[async_trait]
-impl InSyncTracker for MemoryInSync {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
-        Ok(self.lock().clone())
-    }
-    async fn remove(
-        &self,
-        _term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
-        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err("in-sync commit refused".into());
-        }
-        let mut set = self.lock();
-        set.retain(|member| !replicas.contains(member));
-        Ok(set.clone())
-    }
-    async fn add(
-        &self,
-        _term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
-        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err("in-sync commit refused".into());
-        }
-        let mut set = self.lock();
-        set.extend(replicas.iter().cloned());
-        Ok(set.clone())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,15 +335,5 @@ mod tests {
         assert!(
             matches!(ReplicaError::from(sled), ReplicaError::Io(m) if m.starts_with("metadata"))
         );
-    }
-
-    #[tokio::test]
-    async fn memory_in_sync_removes_and_refuses_on_command() {
-        let set = MemoryInSync::new(["a", "b", "c"]);
-        let removed: BTreeSet<String> = ["b".to_string()].into();
-        assert_eq!(set.remove(1, &removed).await.unwrap().len(), 2);
-        set.fail_removals(true);
-        assert!(set.remove(1, &removed).await.is_err());
-        assert_eq!(set.in_sync().await.unwrap().len(), 2);
     }
 }

@@ -16,6 +16,7 @@ use tonic::transport::Channel;
 
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
+use crate::net::{Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::volume::MAX_REQUEST;
@@ -29,18 +30,18 @@ pub struct RemoteReplica {
 }
 
 impl RemoteReplica {
-    /// A replica of node `id` at `addr` (`HOST:PORT`), for `cluster_id`'s
-    /// `volume`, whose calls time out after `timeout`.
+    /// A replica of node `id` at `addr` (`HOST:PORT`), reached through
+    /// `transport`, for `cluster_id`'s `volume`, whose calls time out after
+    /// `timeout`.
     pub fn new(
         id: impl Into<String>,
+        transport: &Transport,
         addr: &str,
         cluster_id: &str,
         volume: &str,
         timeout: Duration,
-    ) -> Result<Self, String> {
-        let client = ReplicaClient::new(crate::net::channel(addr)?)
-            .max_decoding_message_size(crate::net::MAX_MESSAGE)
-            .max_encoding_message_size(crate::net::MAX_MESSAGE);
+    ) -> Result<Self, TransportError> {
+        let client = transport.client(addr, ReplicaClient::new)?;
         Ok(Self {
             id: id.into(),
             client,

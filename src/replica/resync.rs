@@ -32,6 +32,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::time::Instant;
 
+use super::engine::RebuildError;
 use super::{Engine, Replica};
 use crate::volume::Device;
 
@@ -127,13 +128,9 @@ impl Resyncer {
     }
 
     /// Rebuilds one replica; returns the bytes copied.
-    pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, String> {
+    pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
         let id = target.id().to_string();
-        let term = self
-            .engine
-            .begin_rebuild(&id)
-            .await
-            .map_err(|e| e.to_string())?;
+        let term = self.engine.begin_rebuild(&id).await?;
         tracing::info!(term, replica = %id, "resync started");
         let outcome = self.copy_differences(&id, term).await;
         let outcome = match outcome {
@@ -150,7 +147,7 @@ impl Resyncer {
     }
 
     /// The digest pass: compares every extent and copies those that differ.
-    async fn copy_differences(&self, id: &str, term: u64) -> Result<u64, String> {
+    async fn copy_differences(&self, id: &str, term: u64) -> Result<u64, RebuildError> {
         let total = self.engine.size();
         let extent = self.engine.extent_size();
         let started = Instant::now();
@@ -160,14 +157,15 @@ impl Resyncer {
         let target = self.replica(id)?;
         while offset < total {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
-                return Err("the writer changed or a write to the target failed".into());
+                return Err(RebuildError::Abandoned(id.to_string()));
             }
             let len = (EXTENTS_PER_PASS * extent).min(total - offset);
             let source = self.source()?;
             let (ours, theirs) =
                 futures::join!(source.digests(offset, len), target.digests(offset, len));
-            let (first, ours) = ours.map_err(|e| format!("source digests: {e}"))?;
-            let (_, theirs) = theirs.map_err(|e| format!("target digests: {e}"))?;
+            let (first, ours) =
+                ours.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
+            let (_, theirs) = theirs.map_err(|e| RebuildError::replica("digesting", id, e))?;
             let differing: Vec<u64> = ours
                 .iter()
                 .enumerate()
@@ -222,21 +220,21 @@ impl Resyncer {
         );
     }
 
-    fn replica(&self, id: &str) -> Result<Arc<dyn Replica>, String> {
+    fn replica(&self, id: &str) -> Result<Arc<dyn Replica>, RebuildError> {
         self.replicas
             .iter()
             .find(|r| r.id() == id)
             .cloned()
-            .ok_or_else(|| format!("unknown replica {id}"))
+            .ok_or_else(|| RebuildError::Unknown(id.to_string()))
     }
 
     /// An in-sync replica to compare against.
-    fn source(&self) -> Result<Arc<dyn Replica>, String> {
+    fn source(&self) -> Result<Arc<dyn Replica>, RebuildError> {
         let in_sync = self.engine.in_sync();
         self.replicas
             .iter()
             .find(|r| in_sync.contains(r.id()))
             .cloned()
-            .ok_or_else(|| "no in-sync replica".to_string())
+            .ok_or(RebuildError::NoSource)
     }
 }

@@ -124,11 +124,9 @@ impl ReplicaService {
         self
     }
 
-    /// The tonic server, with message limits that fit the largest request.
+    /// The tonic server (the transport sets its limits).
     pub fn into_server(self) -> ReplicaServer<Self> {
         ReplicaServer::new(self)
-            .max_decoding_message_size(crate::net::MAX_MESSAGE)
-            .max_encoding_message_size(crate::net::MAX_MESSAGE)
     }
 
     fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {

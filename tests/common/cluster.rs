@@ -287,7 +287,9 @@ impl Cluster {
 
     /// Node `id`'s status, if it answers within 500 ms.
     pub async fn status(&self, id: u64) -> Option<StatusReply> {
-        let channel = replica_ha::net::channel(&self.addrs[&id].to_string()).ok()?;
+        let channel = replica_ha::net::Transport::default()
+            .channel(&self.addrs[&id].to_string())
+            .ok()?;
         let mut client = AdminClient::new(channel);
         let mut request = tonic::Request::new(StatusRequest {});
         request.set_timeout(Duration::from_millis(500));
@@ -305,8 +307,9 @@ impl Cluster {
         offset: u64,
         data: bytes::Bytes,
     ) -> Result<(), tonic::Status> {
-        let channel = replica_ha::net::channel(&self.addrs[&id].to_string())
-            .map_err(tonic::Status::unavailable)?;
+        let channel = replica_ha::net::Transport::default()
+            .channel(&self.addrs[&id].to_string())
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
         let mut client = AdminClient::new(channel);
         let mut request = tonic::Request::new(WriteRequest {
             offset,
@@ -324,8 +327,9 @@ impl Cluster {
         offset: u64,
         length: u32,
     ) -> Result<bytes::Bytes, tonic::Status> {
-        let channel = replica_ha::net::channel(&self.addrs[&id].to_string())
-            .map_err(tonic::Status::unavailable)?;
+        let channel = replica_ha::net::Transport::default()
+            .channel(&self.addrs[&id].to_string())
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
         let mut client = AdminClient::new(channel);
         let mut request = tonic::Request::new(ReadRequest { offset, length });
         request.set_timeout(Duration::from_secs(5));

@@ -14,9 +14,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use replica_ha::ha::InSyncTracker;
+use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::replica::{
-    FenceReply, InSyncTracker, LocalReplica, MemoryInSync, Replica, ReplicaError, ReplicaInfo,
-    ReplicaStore, Stamp, StoreIdentity,
+    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
+    StoreIdentity,
 };
 
 /// What a [`FaultyReplica`] does with the next requests.
@@ -230,14 +232,14 @@ impl LoggingTracker {
 
 #[async_trait]
 impl InSyncTracker for LoggingTracker {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, String> {
+    async fn in_sync(&self) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
         self.inner.in_sync().await
     }
     async fn remove(
         &self,
         term: u64,
         replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
+    ) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
         let result = self.inner.remove(term, replicas).await;
         if result.is_ok() {
             let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
@@ -252,7 +254,7 @@ impl InSyncTracker for LoggingTracker {
         &self,
         term: u64,
         replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, String> {
+    ) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
         let hold = self.hold_adds.lock().unwrap().clone();
         if let Some(hold) = hold {
             hold.acquire().await.expect("never closed").forget();
