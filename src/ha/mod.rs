@@ -2,7 +2,7 @@
 //!
 //! This module is pure logic over traits; it imports no tonic, openraft or
 //! sled, so every transition can be tested against the in-memory fakes in
-//! [`fake`].
+//! `fake` (built only for tests: `cfg(test)` or the feature `testing`).
 //!
 //! - [`Coordinator`] elects a leader and reports it ([`Leadership`]). Its
 //!   term is both the lease and the fencing token. It also exposes the live
@@ -33,6 +33,7 @@
 
 mod controller;
 mod coordinator;
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
 mod gate;
 mod reads;
