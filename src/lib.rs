@@ -1,14 +1,26 @@
 //! replica-ha: a replicated block volume with one fenced writer.
 //!
-//! The crate is laid out as DESIGN.md describes:
-//! - [`volume`]: the [`volume::Device`] seam that the NBD server, the write
-//!   gate and the engine all speak;
-//! - [`replica`]: the data plane — the on-disk replica store that enforces the
-//!   fencing token (S2, S3, S7), the [`replica::Replica`] seam, and the
-//!   mirroring [`replica::Engine`] (S5);
-//! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `Controller` and
-//!   the `ActiveDevice` gate (S1, S4) — pure logic over traits;
+//! The design, its invariants (S1–S10) and what the system does not do yet
+//! are in `docs/design.md`; each module's doc restates the invariants it
+//! enforces. The modules, from the edges inward:
 //! - [`nbd`]: the NBD server through which programs use the volume;
+//! - [`admin`] and [`http`]: the operator's gRPC service, and metrics and
+//!   health over HTTP; they render what [`status`] computes, and
+//!   [`metrics`] counts;
+//! - [`node`]: one node process: configuration, wiring, start-up and
+//!   shutdown, the gate journal;
+//! - [`raft`]: the embedded Raft group (openraft over gRPC and sled): the
+//!   writer's term, its lease, and the replicated volume state;
+//! - [`replica`]: the data plane — the on-disk replica store that enforces
+//!   the fencing token (S2, S3, S6, S7), the [`replica::Replica`] seam, the
+//!   mirroring [`replica::Engine`] (S5), the fencer and the resync;
+//! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `InSyncTracker`,
+//!   `Controller` and the `ActiveDevice` gate (S1, S4) — pure logic over
+//!   traits;
+//! - [`volume`]: the [`volume::Device`] seam that the NBD server, the gates
+//!   and the engine all speak;
+//! - [`net`]: the one `Transport` every gRPC server and channel is made by;
+//! - [`sled_ops`]: how sled is used without its deadlocks;
 //! - [`proto`]: the generated gRPC types.
 
 #[cfg(all(feature = "unsafe-skip-term-check", not(debug_assertions)))]
