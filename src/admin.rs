@@ -14,12 +14,12 @@ use bytes::Bytes;
 use tonic::{Request, Response, Status};
 
 use crate::ha::HaError;
-use crate::node::view::{NodeView, ReplicaReport};
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus, StatusReply,
     StatusRequest, TransferReply, TransferRequest, WriteReply, WriteRequest,
 };
+use crate::status::{NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
 /// The admin service of one node.
@@ -69,71 +69,58 @@ pub fn status_of(err: HaError) -> Status {
 #[tonic::async_trait]
 impl Admin for AdminService {
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
-        let view = &self.view;
-        let config = &view.config;
-        let status = view.coordinator.status();
-        let controller = view.controller.status();
-        let lease_remaining = view.lease_remaining();
-        let control = &status.applied.control;
-        let (size, min_in_sync) = match &control.volume {
-            Some(volume) => (volume.size, volume.min_in_sync),
-            None => (config.size, config.min_in_sync),
-        };
-        let replicas: Vec<ReplicaStatus> = view
-            .replica_reports()
-            .await
-            .into_iter()
+        let status = self.view.status().await;
+        let facts = &status.facts;
+        let replicas: Vec<ReplicaStatus> = status
+            .replicas
+            .iter()
+            .cloned()
             .map(replica_status)
             .collect();
-        let reads_refused = view.reads_refused();
         let fence_floor = replicas
             .iter()
             .find(|r| r.local)
             .map(|r| r.fence_floor)
             .unwrap_or(0);
         Ok(Response::new(StatusReply {
-            node_id: config.id,
-            cluster_id: config.cluster_id.clone(),
-            raft_state: format!("{:?}", status.state).to_lowercase(),
+            node_id: facts.id,
+            cluster_id: facts.cluster_id.clone(),
+            raft_state: status.raft_state.clone(),
             term: status.term,
             leader: status.leader.unwrap_or(0),
-            is_self: lease_remaining.is_some(),
-            lease_remaining_ms: lease_remaining.map_or(0, |d| d.as_millis() as u64),
-            members: view.coordinator.live_members(),
-            prev_writer: control.writer.map(|w| w.node).unwrap_or(0),
-            prev_writer_term: control.writer.map(|w| w.term).unwrap_or(0),
-            in_sync: control.in_sync.iter().map(|id| id.to_string()).collect(),
-            volume_size: size,
-            min_in_sync: min_in_sync as u64,
-            last_applied: status.applied.last_applied.map(|id| id.index).unwrap_or(0),
-            role: controller.role.as_str().to_string(),
-            gate_open: view.is_active_writer(),
+            is_self: status.lease_remaining.is_some(),
+            lease_remaining_ms: status.lease_remaining.map_or(0, |d| d.as_millis() as u64),
+            members: status.live.clone(),
+            prev_writer: status.prev_writer.map(|w| w.node).unwrap_or(0),
+            prev_writer_term: status.prev_writer.map(|w| w.term).unwrap_or(0),
+            in_sync: status.in_sync.iter().map(|id| id.to_string()).collect(),
+            volume_size: status.size,
+            min_in_sync: status.min_in_sync as u64,
+            last_applied: status.log.last_applied,
+            role: status.role.as_str().to_string(),
+            gate_open: status.gate_open,
             fence_floor,
-            fence_failures: controller.fence_failures,
-            promotions: controller.promotions,
+            fence_failures: status.fence_failures,
+            promotions: status.promotions,
             replicas,
-            volume: config.volume.clone(),
-            nbd_address: config.nbd.map(|a| a.to_string()).unwrap_or_default(),
-            reads_served: reads_refused.is_none(),
-            reads_refused: reads_refused.unwrap_or_default(),
+            volume: facts.volume.clone(),
+            nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
+            reads_served: status.reads_refused.is_none(),
+            reads_refused: status.reads_refused.clone().unwrap_or_default(),
         }))
     }
 
     async fn members(&self, _: Request<MembersRequest>) -> Result<Response<MembersReply>, Status> {
-        let view = &self.view;
-        let live = view.coordinator.live_members();
-        let status = view.coordinator.status();
-        let in_sync = status.applied.control.in_sync;
-        let members = view
-            .config
-            .peers
-            .iter()
-            .map(|(id, address)| Member {
-                id: *id,
-                address: address.to_string(),
-                live: live.contains(id),
-                leader: status.leader == Some(*id),
-                in_sync: in_sync.contains(id),
+        let members = self
+            .view
+            .members()
+            .into_iter()
+            .map(|m| Member {
+                id: m.id,
+                address: m.address,
+                live: m.live,
+                leader: m.leader,
+                in_sync: m.in_sync,
             })
             .collect();
         Ok(Response::new(MembersReply { members }))
@@ -142,7 +129,7 @@ impl Admin for AdminService {
     async fn write(&self, request: Request<WriteRequest>) -> Result<Response<WriteReply>, Status> {
         let request = request.into_inner();
         self.view
-            .device
+            .device()
             .write_at(request.offset, request.data, request.fua)
             .await
             .map_err(device_status)?;
@@ -153,7 +140,7 @@ impl Admin for AdminService {
         let request = request.into_inner();
         let data: Bytes = self
             .view
-            .device
+            .device()
             .read_at(request.offset, u64::from(request.length))
             .await
             .map_err(device_status)?;
@@ -165,13 +152,12 @@ impl Admin for AdminService {
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
         let to = request.into_inner().to;
-        if !self.view.config.peers.contains_key(&to) {
+        if !self.view.facts().peers.contains_key(&to) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
             )));
         }
         self.view
-            .coordinator
             .transfer_to(to)
             .await
             .map(|()| Response::new(TransferReply {}))

@@ -24,8 +24,8 @@ use tokio::net::TcpListener;
 
 use crate::ha::ReplicaState;
 use crate::metrics::{Text, load};
-use crate::node::view::NodeView;
 use crate::replica::ReplicaInfo;
+use crate::status::{NodeStatus, NodeView};
 
 /// The routes over a node's view.
 pub fn router(view: Arc<NodeView>) -> Router {
@@ -60,7 +60,7 @@ async fn live() -> impl IntoResponse {
 }
 
 async fn metrics(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
-    let body = render(&view).await;
+    let body = render(&view.status().await);
     (
         [(
             header::CONTENT_TYPE,
@@ -70,12 +70,10 @@ async fn metrics(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
     )
 }
 
-/// The `/metrics` document.
-pub async fn render(view: &NodeView) -> String {
+/// The `/metrics` document of `status`.
+pub fn render(status: &NodeStatus) -> String {
     let mut text = Text::default();
-    let raft = view.coordinator.raft().metrics().borrow().clone();
-    let controller = view.controller.status();
-    let node = view.config.id.to_string();
+    let node = status.facts.id.to_string();
 
     text.family(
         "replica_ha_role",
@@ -83,41 +81,41 @@ pub async fn render(view: &NodeView) -> String {
         "1 for the controller's current role.",
     );
     for role in ["follower", "fence_pending", "leader"] {
-        let value = u8::from(controller.role.as_str() == role);
+        let value = u8::from(status.role.as_str() == role);
         text.sample("replica_ha_role", &[("node", &node), ("role", role)], value);
     }
     text.single(
         "replica_ha_term",
         "gauge",
         "The current Raft term (the fencing token).",
-        raft.current_term as f64,
+        status.term as f64,
     )
     .single(
         "replica_ha_gate_open",
         "gauge",
         "1 while this node is the active writer.",
-        u8::from(view.is_active_writer()),
+        u8::from(status.gate_open),
     )
     .single(
         "replica_ha_lease_remaining_seconds",
         "gauge",
         "Time left on this node's leader lease (0 without one).",
-        view.lease_remaining().map_or(0.0, |d| d.as_secs_f64()),
+        status.lease_remaining.map_or(0.0, |d| d.as_secs_f64()),
     )
     .single(
         "replica_ha_promotions_total",
         "counter",
         "Promotions to active writer since start.",
-        controller.promotions as f64,
+        status.promotions as f64,
     )
     .single(
         "replica_ha_fence_failures_total",
         "counter",
         "Failed or timed-out fence attempts since start.",
-        controller.fence_failures as f64,
+        status.fence_failures as f64,
     );
 
-    let io = &view.io;
+    let io = &status.io;
     text.single(
         "replica_ha_writes_total",
         "counter",
@@ -166,7 +164,7 @@ pub async fn render(view: &NodeView) -> String {
         &io.write_latency,
     );
 
-    let nbd = &view.nbd;
+    let nbd = &status.nbd;
     text.single(
         "replica_ha_nbd_connections",
         "gauge",
@@ -186,13 +184,13 @@ pub async fn render(view: &NodeView) -> String {
         load(&nbd.failed),
     );
 
-    let reports = view.replica_reports().await;
+    let reports = &status.replicas;
     text.family(
         "replica_ha_replica_state",
         "gauge",
         "1 for each replica's state.",
     );
-    for report in &reports {
+    for report in reports {
         for state in [
             ReplicaState::InSync,
             ReplicaState::Degraded,
@@ -237,7 +235,7 @@ pub async fn render(view: &NodeView) -> String {
     }
 
     text.family("replica_ha_resync_bytes", "gauge", "The latest resync of each replica by this node: bytes compared (done), of the volume (total), copied.");
-    for report in &reports {
+    for report in reports {
         if let Some(p) = &report.resync {
             for (kind, value) in [("done", p.done), ("total", p.total), ("copied", p.copied)] {
                 text.sample(
@@ -253,7 +251,7 @@ pub async fn render(view: &NodeView) -> String {
         "gauge",
         "Estimated time left of each running resync.",
     );
-    for report in &reports {
+    for report in reports {
         if let Some(p) = report.resync.filter(|p| p.running) {
             text.sample(
                 "replica_ha_resync_eta_seconds",
@@ -263,7 +261,7 @@ pub async fn render(view: &NodeView) -> String {
         }
     }
 
-    let last_log = raft.last_log_index.unwrap_or(0);
+    let last_log = status.log.last_log;
     text.single(
         "replica_ha_raft_last_log_index",
         "gauge",
@@ -274,22 +272,22 @@ pub async fn render(view: &NodeView) -> String {
         "replica_ha_raft_last_applied_index",
         "gauge",
         "Index of the last applied Raft entry.",
-        raft.last_applied.map_or(0, |id| id.index) as f64,
+        status.log.last_applied as f64,
     )
     .single(
         "replica_ha_raft_leader",
         "gauge",
         "The Raft leader's node id as this node knows it (0 if none).",
-        raft.current_leader.unwrap_or(0) as f64,
+        status.leader.unwrap_or(0) as f64,
     );
-    if let Some(replication) = &raft.replication {
+    if let Some(replication) = &status.log.replication {
         text.family(
             "replica_ha_raft_replication_lag",
             "gauge",
             "Log entries each follower is behind the leader (leader only).",
         );
         for (peer, matched) in replication {
-            let lag = last_log.saturating_sub(matched.map_or(0, |id| id.index));
+            let lag = last_log.saturating_sub(*matched);
             text.sample(
                 "replica_ha_raft_replication_lag",
                 &[("peer", &peer.to_string())],

@@ -40,4 +40,5 @@ pub mod proto;
 pub mod raft;
 pub mod replica;
 pub mod sled_ops;
+pub mod status;
 pub mod volume;

@@ -19,7 +19,7 @@ fn replica_states_have_stable_names() {
     assert_eq!(names, ["in_sync", "degraded", "rebuilding", "offline"]);
 }
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -498,7 +498,7 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
         engine.write_at(i << 20, data(i), false).await.unwrap();
     }
     engine.flush().await.unwrap();
-    let resync = Resyncer::new(Arc::clone(&engine), replicas, ResyncConfig::default());
+    let resync = Resyncer::new(Arc::clone(&engine), ResyncConfig::default());
     let copied = resync
         .rebuild(&(n3.clone() as Arc<dyn Replica>))
         .await
@@ -555,11 +555,7 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
         .iter()
         .map(|r| Arc::clone(r) as Arc<dyn Replica>)
         .collect();
-    let resync = Resyncer::new(
-        Arc::clone(&rig.engine),
-        replicas.clone(),
-        ResyncConfig::default(),
-    );
+    let resync = Resyncer::new(Arc::clone(&rig.engine), ResyncConfig::default());
     resync.rebuild(&replicas[2]).await.unwrap();
     rig.engine.write_at(0, block(0x02), false).await.unwrap();
     assert_eq!(rig.committed().await, set(&IDS));
@@ -661,5 +657,134 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
             on(loose).await == Bytes::from(vec![0; 4096]),
             "{id} kept a write that was never made durable: the double cut nothing"
         );
+    }
+}
+
+/// Membership at run time: a replica added to the set while writes flow is
+/// rebuilt and joins the in-sync set; one removed from the set while it is
+/// in sync is dropped from the in-sync set by a commit, and no write is
+/// acknowledged without it before that. Every acknowledged write is on
+/// every member of the committed in-sync set at the end.
+#[tokio::test]
+async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
+    use replica_ha::replica::ReplicaSet;
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes = Vec::new();
+    for id in IDS {
+        nodes.push(FaultyReplica::new(id, store(dir.path(), id).await));
+    }
+    let dyn_of = |i: usize| Arc::clone(&nodes[i]) as Arc<dyn Replica>;
+    let members = Arc::new(ReplicaSet::new("n1", vec![dyn_of(0), dyn_of(1)]).unwrap());
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::clone(&events));
+    let engine = Arc::new(
+        Engine::over(
+            EngineConfig {
+                local_id: "n1".into(),
+                min_in_sync: 2,
+                replica_timeout: SHORT,
+                size: SIZE,
+            },
+            Arc::clone(&members),
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    engine.activate(2).await.unwrap();
+
+    // A client writes block after block until told to stop; every write
+    // must be acknowledged.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = tokio::spawn({
+        let (engine, stop, events) = (Arc::clone(&engine), Arc::clone(&stop), Arc::clone(&events));
+        async move {
+            let blocks = SIZE / 4096;
+            let mut acked = Vec::new();
+            for n in 0..blocks * 4 {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let offset = (n % blocks) * 4096;
+                let byte = (n / blocks) as u8 + 1;
+                engine.write_at(offset, block(byte), false).await.unwrap();
+                events.lock().unwrap().push(format!("ack:{offset}"));
+                acked.push((offset, byte));
+                tokio::task::yield_now().await;
+            }
+            acked
+        }
+    });
+
+    // In: n3 joins the set while writes flow, is rebuilt, and returns.
+    let acks = |events: &Mutex<Vec<String>>| {
+        let events = events.lock().unwrap();
+        events.iter().filter(|e| e.starts_with("ack:")).count()
+    };
+    let before_add = acks(&events);
+    members.add(dyn_of(2)).unwrap();
+    let resync = Resyncer::new(Arc::clone(&engine), ResyncConfig::default());
+    resync.rebuild(&dyn_of(2)).await.unwrap();
+    assert_eq!(tracker.in_sync().await.unwrap(), set(&IDS));
+    assert!(
+        acks(&events) > before_add,
+        "no write flowed during the rebuild"
+    );
+
+    // Out: n2 leaves the set while in sync. The next writes count it as
+    // failed, and its removal is committed before any is acknowledged.
+    let acks_before = events.lock().unwrap().len();
+    members.remove("n2").unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tracker.in_sync().await.unwrap().contains("n2") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "n2 never left the in-sync set"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let after_removal = acks(&events);
+    while acks(&events) < after_removal + 100 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "writes stopped after n2 left"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let acked = writer.await.unwrap();
+    assert!(!acked.is_empty());
+    assert_eq!(tracker.in_sync().await.unwrap(), set(&["n1", "n3"]));
+    {
+        // The writer has one write in flight at a time: at most the one
+        // that was sent before n2 left (to n2 too) is acknowledged before
+        // n2's removal is committed.
+        let events = events.lock().unwrap();
+        let after = &events[acks_before..];
+        let removal = after.iter().position(|e| e == "remove:n2");
+        let removal = removal.unwrap_or_else(|| panic!("no removal of n2: {after:?}"));
+        let acks_first = after[..removal]
+            .iter()
+            .filter(|e| e.starts_with("ack:"))
+            .count();
+        assert!(
+            acks_first <= 1,
+            "{acks_first} writes were acknowledged without n2 before its removal: {after:?}"
+        );
+    }
+    let mut last = BTreeMap::new();
+    for (offset, byte) in acked {
+        last.insert(offset, byte);
+    }
+    for i in [0, 2] {
+        for (&offset, &byte) in &last {
+            assert!(
+                nodes[i].store().read(offset, 4096).await.unwrap() == block(byte),
+                "{} lacks the acknowledged write at {offset}",
+                IDS[i]
+            );
+        }
     }
 }

@@ -24,7 +24,8 @@ use replica_ha::replica::fencer::TokenFencer;
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
-    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaStore, Stamp,
+    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
+    Stamp,
 };
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
 use tonic::Code;
@@ -340,23 +341,24 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
         .map(|r| Arc::clone(r) as Arc<dyn Replica>)
         .collect();
     let floors = Arc::new(FloorBook::default());
+    // One replica set, shared as in a node.
+    let set = Arc::new(ReplicaSet::new("n1", dyn_replicas).unwrap());
     let fencer = TokenFencer::new(
-        "n1",
-        dyn_replicas.clone(),
+        Arc::clone(&set),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         2,
         size,
         timeout,
     )
     .with_floor_book(Arc::clone(&floors));
-    let engine = Engine::new(
+    let engine = Engine::over(
         EngineConfig {
             local_id: "n1".into(),
             min_in_sync: 1,
             replica_timeout: timeout,
             size,
         },
-        dyn_replicas,
+        set,
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
     )
     .unwrap()
@@ -581,8 +583,7 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
         .collect();
     let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
     let fencer = TokenFencer::new(
-        "n1",
-        replicas,
+        Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         2,
         SIZE,

@@ -423,17 +423,13 @@ mod engine_world {
                         replica_timeout: TIMEOUT,
                         size: SIZE,
                     },
-                    dyn_replicas.clone(),
+                    dyn_replicas,
                     Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
                 )
                 .unwrap(),
             );
             engine.activate(1).await.unwrap();
-            let resync = Arc::new(Resyncer::new(
-                Arc::clone(&engine),
-                dyn_replicas,
-                ResyncConfig::default(),
-            ));
+            let resync = Arc::new(Resyncer::new(Arc::clone(&engine), ResyncConfig::default()));
             World {
                 _dir: dir,
                 replicas,

@@ -342,6 +342,11 @@ impl Controller {
     }
 
     /// Fence, record, activate, and open the gate for `seen.term` (S1).
+    #[tracing::instrument(
+        name = "promote",
+        skip_all,
+        fields(node = %self.coordinator.node_id(), term = seen.term, role = "fence_pending")
+    )]
     async fn promote(
         &self,
         seen: &Leadership,

@@ -114,7 +114,9 @@ impl GateJournal for FileJournal {
     fn admitted(&self, term: u64, deadline: Instant) {
         let (at, until) = (wall_now_ns(), wall_ns(deadline));
         let mut inner = self.lock();
-        let known = inner.logged_deadline.is_some_and(|logged| deadline <= logged);
+        let known = inner
+            .logged_deadline
+            .is_some_and(|logged| deadline <= logged);
         if inner.term == term && known && at <= inner.logged_end {
             return;
         }

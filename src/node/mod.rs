@@ -24,7 +24,6 @@
 pub mod config;
 pub mod journal;
 pub mod reads;
-pub mod view;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -48,10 +47,10 @@ use crate::replica::remote::RemoteReplica;
 use crate::replica::resync::{ResyncConfig, Resyncer};
 use crate::replica::service::ReplicaService;
 use crate::replica::{
-    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaStore,
+    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     StoreIdentity,
 };
-use view::NodeView;
+use crate::status::{NodeFacts, NodeParts, NodeView};
 
 /// How often the writer retires the marks of extents that are durable on
 /// every in-sync replica (see `Engine::retire_marks`): what a failover must
@@ -175,7 +174,6 @@ impl Node {
         let retirement = Arc::clone(&engine).run_mark_retirement(MARK_RETIREMENT);
         let resync = Arc::new(Resyncer::new(
             engine,
-            replicas.clone(),
             ResyncConfig {
                 rate: config.resync_rate,
                 ..ResyncConfig::default()
@@ -185,12 +183,14 @@ impl Node {
         // The data path: the read gate in front of the write gate, counted.
         let local_copy = reads::RaftLocalCopy::new(
             config.id,
-            Arc::clone(&replicas[0]),
+            replicas
+                .get(&config.id.to_string())
+                .ok_or_else(|| failed("no local replica"))?,
             coordinator.state_machine().subscribe(),
         );
         let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
-        let view = Arc::new(NodeView {
-            config: config.clone(),
+        let view = Arc::new(NodeView::new(NodeParts {
+            facts: facts(&config),
             coordinator: Arc::clone(&coordinator),
             controller: Arc::clone(&controller),
             replicas,
@@ -198,7 +198,7 @@ impl Node {
             device: Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io))),
             io,
             nbd: Arc::default(),
-        });
+        }));
 
         let listener = bind("gRPC", config.listen).await?;
         let nbd_listener = match config.nbd {
@@ -216,10 +216,12 @@ impl Node {
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
-        let replica_service = ReplicaService::new(Arc::clone(&store)).on_fenced({
-            let controller = Arc::clone(&controller);
-            Arc::new(move |floor| controller.step_down(floor))
-        });
+        let replica_service = ReplicaService::new(Arc::clone(&store))
+            .on_node(config.id.to_string())
+            .on_fenced({
+                let controller = Arc::clone(&controller);
+                Arc::new(move |floor| controller.step_down(floor))
+            });
         let server = tokio::spawn(
             transport
                 .server()
@@ -258,9 +260,9 @@ impl Node {
             let export = Arc::new(Export::new(
                 &config.volume,
                 description,
-                Arc::clone(&view.device),
+                Arc::clone(view.device()),
             ));
-            let (stats, stop) = (Arc::clone(&view.nbd), stop_server.subscribe());
+            let (stats, stop) = (Arc::clone(view.nbd_stats()), stop_server.subscribe());
             tasks.push(tokio::spawn(crate::nbd::serve(
                 listener, export, stats, stop,
             )));
@@ -410,9 +412,6 @@ async fn open_replica(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
         })
 }
 
-/// Every replica of the volume, this node's own first.
-type Replicas = Vec<Arc<dyn Replica>>;
-
 /// Builds the engine over every replica (the local one without a network
 /// hop), the token fencer, and the controller; returns the controller and
 /// the replicas, this node's first.
@@ -421,7 +420,7 @@ fn start_controller(
     transport: &Transport,
     store: &Arc<ReplicaStore>,
     coordinator: &Arc<RaftCoordinator>,
-) -> Result<(Arc<Controller>, Arc<Engine>, Replicas), NodeError> {
+) -> Result<(Arc<Controller>, Arc<Engine>, Arc<ReplicaSet>), NodeError> {
     let local_id = config.id.to_string();
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
@@ -442,23 +441,24 @@ fn start_controller(
             replicas.push(Arc::new(remote));
         }
     }
+    let replicas =
+        Arc::new(ReplicaSet::new(&local_id, replicas).map_err(|e| ConfigError(e.to_string()))?);
     let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
     let floors = Arc::new(FloorBook::default());
-    let engine = Engine::new(
+    let engine = Engine::over(
         EngineConfig {
-            local_id: local_id.clone(),
+            local_id,
             min_in_sync: config.min_in_sync,
             replica_timeout: REPLICA_TIMEOUT,
             size: config.size,
         },
-        replicas.clone(),
+        Arc::clone(&replicas),
         Arc::clone(&tracker),
     )
     .map_err(|e| ConfigError(e.to_string()))?
     .with_floor_book(Arc::clone(&floors));
     let fencer = TokenFencer::new(
-        local_id,
-        replicas.clone(),
+        Arc::clone(&replicas),
         tracker,
         config.min_in_sync,
         config.size,
@@ -520,6 +520,23 @@ async fn report_health(health: tonic_health::server::HealthReporter, view: Arc<N
 
 /// How often the writer health status is refreshed.
 const HEALTH_POLL: Duration = Duration::from_millis(50);
+
+/// What status repeats of the configuration.
+fn facts(config: &NodeConfig) -> NodeFacts {
+    NodeFacts {
+        id: config.id,
+        cluster_id: config.cluster_id.clone(),
+        volume: config.volume.clone(),
+        size: config.size,
+        min_in_sync: config.min_in_sync,
+        nbd: config.nbd,
+        peers: config
+            .peers
+            .iter()
+            .map(|(id, addr)| (*id, addr.to_string()))
+            .collect(),
+    }
+}
 
 fn volume_config(config: &NodeConfig) -> VolumeConfig {
     VolumeConfig {

@@ -102,6 +102,17 @@ pub struct RaftStatus {
     pub applied: Applied,
 }
 
+/// Where this node's Raft log stands, for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogProgress {
+    /// Index of the last log entry.
+    pub last_log: u64,
+    /// Index of the last applied entry.
+    pub last_applied: u64,
+    /// On the leader: each follower's last matched index.
+    pub replication: Option<Vec<(NodeId, u64)>>,
+}
+
 /// The Raft-backed coordinator. See the module docs.
 pub struct RaftCoordinator {
     id: NodeId,
@@ -175,6 +186,21 @@ impl RaftCoordinator {
             leader: metrics.current_leader,
             lease: *lock(&self.lease),
             applied: self.state_machine.current(),
+        }
+    }
+
+    /// Where the Raft log stands now.
+    pub fn log_progress(&self) -> LogProgress {
+        let metrics = self.raft.metrics().borrow().clone();
+        LogProgress {
+            last_log: metrics.last_log_index.unwrap_or(0),
+            last_applied: metrics.last_applied.map_or(0, |id| id.index),
+            replication: metrics.replication.as_ref().map(|peers| {
+                peers
+                    .iter()
+                    .map(|(peer, matched)| (*peer, matched.map_or(0, |id| id.index)))
+                    .collect()
+            }),
         }
     }
 

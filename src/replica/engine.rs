@@ -75,7 +75,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::liveness::Liveness;
+use super::quorum::{self, Verdict};
+use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
 use crate::volume::{Device, DeviceError, check_request};
@@ -148,7 +149,7 @@ impl RebuildError {
 /// The mirroring engine. See the module docs.
 pub struct Engine {
     config: EngineConfig,
-    replicas: Vec<Arc<dyn Replica>>,
+    replicas: Arc<ReplicaSet>,
     tracker: Arc<dyn InSyncTracker>,
     state: Mutex<EngineState>,
     /// Serializes in-sync shrinks (see the module docs).
@@ -160,8 +161,6 @@ pub struct Engine {
     extent_size: u64,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
-    /// When each replica last answered.
-    liveness: Liveness,
 }
 
 /// How many stripes the extents map onto.
@@ -259,29 +258,41 @@ struct EngineState {
 }
 
 impl Engine {
-    /// Builds an engine over `replicas` (which must include the local one).
-    /// Until it is activated, it believes every replica is in sync, which
-    /// only steers where reads go.
+    /// Builds an engine over a fixed list of `replicas` (which must
+    /// include the local one); see [`Engine::over`].
     pub fn new(
         config: EngineConfig,
         replicas: Vec<Arc<dyn Replica>>,
         tracker: Arc<dyn InSyncTracker>,
     ) -> Result<Self, EngineConfigError> {
-        let ids: BTreeSet<String> = replicas.iter().map(|r| r.id().to_string()).collect();
-        if ids.len() != replicas.len() {
-            return Err(EngineConfigError("replica ids are not unique".into()));
-        }
-        if !ids.contains(&config.local_id) {
+        let set = ReplicaSet::new(&config.local_id, replicas).map_err(|e| match e {
+            SetError::Duplicate(_) => EngineConfigError("replica ids are not unique".into()),
+            other => EngineConfigError(other.to_string()),
+        })?;
+        Self::over(config, Arc::new(set), tracker)
+    }
+
+    /// Builds an engine over the replica set `replicas`, which the node's
+    /// fencer, resync and status share, and membership change edits. Until
+    /// it is activated, it believes every member is in sync, which only
+    /// steers where reads go.
+    pub fn over(
+        config: EngineConfig,
+        replicas: Arc<ReplicaSet>,
+        tracker: Arc<dyn InSyncTracker>,
+    ) -> Result<Self, EngineConfigError> {
+        if replicas.local_id() != config.local_id {
             return Err(EngineConfigError(format!(
                 "the local replica {:?} is not among the replicas",
                 config.local_id
             )));
         }
-        if config.min_in_sync == 0 || config.min_in_sync > replicas.len() {
+        let ids = replicas.ids();
+        if config.min_in_sync == 0 || config.min_in_sync > ids.len() {
             return Err(EngineConfigError(format!(
                 "min_in_sync {} must be between 1 and the number of replicas ({})",
                 config.min_in_sync,
-                replicas.len()
+                ids.len()
             )));
         }
         Ok(Self {
@@ -301,8 +312,12 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size: super::store::DEFAULT_EXTENT_SIZE,
             floors: Arc::default(),
-            liveness: Liveness::default(),
         })
+    }
+
+    /// The replica set this engine writes to.
+    pub fn replica_set(&self) -> &Arc<ReplicaSet> {
+        &self.replicas
     }
 
     /// Reads the floors the node's fencer finds (see [`FloorBook`]).
@@ -326,12 +341,9 @@ impl Engine {
     fn targets(&self) -> Result<(u64, Vec<Arc<dyn Replica>>, Vec<Arc<dyn Replica>>), DeviceError> {
         let state = self.lock();
         let term = state.term.ok_or(DeviceError::Inactive)?;
+        let members = self.replicas.members();
         let pick = |keep: &dyn Fn(&str) -> bool| -> Vec<Arc<dyn Replica>> {
-            self.replicas
-                .iter()
-                .filter(|r| keep(r.id()))
-                .cloned()
-                .collect()
+            members.iter().filter(|r| keep(r.id())).cloned().collect()
         };
         let targets = pick(&|id| state.in_sync.contains(id));
         if targets.len() < self.config.min_in_sync {
@@ -371,12 +383,19 @@ impl Engine {
     /// was in flight, without having been sent it, is sent it too before the
     /// request may be acknowledged: the ack needs every member of the set as
     /// committed *at the ack*, not as it was when the request began.
+    #[tracing::instrument(
+        level = "debug",
+        name = "mirror",
+        skip_all,
+        fields(node = %self.config.local_id, term, role = "leader")
+    )]
     async fn mirror<F, Fut>(&self, op: F) -> Result<(), DeviceError>
     where
         F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
         let (term, targets, rebuilding) = self.targets()?;
+        tracing::Span::current().record("term", term);
         let mut outcomes = Outcomes::new();
         let mut send: Vec<Arc<dyn Replica>> = targets.into_iter().chain(rebuilding).collect();
         let mut joining_failed = None;
@@ -429,7 +448,7 @@ impl Engine {
         id: &str,
         call: impl std::future::Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
-        self.liveness
+        self.replicas
             .bounded(id, self.config.replica_timeout, call)
             .await
     }
@@ -524,7 +543,7 @@ impl Engine {
         let term = {
             let mut state = self.lock();
             let term = state.term.ok_or(RebuildError::Inactive)?;
-            if !self.replicas.iter().any(|r| r.id() == id) {
+            if self.replicas.get(id).is_none() {
                 return Err(RebuildError::Unknown(id.to_string()));
             }
             if state.in_sync.contains(id) {
@@ -777,6 +796,7 @@ impl Engine {
                 // so a mark retired there can never hide a difference).
                 let members: Vec<Arc<dyn Replica>> = self
                     .replicas
+                    .members()
                     .iter()
                     .filter(|r| {
                         state.in_sync.contains(r.id()) || state.rebuilding.contains_key(r.id())
@@ -824,6 +844,7 @@ impl Engine {
         let members: Vec<Arc<dyn Replica>> = {
             let state = self.lock();
             self.replicas
+                .members()
                 .iter()
                 .filter(|r| state.in_sync.contains(r.id()))
                 .cloned()
@@ -964,7 +985,7 @@ impl Engine {
     }
 
     fn replica(&self, id: &str) -> Option<Arc<dyn Replica>> {
-        self.replicas.iter().find(|r| r.id() == id).cloned()
+        self.replicas.get(id)
     }
 
     /// Decides whether a mirrored request may be acknowledged: every member
@@ -976,36 +997,36 @@ impl Engine {
     async fn settle(&self, term: u64, outcomes: &Outcomes) -> Result<Settled, DeviceError> {
         let _serialized = self.shrink.lock().await;
         let current = self.lock().in_sync.clone();
-        let missing: Vec<Arc<dyn Replica>> = current
+        let succeeded: BTreeMap<String, bool> = outcomes
             .iter()
-            .filter(|id| !outcomes.contains_key(*id))
-            .filter_map(|id| self.replica(id))
+            .map(|(id, outcome)| (id.clone(), outcome.is_ok()))
             .collect();
-        if !missing.is_empty() {
-            return Ok(Settled::Missing(missing));
-        }
-        let failed: BTreeMap<&String, &ReplicaError> = current
-            .iter()
-            .filter_map(|id| match outcomes.get(id) {
-                Some(Err(err)) => Some((id, err)),
-                _ => None,
-            })
-            .collect();
-        if failed.is_empty() {
-            return Ok(Settled::Acknowledged);
-        }
         let need = self.config.min_in_sync;
-        let have = current.len() - failed.len();
-        if have < need {
-            let mut state = self.lock();
-            state
-                .degraded
-                .extend(failed.keys().map(|id| id.to_string()));
-            tracing::warn!(term, have, need, failed = ?failed, "write not acknowledged: too few in-sync replicas");
-            return Err(DeviceError::InsufficientReplicas { have, need });
-        }
-        let to_remove: BTreeSet<String> = failed.keys().map(|id| id.to_string()).collect();
-        tracing::warn!(term, removed = ?to_remove, errors = ?failed, "dropping replicas from the in-sync set");
+        let errors = |ids: &BTreeSet<String>| -> BTreeMap<String, String> {
+            ids.iter()
+                .map(|id| {
+                    let why = match outcomes.get(id) {
+                        Some(Err(err)) => err.to_string(),
+                        _ => "no longer in the replica set".to_string(),
+                    };
+                    (id.clone(), why)
+                })
+                .collect()
+        };
+        let to_remove = match quorum::judge(&current, &self.replicas.ids(), &succeeded, need) {
+            Verdict::Acknowledge => return Ok(Settled::Acknowledged),
+            Verdict::SendTo(ids) => {
+                let missing = ids.iter().filter_map(|id| self.replica(id)).collect();
+                return Ok(Settled::Missing(missing));
+            }
+            Verdict::TooFew { have, need, failed } => {
+                tracing::warn!(term, have, need, failed = ?errors(&failed), "write not acknowledged: too few in-sync replicas");
+                self.lock().degraded.extend(failed);
+                return Err(DeviceError::InsufficientReplicas { have, need });
+            }
+            Verdict::Remove(ids) => ids,
+        };
+        tracing::warn!(term, removed = ?to_remove, errors = ?errors(&to_remove), "dropping replicas from the in-sync set");
         let committed = self
             .tracker
             .remove(term, &to_remove)
@@ -1016,17 +1037,9 @@ impl Engine {
             state.in_sync = committed.clone();
             state.degraded.retain(|id| committed.contains(id));
         }
-        let succeeded = committed
-            .iter()
-            .filter(|id| matches!(outcomes.get(*id), Some(Ok(()))))
-            .count();
-        if succeeded == committed.len() && succeeded >= need {
-            Ok(Settled::Acknowledged)
-        } else {
-            Err(DeviceError::InsufficientReplicas {
-                have: succeeded,
-                need,
-            })
+        match quorum::all_succeeded(&committed, &succeeded, need) {
+            Ok(()) => Ok(Settled::Acknowledged),
+            Err(have) => Err(DeviceError::InsufficientReplicas { have, need }),
         }
     }
 
@@ -1044,6 +1057,7 @@ impl Engine {
         let local = &self.config.local_id;
         let mut order: Vec<Arc<dyn Replica>> = self
             .replicas
+            .members()
             .iter()
             .filter(|r| state.in_sync.contains(r.id()))
             .cloned()
@@ -1137,6 +1151,7 @@ impl WriterEngine for Engine {
     fn replicas(&self) -> Vec<ReplicaStatus> {
         let state = self.lock();
         self.replicas
+            .members()
             .iter()
             .map(|r| {
                 let id = r.id();

@@ -46,7 +46,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use futures::future::join_all;
 
-use super::liveness::Liveness;
+use super::quorum;
+use super::set::ReplicaSet;
 use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
 
@@ -67,35 +68,37 @@ const SETTLE_AFTER: Duration = Duration::from_secs(1);
 
 /// Fences by term and reconciles. See the module docs.
 pub struct TokenFencer {
-    local_id: String,
-    replicas: Vec<Arc<dyn Replica>>,
+    replicas: Arc<ReplicaSet>,
     tracker: Arc<dyn InSyncTracker>,
     min_in_sync: usize,
     size: u64,
     timeout: Duration,
     floors: Arc<FloorBook>,
-    liveness: Liveness,
+}
+
+/// The members of the replica set when a fence began.
+type Members = [Arc<dyn Replica>];
+
+fn find<'a>(members: &'a Members, id: &str) -> Option<&'a Arc<dyn Replica>> {
+    members.iter().find(|r| r.id() == id)
 }
 
 impl TokenFencer {
-    /// A fencer over every replica of the volume (the local one included).
+    /// A fencer over the volume's replica set (the local replica included).
     pub fn new(
-        local_id: impl Into<String>,
-        replicas: Vec<Arc<dyn Replica>>,
+        replicas: Arc<ReplicaSet>,
         tracker: Arc<dyn InSyncTracker>,
         min_in_sync: usize,
         size: u64,
         timeout: Duration,
     ) -> Self {
         Self {
-            local_id: local_id.into(),
             replicas,
             tracker,
             min_in_sync,
             size,
             timeout,
             floors: Arc::default(),
-            liveness: Liveness::default(),
         }
     }
 
@@ -107,13 +110,17 @@ impl TokenFencer {
     }
 
     /// Sends `Fence(term)` to every replica and keeps those that took it.
-    async fn fence_all(&self, term: u64) -> Result<BTreeMap<String, FenceReply>, FenceError> {
-        let calls = self.replicas.iter().map(|replica| async move {
-            let reply = self.within(replica, replica.fence(term)).await;
-            (replica.id().to_string(), reply)
-        });
+    async fn fence_all(
+        &self,
+        term: u64,
+        members: &Members,
+    ) -> Result<BTreeMap<String, FenceReply>, FenceError> {
+        let replies = self
+            .replicas
+            .fan_out(members, self.timeout, |replica| replica.fence(term))
+            .await;
         let mut fenced = BTreeMap::new();
-        for (id, reply) in join_all(calls).await {
+        for (id, reply) in replies {
             match reply {
                 Ok(reply) if reply.floor == term => {
                     self.floors.note(
@@ -206,15 +213,14 @@ impl TokenFencer {
         F: Fn(&'a Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
-        let calls = replicas.iter().map(|replica| {
-            let call = call(replica);
-            async move {
-                self.within(replica, call)
-                    .await
-                    .map_err(|e| FenceError::replica(step, replica.id(), e))
-            }
-        });
-        join_all(calls).await.into_iter().collect()
+        let outcomes = self
+            .replicas
+            .fan_out(replicas.iter().copied(), self.timeout, call)
+            .await;
+        outcomes
+            .into_iter()
+            .map(|(id, outcome)| outcome.map_err(|e| FenceError::replica(step, &id, e)))
+            .collect()
     }
 
     /// Makes the converged `extents` durable on every member, then drops
@@ -263,13 +269,9 @@ impl TokenFencer {
         replica: &Arc<dyn Replica>,
         call: impl std::future::Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
-        self.liveness
+        self.replicas
             .bounded(replica.id(), self.timeout, call)
             .await
-    }
-
-    fn replica(&self, id: &str) -> Option<&Arc<dyn Replica>> {
-        self.replicas.iter().find(|r| r.id() == id)
     }
 
     /// Makes the older terms' dirty extents identical on `members` (S6).
@@ -278,14 +280,16 @@ impl TokenFencer {
         term: u64,
         members: &BTreeSet<String>,
         fenced: &BTreeMap<String, FenceReply>,
+        replicas: &Members,
     ) -> Result<Convergence, FenceError> {
         let mut report = Convergence::default();
-        let source_id = if members.contains(&self.local_id) {
-            self.local_id.clone()
+        let local = self.replicas.local_id();
+        let source_id = if members.contains(local) {
+            local.to_string()
         } else {
             members.iter().next().cloned().ok_or(FenceError::NoSource)?
         };
-        let source = self.replica(&source_id).ok_or(FenceError::NoSource)?;
+        let source = find(replicas, &source_id).ok_or(FenceError::NoSource)?;
         let mut extents = BTreeSet::new();
         let mut extent_size = 0;
         for id in members {
@@ -311,10 +315,10 @@ impl TokenFencer {
         let targets: Vec<&Arc<dyn Replica>> = members
             .iter()
             .filter(|id| **id != source_id)
-            .filter_map(|id| self.replica(id))
+            .filter_map(|id| find(replicas, id))
             .collect();
         let all: Vec<&Arc<dyn Replica>> =
-            members.iter().filter_map(|id| self.replica(id)).collect();
+            members.iter().filter_map(|id| find(replicas, id)).collect();
         // Each member's floor may be a later generation of this term (a
         // stint of this node's own at the term, or a rebuild): stamp what
         // the fencer sends it with that generation, so it is admitted.
@@ -403,17 +407,23 @@ struct Convergence {
 
 #[async_trait]
 impl Fencer for TokenFencer {
+    #[tracing::instrument(
+        name = "fence",
+        skip_all,
+        fields(node = %self.replicas.local_id(), term = term, role = "fence_pending")
+    )]
     async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError> {
         let started = Instant::now();
         let committed = self.tracker.in_sync().await?;
-        let fenced = self.fence_all(term).await?;
+        let replicas = self.replicas.members();
+        let fenced = self.fence_all(term, &replicas).await?;
         let fenced_after = started.elapsed();
-        let need = self.replicas.len().saturating_sub(self.min_in_sync) + 1;
+        let need = quorum::fence_quorum(replicas.len(), self.min_in_sync);
         if fenced.len() < need {
             return Err(FenceError::TooFewFenced {
                 term,
                 fenced: fenced.len(),
-                replicas: self.replicas.len(),
+                replicas: replicas.len(),
                 need,
             });
         }
@@ -435,7 +445,7 @@ impl Fencer for TokenFencer {
             );
             self.tracker.remove(term, &unreached).await?
         };
-        let converged = self.converge(term, &members, &fenced).await?;
+        let converged = self.converge(term, &members, &fenced, &replicas).await?;
         tracing::info!(
             term,
             prev = ?prev_writer,

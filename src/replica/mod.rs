@@ -8,6 +8,9 @@
 //!   in-sync set is changed only through the core's
 //!   [`crate::ha::InSyncTracker`]: the engine may acknowledge a write that
 //!   skipped a replica only after its removal was committed (S5).
+//! - [`set`]: the [`ReplicaSet`], the volume's replicas by id, shared by
+//!   the engine, fencer, resync and status, and edited at run time; and
+//!   [`quorum`], the counting rules (S1, S5) as pure functions.
 //! - [`engine`]: the synchronous mirror.
 //! - [`service`] and [`remote`]: a store served over gRPC, and the
 //!   [`Replica`] client that reaches it (S2 and S3 hold over the wire).
@@ -18,9 +21,11 @@ pub mod engine;
 pub mod fencer;
 pub mod liveness;
 pub mod meta;
+pub mod quorum;
 pub mod remote;
 pub mod resync;
 pub mod service;
+pub mod set;
 pub mod store;
 
 use std::sync::{Arc, Mutex};
@@ -29,6 +34,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 pub use engine::{Engine, EngineConfig, RebuildError};
+pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
 use crate::volume::RangeError;

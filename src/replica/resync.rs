@@ -81,17 +81,15 @@ pub struct Progress {
 /// docs.
 pub struct Resyncer {
     engine: Arc<Engine>,
-    replicas: Vec<Arc<dyn Replica>>,
     config: ResyncConfig,
     progress: Mutex<BTreeMap<String, Progress>>,
 }
 
 impl Resyncer {
-    /// A resyncer over the engine's replicas.
-    pub fn new(engine: Arc<Engine>, replicas: Vec<Arc<dyn Replica>>, config: ResyncConfig) -> Self {
+    /// A resyncer over the engine's replica set.
+    pub fn new(engine: Arc<Engine>, config: ResyncConfig) -> Self {
         Self {
             engine,
-            replicas,
             config,
             progress: Mutex::default(),
         }
@@ -114,7 +112,7 @@ impl Resyncer {
                 continue;
             }
             let in_sync = self.engine.in_sync();
-            for replica in &self.replicas {
+            for replica in self.engine.replica_set().members().iter() {
                 let id = replica.id();
                 if in_sync.contains(id) || replica.info().await.is_err() {
                     continue;
@@ -221,17 +219,18 @@ impl Resyncer {
     }
 
     fn replica(&self, id: &str) -> Result<Arc<dyn Replica>, RebuildError> {
-        self.replicas
-            .iter()
-            .find(|r| r.id() == id)
-            .cloned()
+        self.engine
+            .replica_set()
+            .get(id)
             .ok_or_else(|| RebuildError::Unknown(id.to_string()))
     }
 
     /// An in-sync replica to compare against.
     fn source(&self) -> Result<Arc<dyn Replica>, RebuildError> {
         let in_sync = self.engine.in_sync();
-        self.replicas
+        self.engine
+            .replica_set()
+            .members()
             .iter()
             .find(|r| in_sync.contains(r.id()))
             .cloned()

@@ -105,6 +105,8 @@ pub type OnFenced = Arc<dyn Fn(u64) + Send + Sync>;
 pub struct ReplicaService {
     store: Arc<ReplicaStore>,
     on_fenced: Option<OnFenced>,
+    /// The node this service runs on, for the handlers' spans.
+    node: String,
 }
 
 impl ReplicaService {
@@ -113,7 +115,14 @@ impl ReplicaService {
         Self {
             store,
             on_fenced: None,
+            node: String::new(),
         }
+    }
+
+    /// Names the node this service runs on in the handlers' spans.
+    pub fn on_node(mut self, node: impl Into<String>) -> Self {
+        self.node = node.into();
+        self
     }
 
     /// Also tells this node when its replica is fenced: the fence a new
@@ -155,6 +164,7 @@ fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
 
 #[tonic::async_trait]
 impl ReplicaRpc for ReplicaService {
+    #[tracing::instrument(level = "debug", name = "replica.write", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn write(
         &self,
         request: Request<pb::WriteRequest>,
@@ -168,6 +178,7 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::WriteReply {}))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.read", skip_all, fields(node = %self.node))]
     async fn read(
         &self,
         request: Request<pb::ReadRequest>,
@@ -182,6 +193,7 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::ReadReply { data }))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.flush", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn flush(
         &self,
         request: Request<pb::FlushRequest>,
@@ -195,6 +207,7 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::FlushReply {}))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.fence", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn fence(
         &self,
         request: Request<pb::FenceRequest>,
@@ -213,6 +226,7 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.clear_dirty", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn clear_dirty(
         &self,
         request: Request<pb::ClearDirtyRequest>,
@@ -226,6 +240,7 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::ClearDirtyReply {}))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.retire_marks", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn retire_marks(
         &self,
         request: Request<pb::RetireMarksRequest>,
@@ -242,6 +257,7 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.digest", skip_all, fields(node = %self.node))]
     async fn digest(
         &self,
         request: Request<pb::DigestRequest>,
@@ -260,6 +276,7 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.status", skip_all, fields(node = %self.node))]
     async fn status(
         &self,
         request: Request<pb::StatusRequest>,

@@ -551,10 +551,7 @@ impl ReplicaStore {
             .and_then(|bytes| <[u8; 8]>::try_from(bytes.as_ref()).ok())
             .map_or(0, u64::from_be_bytes);
         self.stale_accepts.fetch_max(count, Ordering::SeqCst);
-        meta.flusher
-            .flush()
-            .await
-            .map_err(|e| self.meta.failed(e))
+        meta.flusher.flush().await.map_err(|e| self.meta.failed(e))
     }
 
     /// Takes the write guard (draining every request in flight), raises the

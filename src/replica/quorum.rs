@@ -1,0 +1,200 @@
+//! The counting rules that S1 and S5 rest on, as pure functions.
+//!
+//! - [`fence_quorum`]: how many replicas a new writer must fence before
+//!   it may write (S1). An older writer acknowledges a write only on at
+//!   least `min_in_sync` replicas; once `N − min_in_sync + 1` have taken the
+//!   new term, at most `min_in_sync − 1` are left that it could still
+//!   reach, so it can acknowledge nothing more.
+//! - [`judge`]: what the engine does with the outcomes of one mirrored
+//!   request (S5): acknowledge it only when every member of the committed
+//!   in-sync set has it; a member that failed it (or that is no longer in
+//!   the [`super::set::ReplicaSet`]) must be removed by a commit first, and
+//!   only if at least `min_in_sync` members remain.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// How many of `replicas` must take a new term before no older writer can
+/// acknowledge a write (see the module docs).
+pub fn fence_quorum(replicas: usize, min_in_sync: usize) -> usize {
+    replicas.saturating_sub(min_in_sync) + 1
+}
+
+/// What [`judge`] decided about one mirrored request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every member of the in-sync set has it.
+    Acknowledge,
+    /// These in-sync members are in the replica set but were not sent the
+    /// request (they joined after it was sent): send it to them, then
+    /// judge again.
+    SendTo(BTreeSet<String>),
+    /// These in-sync members failed it, or left the replica set, and
+    /// enough would remain without them: commit their removal, then
+    /// acknowledge only if [`all_succeeded`] on the committed set.
+    Remove(BTreeSet<String>),
+    /// Without the failed members fewer than `need` would remain: the
+    /// request is not acknowledged, and nothing is removed.
+    TooFew {
+        have: usize,
+        need: usize,
+        failed: BTreeSet<String>,
+    },
+}
+
+/// Judges one request. `outcomes` holds, for each replica it was sent to,
+/// whether that replica succeeded; `members` is the replica set now.
+pub fn judge(
+    in_sync: &BTreeSet<String>,
+    members: &BTreeSet<String>,
+    outcomes: &BTreeMap<String, bool>,
+    min_in_sync: usize,
+) -> Verdict {
+    let unsent: BTreeSet<String> = in_sync
+        .iter()
+        .filter(|id| members.contains(*id) && !outcomes.contains_key(*id))
+        .cloned()
+        .collect();
+    if !unsent.is_empty() {
+        return Verdict::SendTo(unsent);
+    }
+    let failed: BTreeSet<String> = in_sync
+        .iter()
+        .filter(|id| outcomes.get(*id) != Some(&true))
+        .cloned()
+        .collect();
+    if failed.is_empty() {
+        return Verdict::Acknowledge;
+    }
+    let have = in_sync.len() - failed.len();
+    if have < min_in_sync {
+        return Verdict::TooFew {
+            have,
+            need: min_in_sync,
+            failed,
+        };
+    }
+    Verdict::Remove(failed)
+}
+
+/// After a removal was committed: Ok when every member of `committed`
+/// succeeded and there are at least `min_in_sync`; otherwise how many did.
+pub fn all_succeeded(
+    committed: &BTreeSet<String>,
+    outcomes: &BTreeMap<String, bool>,
+    min_in_sync: usize,
+) -> Result<(), usize> {
+    let succeeded = committed
+        .iter()
+        .filter(|id| outcomes.get(*id) == Some(&true))
+        .count();
+    if succeeded == committed.len() && succeeded >= min_in_sync {
+        Ok(())
+    } else {
+        Err(succeeded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(list: &str) -> BTreeSet<String> {
+        list.split_whitespace().map(str::to_string).collect()
+    }
+
+    /// `"a+ b- c"`: a succeeded, b failed, c got nothing.
+    fn outcomes(list: &str) -> BTreeMap<String, bool> {
+        list.split_whitespace()
+            .filter_map(|o| {
+                let (id, sign) = o.split_at(o.len() - 1);
+                match sign {
+                    "+" => Some((id.to_string(), true)),
+                    "-" => Some((id.to_string(), false)),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fence_quorum_leaves_an_old_writer_short_of_min_in_sync() {
+        // (replicas, min_in_sync, fence quorum)
+        let table = [
+            (1, 1, 1),
+            (3, 1, 3),
+            (3, 2, 2),
+            (3, 3, 1),
+            (5, 3, 3),
+            (5, 2, 4),
+        ];
+        for (n, min, want) in table {
+            let got = fence_quorum(n, min);
+            assert_eq!(got, want, "N={n} min_in_sync={min}");
+            // The old writer can still reach N - got replicas: fewer than
+            // min_in_sync.
+            assert!(n - got < min, "N={n} min_in_sync={min}");
+        }
+    }
+
+    #[test]
+    fn judge_acknowledges_only_what_every_in_sync_member_has() {
+        // (in-sync, replica set, outcomes, min_in_sync, verdict)
+        let table: Vec<(&str, &str, &str, usize, Verdict)> = vec![
+            ("a b c", "a b c", "a+ b+ c+", 2, Verdict::Acknowledge),
+            // A rebuilding member's failure is not the in-sync set's.
+            ("a b", "a b c", "a+ b+ c-", 2, Verdict::Acknowledge),
+            ("a b c", "a b c", "a+ b+ c-", 2, Verdict::Remove(ids("c"))),
+            (
+                "a b c",
+                "a b c",
+                "a+ b- c-",
+                2,
+                Verdict::TooFew {
+                    have: 1,
+                    need: 2,
+                    failed: ids("b c"),
+                },
+            ),
+            ("a b c", "a b c", "a+ b+ c-", 1, Verdict::Remove(ids("c"))),
+            // Joined after the request went out: send it there.
+            ("a b c", "a b c", "a+ b+", 2, Verdict::SendTo(ids("c"))),
+            // Left the replica set while in sync: it counts as failed.
+            ("a b c", "a b", "a+ b+", 2, Verdict::Remove(ids("c"))),
+            (
+                "a b c",
+                "a b",
+                "a+ b+",
+                3,
+                Verdict::TooFew {
+                    have: 2,
+                    need: 3,
+                    failed: ids("c"),
+                },
+            ),
+        ];
+        for (in_sync, members, sent, min, want) in table {
+            let got = judge(&ids(in_sync), &ids(members), &outcomes(sent), min);
+            assert_eq!(
+                got, want,
+                "in-sync {in_sync}, set {members}, outcomes {sent}, min {min}"
+            );
+        }
+    }
+
+    #[test]
+    fn after_a_removal_every_remaining_member_must_have_succeeded() {
+        let table = [
+            ("a b", "a+ b+ c-", 2, Ok(())),
+            ("a b", "a+ b+ c-", 3, Err(2)),
+            ("a b c", "a+ b+ c-", 2, Err(2)),
+            ("a", "a+", 1, Ok(())),
+        ];
+        for (committed, sent, min, want) in table {
+            assert_eq!(
+                all_succeeded(&ids(committed), &outcomes(sent), min),
+                want,
+                "committed {committed}, outcomes {sent}, min {min}"
+            );
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The replicas of the volume, by node id: the one list that the engine,
+//! the fencer, the resync and status all read, and that membership change
+//! edits at run time.
+//!
+//! A [`ReplicaSet`] hands out snapshots: a request fans out to the members
+//! as they were when it started, and a member added or removed meanwhile
+//! affects only later requests. It also owns the one [`Liveness`] record of
+//! when each replica last answered, so a replica that falls silent to the
+//! engine is silent to the fencer too, and every call to a member is
+//! bounded the same way ([`ReplicaSet::bounded`], [`ReplicaSet::fan_out`]).
+//!
+//! Invariants:
+//! - ids are unique, and this node's own replica is always a member (it
+//!   cannot be removed);
+//! - the set says who *can* be written, never who *holds* every
+//!   acknowledged write: that is the committed in-sync set (S5). Removing a
+//!   replica that is still in the in-sync set does not let a write be
+//!   acknowledged without it; the engine counts it as failed until its
+//!   removal from the in-sync set is committed (see [`super::quorum`]).
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures::future::join_all;
+
+use super::liveness::Liveness;
+use super::{Replica, ReplicaError};
+
+/// See the module docs.
+pub struct ReplicaSet {
+    local: String,
+    /// This node's replica first, then the others in the order added.
+    members: RwLock<Arc<Vec<Arc<dyn Replica>>>>,
+    liveness: Liveness,
+}
+
+/// Why a member could not be added or removed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SetError {
+    /// Another member already has this id.
+    #[error("replica {0} is a member already")]
+    Duplicate(String),
+    /// No member has this id.
+    #[error("replica {0} is not a member")]
+    Unknown(String),
+    /// This node's own replica is always a member.
+    #[error("replica {0} is this node's own and cannot be removed")]
+    Local(String),
+    /// The list given to [`ReplicaSet::new`] lacks this node's replica.
+    #[error("the local replica {0:?} is not among the replicas")]
+    NoLocal(String),
+}
+
+impl ReplicaSet {
+    /// A set of `replicas`, among them this node's own, `local`.
+    pub fn new(local: &str, replicas: Vec<Arc<dyn Replica>>) -> Result<Self, SetError> {
+        let mut ordered: Vec<Arc<dyn Replica>> = Vec::with_capacity(replicas.len());
+        for replica in replicas {
+            if ordered.iter().any(|r| r.id() == replica.id()) {
+                return Err(SetError::Duplicate(replica.id().to_string()));
+            }
+            ordered.push(replica);
+        }
+        let at = ordered
+            .iter()
+            .position(|r| r.id() == local)
+            .ok_or_else(|| SetError::NoLocal(local.to_string()))?;
+        let own = ordered.remove(at);
+        ordered.insert(0, own);
+        Ok(Self {
+            local: local.to_string(),
+            members: RwLock::new(Arc::new(ordered)),
+            liveness: Liveness::default(),
+        })
+    }
+
+    /// This node's id.
+    pub fn local_id(&self) -> &str {
+        &self.local
+    }
+
+    /// The members now, this node's first.
+    pub fn members(&self) -> Arc<Vec<Arc<dyn Replica>>> {
+        Arc::clone(&self.members.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The member with this id.
+    pub fn get(&self, id: &str) -> Option<Arc<dyn Replica>> {
+        self.members().iter().find(|r| r.id() == id).cloned()
+    }
+
+    /// The members' ids.
+    pub fn ids(&self) -> BTreeSet<String> {
+        self.members().iter().map(|r| r.id().to_string()).collect()
+    }
+
+    /// How many members there are.
+    pub fn len(&self) -> usize {
+        self.members().len()
+    }
+
+    /// Whether the set is empty (never: this node's replica is a member).
+    pub fn is_empty(&self) -> bool {
+        self.members().is_empty()
+    }
+
+    /// Adds `replica`. It takes part in requests that start from now on; it
+    /// joins the in-sync set only through a rebuild.
+    pub fn add(&self, replica: Arc<dyn Replica>) -> Result<(), SetError> {
+        self.edit(|members| {
+            if members.iter().any(|r| r.id() == replica.id()) {
+                return Err(SetError::Duplicate(replica.id().to_string()));
+            }
+            members.push(replica);
+            Ok(())
+        })
+    }
+
+    /// Removes the member `id` and returns it. Requests already started
+    /// still go to it.
+    pub fn remove(&self, id: &str) -> Result<Arc<dyn Replica>, SetError> {
+        if id == self.local {
+            return Err(SetError::Local(id.to_string()));
+        }
+        self.edit(|members| {
+            let at = members
+                .iter()
+                .position(|r| r.id() == id)
+                .ok_or_else(|| SetError::Unknown(id.to_string()))?;
+            Ok(members.remove(at))
+        })
+    }
+
+    fn edit<T>(
+        &self,
+        change: impl FnOnce(&mut Vec<Arc<dyn Replica>>) -> Result<T, SetError>,
+    ) -> Result<T, SetError> {
+        let mut members = self.members.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = Vec::clone(&members);
+        let out = change(&mut next)?;
+        *members = Arc::new(next);
+        Ok(out)
+    }
+
+    /// `call` to member `id`, given up on once the replica falls silent for
+    /// `timeout` (see [`super::liveness`]).
+    pub async fn bounded<T>(
+        &self,
+        id: &str,
+        timeout: Duration,
+        call: impl Future<Output = Result<T, ReplicaError>>,
+    ) -> Result<T, ReplicaError> {
+        self.liveness.bounded(id, timeout, call).await
+    }
+
+    /// `call` to each of `replicas` at once, each bounded as
+    /// [`ReplicaSet::bounded`] is; the outcomes in the same order, by id.
+    pub async fn fan_out<'a, T, F, Fut>(
+        &self,
+        replicas: impl IntoIterator<Item = &'a Arc<dyn Replica>>,
+        timeout: Duration,
+        call: F,
+    ) -> Vec<(String, Result<T, ReplicaError>)>
+    where
+        F: Fn(&'a Arc<dyn Replica>) -> Fut,
+        Fut: Future<Output = Result<T, ReplicaError>>,
+    {
+        join_all(replicas.into_iter().map(|replica| {
+            let call = call(replica);
+            async move {
+                let outcome = self.bounded(replica.id(), timeout, call).await;
+                (replica.id().to_string(), outcome)
+            }
+        }))
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::{LocalReplica, ReplicaStore, StoreIdentity};
+
+    async fn replica(dir: &std::path::Path, id: &str) -> Arc<dyn Replica> {
+        let store = ReplicaStore::open(
+            &dir.join(id),
+            StoreIdentity::new("set-test", "vol0", 1 << 20),
+        )
+        .await
+        .unwrap();
+        Arc::new(LocalReplica::new(id, Arc::new(store)))
+    }
+
+    #[tokio::test]
+    async fn the_local_replica_comes_first_and_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = vec![
+            replica(dir.path(), "a").await,
+            replica(dir.path(), "b").await,
+        ];
+        let set = ReplicaSet::new("b", list).unwrap();
+        assert_eq!(set.members()[0].id(), "b");
+        assert_eq!(set.remove("b").err(), Some(SetError::Local("b".into())));
+        assert_eq!(set.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn ids_are_unique_and_the_local_one_is_required() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = replica(dir.path(), "a").await;
+        assert_eq!(
+            ReplicaSet::new("a", vec![Arc::clone(&a), Arc::clone(&a)]).err(),
+            Some(SetError::Duplicate("a".into()))
+        );
+        assert_eq!(
+            ReplicaSet::new("z", vec![Arc::clone(&a)]).err(),
+            Some(SetError::NoLocal("z".into()))
+        );
+        let set = ReplicaSet::new("a", vec![Arc::clone(&a)]).unwrap();
+        assert_eq!(set.add(a).err(), Some(SetError::Duplicate("a".into())));
+        assert_eq!(set.remove("q").err(), Some(SetError::Unknown("q".into())));
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_taken_before_a_change_keeps_its_members() {
+        let dir = tempfile::tempdir().unwrap();
+        let set = ReplicaSet::new("a", vec![replica(dir.path(), "a").await]).unwrap();
+        let before = set.members();
+        set.add(replica(dir.path(), "b").await).unwrap();
+        assert_eq!(before.len(), 1);
+        assert_eq!(set.ids(), ["a".to_string(), "b".to_string()].into());
+        let removed = set.remove("b").unwrap();
+        assert_eq!(removed.id(), "b");
+        assert_eq!(set.ids(), ["a".to_string()].into());
+    }
+}

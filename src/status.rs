@@ -1,0 +1,290 @@
+//! What a node reports about itself, computed in one place as plain data
+//! ([`NodeStatus`]) for the admin `Status` RPC, `/metrics` and the health
+//! checks, which only render it.
+//!
+//! Replica states come from the committed Raft control state, so every node
+//! reports the same in-sync set; the active writer adds what only its engine
+//! knows (a member that is failing but cannot be dropped is `degraded`).
+//! Fence floors are asked of each replica with a short deadline; an
+//! unreachable one is reported as such, never guessed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::ha::{Controller, HaError, ReplicaState, Role};
+use crate::metrics::DeviceMetrics;
+use crate::nbd::NbdStats;
+use crate::raft::coordinator::LogProgress;
+use crate::raft::{NodeId, RaftCoordinator, WriterRecord};
+use crate::replica::resync::{Progress, Resyncer};
+use crate::replica::{ReplicaInfo, ReplicaSet};
+use crate::volume::{Access, Device, DeviceError};
+
+/// How long a status request waits for one replica's fence floor.
+const INFO_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// What this node was configured as: the facts status repeats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFacts {
+    pub id: NodeId,
+    pub cluster_id: String,
+    pub volume: String,
+    /// The configured size and `min_in_sync` (the cluster's recorded ones
+    /// win once there are any).
+    pub size: u64,
+    pub min_in_sync: usize,
+    pub nbd: Option<SocketAddr>,
+    /// Every node of the cluster, this one included, by id.
+    pub peers: BTreeMap<NodeId, String>,
+}
+
+/// The parts of a running node that status reads, and the two actions the
+/// admin API takes through it: the data path and a leadership transfer.
+pub struct NodeView {
+    facts: NodeFacts,
+    coordinator: Arc<RaftCoordinator>,
+    controller: Arc<Controller>,
+    replicas: Arc<ReplicaSet>,
+    resync: Arc<Resyncer>,
+    device: Arc<dyn Device>,
+    io: Arc<DeviceMetrics>,
+    nbd: Arc<NbdStats>,
+}
+
+/// The parts a [`NodeView`] is made of.
+pub struct NodeParts {
+    pub facts: NodeFacts,
+    pub coordinator: Arc<RaftCoordinator>,
+    pub controller: Arc<Controller>,
+    /// The volume's replicas, this node's own first.
+    pub replicas: Arc<ReplicaSet>,
+    /// The resync of out-of-sync replicas (progress).
+    pub resync: Arc<Resyncer>,
+    /// The data path: the read gate in front of the write gate, counted.
+    /// NBD and admin reads and writes use it.
+    pub device: Arc<dyn Device>,
+    /// The data path's counters.
+    pub io: Arc<DeviceMetrics>,
+    /// The NBD server's counters.
+    pub nbd: Arc<NbdStats>,
+}
+
+/// One replica's line in a report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaReport {
+    pub id: String,
+    pub state: ReplicaState,
+    /// Whether it is this node's own replica.
+    pub local: bool,
+    /// Its floor and dirty marks, or why they could not be read.
+    pub info: Result<ReplicaInfo, String>,
+    /// Its latest rebuild on this node, if any.
+    pub resync: Option<Progress>,
+}
+
+/// One node of the cluster as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberReport {
+    pub id: NodeId,
+    pub address: String,
+    /// Heard from within one lease.
+    pub live: bool,
+    pub leader: bool,
+    pub in_sync: bool,
+}
+
+/// Everything a node reports, at one moment.
+#[derive(Debug, Clone)]
+pub struct NodeStatus {
+    pub facts: NodeFacts,
+    /// openraft's server state, lower case (`leader`, `follower`, …).
+    pub raft_state: String,
+    pub term: u64,
+    pub leader: Option<NodeId>,
+    /// Where the Raft log stands.
+    pub log: LogProgress,
+    /// The time left on this node's lease, if it holds one now.
+    pub lease_remaining: Option<Duration>,
+    /// The nodes heard from within one lease, this one included.
+    pub live: Vec<NodeId>,
+    pub prev_writer: Option<WriterRecord>,
+    pub in_sync: BTreeSet<NodeId>,
+    /// The volume's size and `min_in_sync`: the cluster's recorded ones, or
+    /// this node's configured ones before any were recorded.
+    pub size: u64,
+    pub min_in_sync: usize,
+    pub role: Role,
+    /// Whether a write through this node's gate would pass now.
+    pub gate_open: bool,
+    pub fence_failures: u64,
+    pub promotions: u64,
+    pub replicas: Vec<ReplicaReport>,
+    /// Why this node refuses reads now; `None` while it serves them.
+    pub reads_refused: Option<String>,
+    /// The data path's and the NBD server's counters (live).
+    pub io: Arc<DeviceMetrics>,
+    pub nbd: Arc<NbdStats>,
+}
+
+impl NodeView {
+    /// A view over a node's parts.
+    pub fn new(parts: NodeParts) -> Self {
+        Self {
+            facts: parts.facts,
+            coordinator: parts.coordinator,
+            controller: parts.controller,
+            replicas: parts.replicas,
+            resync: parts.resync,
+            device: parts.device,
+            io: parts.io,
+            nbd: parts.nbd,
+        }
+    }
+
+    /// What this node was configured as.
+    pub fn facts(&self) -> &NodeFacts {
+        &self.facts
+    }
+
+    /// The data path (read gate, write gate, counters).
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// The NBD server's counters, for the server to update.
+    pub fn nbd_stats(&self) -> &Arc<NbdStats> {
+        &self.nbd
+    }
+
+    /// Whether a write through this node's gate would pass now: it is the
+    /// active writer, fenced and within its lease.
+    pub fn is_active_writer(&self) -> bool {
+        self.controller.device().is_writable()
+    }
+
+    /// Hands leadership to node `to` and waits until it leads.
+    pub async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
+        self.coordinator.transfer_to(to).await
+    }
+
+    /// Everything this node reports now.
+    pub async fn status(&self) -> NodeStatus {
+        let raft = self.coordinator.status();
+        let controller = self.controller.status();
+        let control = raft.applied.control.clone();
+        let (size, min_in_sync) = match &control.volume {
+            Some(volume) => (volume.size, volume.min_in_sync),
+            None => (self.facts.size, self.facts.min_in_sync),
+        };
+        NodeStatus {
+            facts: self.facts.clone(),
+            raft_state: format!("{:?}", raft.state).to_lowercase(),
+            term: raft.term,
+            leader: raft.leader,
+            log: self.coordinator.log_progress(),
+            lease_remaining: self.lease_remaining(),
+            live: self.coordinator.live_members(),
+            prev_writer: control.writer,
+            in_sync: control.in_sync,
+            size,
+            min_in_sync,
+            role: controller.role,
+            gate_open: self.is_active_writer(),
+            fence_failures: controller.fence_failures,
+            promotions: controller.promotions,
+            replicas: self.replica_reports().await,
+            reads_refused: self.reads_refused(),
+            io: Arc::clone(&self.io),
+            nbd: Arc::clone(&self.nbd),
+        }
+    }
+
+    /// Every node of the cluster as this node sees it.
+    pub fn members(&self) -> Vec<MemberReport> {
+        let live = self.coordinator.live_members();
+        let raft = self.coordinator.status();
+        let in_sync = raft.applied.control.in_sync;
+        self.facts
+            .peers
+            .iter()
+            .map(|(id, address)| MemberReport {
+                id: *id,
+                address: address.clone(),
+                live: live.contains(id),
+                leader: raft.leader == Some(*id),
+                in_sync: in_sync.contains(id),
+            })
+            .collect()
+    }
+
+    /// Why this node refuses reads now, or `None` while it serves them: the
+    /// active writer reads its in-sync replicas; a passive node serves its
+    /// own copy only while that copy is in the committed in-sync set (see
+    /// [`crate::ha::ReadGate`]).
+    fn reads_refused(&self) -> Option<String> {
+        match self.device.access() {
+            Access::Refused(DeviceError::NotInSync) => Some("replica not in sync".into()),
+            Access::Refused(why) => Some(why.to_string()),
+            Access::ReadWrite { .. } | Access::ReadOnly => None,
+        }
+    }
+
+    /// Every replica's state and fence floor, this node's own first.
+    async fn replica_reports(&self) -> Vec<ReplicaReport> {
+        let committed = self.coordinator.state_machine().current().control.in_sync;
+        let engine: Vec<_> = self.controller.status().replicas;
+        let active = self.is_active_writer();
+        let progress = self.resync.progress();
+        let members = self.replicas.members();
+        let infos = futures::future::join_all(members.iter().map(|replica| async move {
+            match tokio::time::timeout(INFO_TIMEOUT, replica.info()).await {
+                Ok(Ok(info)) => Ok(info),
+                Ok(Err(err)) => Err(err.to_string()),
+                Err(_) => Err(format!("no answer within {INFO_TIMEOUT:?}")),
+            }
+        }))
+        .await;
+        let local = self.facts.id.to_string();
+        members
+            .iter()
+            .zip(infos)
+            .map(|(replica, info)| {
+                let id = replica.id().to_string();
+                let in_sync = id.parse().is_ok_and(|node| committed.contains(&node));
+                let degraded = active
+                    && engine
+                        .iter()
+                        .any(|r| r.id == id && r.state == ReplicaState::Degraded);
+                let resync = progress.get(&id).copied();
+                let rebuilding = active && resync.is_some_and(|p| p.running);
+                let state = match (in_sync, degraded, rebuilding) {
+                    (true, true, _) => ReplicaState::Degraded,
+                    (true, false, _) => ReplicaState::InSync,
+                    (false, _, true) => ReplicaState::Rebuilding,
+                    (false, _, false) => ReplicaState::Offline,
+                };
+                ReplicaReport {
+                    local: id == local,
+                    id,
+                    state,
+                    info,
+                    resync,
+                }
+            })
+            .collect()
+    }
+
+    /// The time left on this node's lease, if it holds one now.
+    fn lease_remaining(&self) -> Option<Duration> {
+        let status = self.coordinator.status();
+        let now = Instant::now();
+        status
+            .lease
+            .filter(|lease| lease.covers(status.term, now))
+            .map(|lease| lease.deadline - now)
+    }
+}
