@@ -17,13 +17,20 @@
 //! 5. The first leader fixes the volume config (size, `min_in_sync`) in the
 //!    Raft state; a node whose own config disagrees with it stops (exit 2).
 //!
-//! Shutdown on SIGTERM or SIGINT: resign (hand leadership to a caught-up
-//! peer), stop Raft and the server, stop Raft's runtime and wait for its
-//! threads, flush the Db, exit 0.
+//! The volume's own parts (store, replica set, engine, fencer, controller,
+//! resync, data path) are assembled by [`volume::Volume`]; what status
+//! reports is computed by [`crate::status`].
+//!
+//! Shutdown on SIGTERM or SIGINT: close the gate and resign (hand
+//! leadership to a caught-up peer), send the one stop signal and wait for
+//! the background tasks ([`tasks`]), stop Raft and the server, stop Raft's
+//! runtime and wait for its threads, flush the Db, exit 0.
 
 pub mod config;
 pub mod journal;
 pub mod reads;
+pub mod tasks;
+pub mod volume;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -35,31 +42,16 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
-use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGate};
-use crate::metrics::{DeviceMetrics, MeteredDevice};
+use crate::ha::{Controller, Coordinator};
 use crate::nbd::Export;
 use crate::net::{Audience, Limits, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
-use crate::replica::fencer::TokenFencer;
-use crate::replica::remote::RemoteReplica;
-use crate::replica::resync::{ResyncConfig, Resyncer};
 use crate::replica::service::ReplicaService;
-use crate::replica::{
-    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
-    StoreIdentity,
-};
 use crate::status::{NodeFacts, NodeParts, NodeView};
-
-/// How often the writer retires the marks of extents that are durable on
-/// every in-sync replica (see `Engine::retire_marks`): what a failover must
-/// converge is about what the writer wrote in this long.
-const MARK_RETIREMENT: Duration = Duration::from_millis(200);
-
-/// How long a replica may stay silent (answer nothing while it has requests)
-/// before it counts as failed; see `replica::liveness`.
-const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
+use tasks::Tasks;
+use volume::{MARK_RETIREMENT, Volume};
 
 /// Why a node stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -86,220 +78,66 @@ fn failed(what: impl std::fmt::Display) -> NodeError {
     NodeError::Failed(what.to_string())
 }
 
+/// How long the background tasks get to stop at shutdown.
+const STOP_DEADLINE: Duration = Duration::from_secs(2);
+
 /// A running node.
 pub struct Node {
     config: NodeConfig,
     db: sled::Db,
-    raft: Raft,
-    raft_runtime: RaftRuntime,
-    coordinator: Arc<RaftCoordinator>,
+    raft: RaftParts,
     controller: Arc<Controller>,
     stop_server: watch::Sender<bool>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Tasks,
+}
+
+/// Raft and what runs beside it on its own runtime.
+struct RaftParts {
+    raft: Raft,
+    runtime: RaftRuntime,
+    peers: Arc<Peers>,
+    coordinator: Arc<RaftCoordinator>,
+}
+
+/// The listeners, bound before anything is served.
+struct Listeners {
+    grpc: tokio::net::TcpListener,
+    nbd: Option<tokio::net::TcpListener>,
+    http: Option<tokio::net::TcpListener>,
 }
 
 impl Node {
     /// Starts a node; see the module docs for the steps.
     pub async fn start(config: NodeConfig) -> Result<Self, NodeError> {
-        std::fs::create_dir_all(&config.data_dir)
-            .map_err(|e| failed(format!("cannot create {}: {e}", config.data_dir.display())))?;
-        let db_path = config.data_dir.join("raft");
-        let db = sled::open(&db_path).map_err(|e| {
-            failed(format!(
-                "cannot open {} (is another node using this data dir?): {e}",
-                db_path.display()
-            ))
-        })?;
-        check_data_dir_identity(&db, &config)?;
-
-        let log_store = LogStore::open(&db).map_err(failed)?;
-        let state_machine = StateMachine::open(&db).map_err(failed)?;
-        let addresses: BTreeMap<_, _> = config
-            .peers
-            .iter()
-            .filter(|(id, _)| **id != config.id)
-            .map(|(id, addr)| (*id, addr.to_string()))
-            .collect();
+        let db = open_data_dir(&config)?;
         let transport = Transport::plain(Limits::default());
-        let peers = Peers::new(
-            config.cluster_id.clone(),
-            config.id,
-            addresses,
-            transport.clone(),
-            config.timing.election_max,
-        );
-        let raft_config = config
-            .timing
-            .raft_config(&config.cluster_id)
-            .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
-        let raft_runtime = RaftRuntime::start()
-            .map_err(|e| failed(format!("cannot start Raft's threads: {e}")))?;
-        peers.run_on(raft_runtime.handle().clone());
-        // Inside Raft's runtime, so the core and replication tasks that
-        // openraft spawns live there.
-        let raft = raft_runtime
-            .run({
-                let (id, network) = (config.id, Network::new(Arc::clone(&peers)));
-                let state_machine = state_machine.clone();
-                async move {
-                    Raft::new(id, Arc::new(raft_config), network, log_store, state_machine).await
-                }
-            })
-            .await
-            .map_err(failed)?
-            .map_err(|e| failed(format!("raft: {e}")))?;
-        let coordinator = {
-            // The lease watcher is spawned here: on Raft's runtime.
-            let _on_raft = raft_runtime.handle().enter();
-            RaftCoordinator::start(
-                raft.clone(),
-                state_machine.clone(),
-                Arc::clone(&peers),
-                config.timing,
-            )
-        };
-
-        let store = Arc::new(open_replica(&config).await?);
-        let (controller, engine, replicas) =
-            start_controller(&config, &transport, &store, &coordinator)?;
-        if let Some(path) = &config.gate_journal {
-            let journal = journal::FileJournal::open(path)
-                .map_err(|err| ConfigError(format!("gate journal {}: {err}", path.display())))?;
-            controller
-                .device()
-                .record_to(Arc::new(journal))
-                .map_err(|err| failed(err.to_string()))?;
-        }
-        let retirement = Arc::clone(&engine).run_mark_retirement(MARK_RETIREMENT);
-        let resync = Arc::new(Resyncer::new(
-            engine,
-            ResyncConfig {
-                rate: config.resync_rate,
-                ..ResyncConfig::default()
-            },
-        ));
-        let io = Arc::new(DeviceMetrics::default());
-        // The data path: the read gate in front of the write gate, counted.
-        let local_copy = reads::RaftLocalCopy::new(
-            config.id,
-            replicas
-                .get(&config.id.to_string())
-                .ok_or_else(|| failed("no local replica"))?,
-            coordinator.state_machine().subscribe(),
-        );
-        let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
+        let raft = start_raft(&config, &db, &transport).await?;
+        let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
         let view = Arc::new(NodeView::new(NodeParts {
             facts: facts(&config),
-            coordinator: Arc::clone(&coordinator),
-            controller: Arc::clone(&controller),
-            replicas,
-            resync: Arc::clone(&resync),
-            device: Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io))),
-            io,
+            coordinator: Arc::clone(&raft.coordinator),
+            controller: Arc::clone(&volume.controller),
+            replicas: Arc::clone(&volume.replicas),
+            resync: Arc::clone(&volume.resync),
+            device: Arc::clone(&volume.device),
+            io: Arc::clone(&volume.io),
             nbd: Arc::default(),
         }));
-
-        let listener = bind("gRPC", config.listen).await?;
-        let nbd_listener = match config.nbd {
-            Some(addr) => Some(bind("NBD", addr).await?),
-            None => None,
-        };
-        let http_listener = match config.http {
-            Some(addr) => Some(bind("HTTP", addr).await?),
-            None => None,
-        };
-        let (stop_server, mut stopped) = watch::channel(false);
-        let admin = AdminService::new(Arc::clone(&view));
-        let (health, health_service) = tonic_health::server::health_reporter();
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-            .build_v1()
-            .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
-        let replica_service = ReplicaService::new(Arc::clone(&store))
-            .on_node(config.id.to_string())
-            .on_fenced({
-                let controller = Arc::clone(&controller);
-                Arc::new(move |floor| controller.step_down(floor))
-            });
-        let server = tokio::spawn(
-            transport
-                .server()
-                .add_service(transport.serve(
-                    Audience::Members,
-                    RaftService::new(raft.clone(), Arc::clone(&peers)).into_server(),
-                ))
-                .add_service(transport.serve(Audience::Members, replica_service.into_server()))
-                .add_service(transport.serve(Audience::Operators, admin.into_server()))
-                .add_service(health_service)
-                .add_service(reflection)
-                .serve_with_incoming_shutdown(transport.incoming(listener), async move {
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                }),
+        let listeners = Listeners::bind(&config).await?;
+        let grpc = serve_grpc(&transport, &raft, &volume, &view, listeners.grpc)?;
+        bootstrap(&raft.raft, &config).await?;
+        let mut tasks = Tasks::default();
+        tasks.spawn("gRPC health", report_health(grpc.health, Arc::clone(&view)));
+        spawn_background(
+            &mut tasks,
+            &config,
+            &raft,
+            &volume,
+            &view,
+            listeners.nbd,
+            listeners.http,
         );
-
-        if !raft.is_initialized().await.map_err(failed)? {
-            let members: BTreeSet<_> = config.peers.keys().copied().collect();
-            match raft.initialize(members).await {
-                Ok(()) => tracing::info!(node = config.id, "bootstrapped the cluster membership"),
-                Err(err) => {
-                    tracing::info!(node = config.id, %err, "membership already initialized")
-                }
-            }
-        }
-
-        let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(report_health(health, Arc::clone(&view))));
-        tasks.push(tokio::spawn(resync.run()));
-        tasks.push(tokio::spawn(retirement));
-        if let Some(listener) = nbd_listener {
-            let description = format!(
-                "replica-ha volume {} of cluster {}",
-                config.volume, config.cluster_id
-            );
-            let export = Arc::new(Export::new(
-                &config.volume,
-                description,
-                Arc::clone(view.device()),
-            ));
-            let (stats, stop) = (Arc::clone(view.nbd_stats()), stop_server.subscribe());
-            tasks.push(tokio::spawn(crate::nbd::serve(
-                listener, export, stats, stop,
-            )));
-        }
-        if let Some(listener) = http_listener {
-            let mut stop = stop_server.subscribe();
-            let stopped = async move {
-                let _ = stop.wait_for(|stop| *stop).await;
-            };
-            let view = Arc::clone(&view);
-            tasks.push(tokio::spawn(async move {
-                if let Err(err) = crate::http::serve(listener, view, stopped).await {
-                    tracing::warn!(%err, "the HTTP listener failed");
-                }
-            }));
-        }
-        tasks.push(tokio::spawn({
-            let controller = Arc::clone(&controller);
-            async move {
-                if let Err(err) = controller.run().await {
-                    tracing::info!(%err, "controller stopped");
-                }
-            }
-        }));
-        tasks.push(raft_runtime.handle().spawn({
-            let (raft, peers, timing) = (raft.clone(), Arc::clone(&peers), config.timing);
-            async move {
-                // The start-up window: no campaign before it has passed.
-                tokio::time::sleep(timing.election_max).await;
-                crate::raft::detector::run(raft, peers, timing).await;
-            }
-        }));
-        tasks.push(tokio::spawn(fix_volume_config(
-            Arc::clone(&coordinator),
-            volume_config(&config),
-            config.peers.keys().copied().collect(),
-        )));
         tracing::info!(
             node = config.id,
             listen = %config.listen,
@@ -311,18 +149,16 @@ impl Node {
             config,
             db,
             raft,
-            raft_runtime,
-            coordinator,
-            controller,
-            stop_server,
-            server,
+            controller: volume.controller,
+            stop_server: grpc.stop,
+            server: grpc.task,
             tasks,
         })
     }
 
     /// The coordinator.
     pub fn coordinator(&self) -> &Arc<RaftCoordinator> {
-        &self.coordinator
+        &self.raft.coordinator
     }
 
     /// Runs until SIGTERM/SIGINT (Ok) or until the cluster's volume config
@@ -341,7 +177,7 @@ impl Node {
     /// node's.
     async fn volume_conflict(&self) -> ConfigError {
         let mine = volume_config(&self.config);
-        let mut applied = self.coordinator.state_machine().subscribe();
+        let mut applied = self.raft.coordinator.state_machine().subscribe();
         loop {
             if let Some(theirs) = applied.borrow_and_update().control.volume.clone() {
                 if theirs != mine {
@@ -356,32 +192,36 @@ impl Node {
         }
     }
 
-    /// Closes the gate, resigns, stops Raft and the server, and flushes.
+    /// Closes the gate, resigns, stops the background tasks, Raft and the
+    /// server, and flushes.
     pub async fn shutdown(self) {
-        let stop = self.controller.stop();
-        if tokio::time::timeout(self.config.timing.election_max * 4, stop)
+        let grace = self.config.timing.election_max * 4;
+        if tokio::time::timeout(grace, self.controller.stop())
             .await
             .is_err()
         {
             tracing::warn!("stopping the controller timed out");
         }
-        let resign = self.coordinator.resign();
-        if tokio::time::timeout(self.config.timing.election_max * 4, resign)
+        if tokio::time::timeout(grace, self.raft.coordinator.resign())
             .await
             .is_err()
         {
             tracing::warn!("resigning timed out");
         }
-        for task in &self.tasks {
-            task.abort();
-        }
-        if let Err(err) = self.raft.shutdown().await {
+        self.tasks.stop(STOP_DEADLINE).await;
+        if let Err(err) = self.raft.raft.shutdown().await {
             tracing::warn!(%err, "raft shutdown");
         }
         self.stop_server.send_replace(true);
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.server).await;
-        drop(self.coordinator);
-        self.raft_runtime.shutdown().await;
+        let _ = tokio::time::timeout(STOP_DEADLINE, self.server).await;
+        let RaftParts {
+            runtime,
+            coordinator,
+            peers,
+            ..
+        } = self.raft;
+        drop((coordinator, peers));
+        runtime.shutdown().await;
         if let Err(err) = self.db.flush_async().await {
             tracing::warn!(%err, "flushing the Raft Db");
         }
@@ -397,85 +237,226 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     outcome
 }
 
-/// Opens this node's replica; one of another cluster, volume or size is a
-/// configuration error.
-async fn open_replica(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
-    let identity = StoreIdentity::new(&config.cluster_id, &config.volume, config.size);
-    let dir = config.data_dir.join("replica");
-    ReplicaStore::open(&dir, identity)
-        .await
-        .map_err(|err| match err {
-            ReplicaError::IdentityMismatch(why) | ReplicaError::InvalidIdentity(why) => {
-                NodeError::Config(ConfigError(format!("replica in {}: {why}", dir.display())))
-            }
-            other => failed(format!("replica in {}: {other}", dir.display())),
-        })
+/// Step 1: opens the data dir and its Raft Db, and refuses one of another
+/// cluster or node.
+fn open_data_dir(config: &NodeConfig) -> Result<sled::Db, NodeError> {
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|e| failed(format!("cannot create {}: {e}", config.data_dir.display())))?;
+    let db_path = config.data_dir.join("raft");
+    let db = sled::open(&db_path).map_err(|e| {
+        failed(format!(
+            "cannot open {} (is another node using this data dir?): {e}",
+            db_path.display()
+        ))
+    })?;
+    check_data_dir_identity(&db, config)?;
+    Ok(db)
 }
 
-/// Builds the engine over every replica (the local one without a network
-/// hop), the token fencer, and the controller; returns the controller and
-/// the replicas, this node's first.
-fn start_controller(
+/// Step 2: Raft's runtime and, on it, openraft over the sled stores and the
+/// coordinator's lease clock.
+async fn start_raft(
     config: &NodeConfig,
+    db: &sled::Db,
     transport: &Transport,
-    store: &Arc<ReplicaStore>,
-    coordinator: &Arc<RaftCoordinator>,
-) -> Result<(Arc<Controller>, Arc<Engine>, Arc<ReplicaSet>), NodeError> {
-    let local_id = config.id.to_string();
-    let mut replicas: Vec<Arc<dyn Replica>> =
-        vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
-    for (id, addr) in &config.peers {
-        if *id != config.id {
-            let remote = RemoteReplica::new(
-                id.to_string(),
-                transport,
-                &addr.to_string(),
-                &config.cluster_id,
-                &config.volume,
-                // The engine and the fencer give up on a silent replica
-                // after REPLICA_TIMEOUT; the transport allows a busy one to
-                // take as long as they may wait.
-                crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
-            )
-            .map_err(|e| ConfigError(e.to_string()))?;
-            replicas.push(Arc::new(remote));
+) -> Result<RaftParts, NodeError> {
+    let log_store = LogStore::open(db).map_err(failed)?;
+    let state_machine = StateMachine::open(db).map_err(failed)?;
+    let addresses: BTreeMap<_, _> = config
+        .peers
+        .iter()
+        .filter(|(id, _)| **id != config.id)
+        .map(|(id, addr)| (*id, addr.to_string()))
+        .collect();
+    let peers = Peers::new(
+        config.cluster_id.clone(),
+        config.id,
+        addresses,
+        transport.clone(),
+        config.timing.election_max,
+    );
+    let raft_config = config
+        .timing
+        .raft_config(&config.cluster_id)
+        .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
+    let runtime =
+        RaftRuntime::start().map_err(|e| failed(format!("cannot start Raft's threads: {e}")))?;
+    peers.run_on(runtime.handle().clone());
+    // Inside Raft's runtime, so the core and replication tasks that
+    // openraft spawns live there.
+    let raft =
+        runtime
+            .run({
+                let (id, network) = (config.id, Network::new(Arc::clone(&peers)));
+                let state_machine = state_machine.clone();
+                async move {
+                    Raft::new(id, Arc::new(raft_config), network, log_store, state_machine).await
+                }
+            })
+            .await
+            .map_err(failed)?
+            .map_err(|e| failed(format!("raft: {e}")))?;
+    let coordinator = {
+        // The lease watcher is spawned here: on Raft's runtime.
+        let _on_raft = runtime.handle().enter();
+        RaftCoordinator::start(
+            raft.clone(),
+            state_machine.clone(),
+            Arc::clone(&peers),
+            config.timing,
+        )
+    };
+    Ok(RaftParts {
+        raft,
+        runtime,
+        peers,
+        coordinator,
+    })
+}
+
+impl Listeners {
+    async fn bind(config: &NodeConfig) -> Result<Self, NodeError> {
+        let grpc = bind("gRPC", config.listen).await?;
+        let nbd = match config.nbd {
+            Some(addr) => Some(bind("NBD", addr).await?),
+            None => None,
+        };
+        let http = match config.http {
+            Some(addr) => Some(bind("HTTP", addr).await?),
+            None => None,
+        };
+        Ok(Self { grpc, nbd, http })
+    }
+}
+
+/// The running gRPC server.
+struct GrpcServer {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The standard health service's reporter (see [`report_health`]).
+    health: tonic_health::server::HealthReporter,
+}
+
+/// The gRPC server: Raft and replica services for members, admin for
+/// operators, health and reflection.
+fn serve_grpc(
+    transport: &Transport,
+    raft: &RaftParts,
+    volume: &Volume,
+    view: &Arc<NodeView>,
+    listener: tokio::net::TcpListener,
+) -> Result<GrpcServer, NodeError> {
+    let (stop_server, mut stopped) = watch::channel(false);
+    let admin = AdminService::new(Arc::clone(view));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
+    let replica_service = ReplicaService::new(Arc::clone(&volume.store))
+        .on_node(view.facts().id.to_string())
+        .on_fenced({
+            let controller = Arc::clone(&volume.controller);
+            Arc::new(move |floor| controller.step_down(floor))
+        });
+    let task = tokio::spawn(
+        transport
+            .server()
+            .add_service(transport.serve(
+                Audience::Members,
+                RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
+            ))
+            .add_service(transport.serve(Audience::Members, replica_service.into_server()))
+            .add_service(transport.serve(Audience::Operators, admin.into_server()))
+            .add_service(health_service)
+            .add_service(reflection)
+            .serve_with_incoming_shutdown(transport.incoming(listener), async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            }),
+    );
+    Ok(GrpcServer {
+        stop: stop_server,
+        task,
+        health,
+    })
+}
+
+/// Step 3: a node whose Raft state is empty initializes the membership with
+/// the full peer list (every node does so with the same list).
+async fn bootstrap(raft: &Raft, config: &NodeConfig) -> Result<(), NodeError> {
+    if !raft.is_initialized().await.map_err(failed)? {
+        let members: BTreeSet<_> = config.peers.keys().copied().collect();
+        match raft.initialize(members).await {
+            Ok(()) => tracing::info!(node = config.id, "bootstrapped the cluster membership"),
+            Err(err) => tracing::info!(node = config.id, %err, "membership already initialized"),
         }
     }
-    let replicas =
-        Arc::new(ReplicaSet::new(&local_id, replicas).map_err(|e| ConfigError(e.to_string()))?);
-    let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
-    let floors = Arc::new(FloorBook::default());
-    let engine = Engine::over(
-        EngineConfig {
-            local_id,
-            min_in_sync: config.min_in_sync,
-            replica_timeout: REPLICA_TIMEOUT,
-            size: config.size,
-        },
-        Arc::clone(&replicas),
-        Arc::clone(&tracker),
-    )
-    .map_err(|e| ConfigError(e.to_string()))?
-    .with_floor_book(Arc::clone(&floors));
-    let fencer = TokenFencer::new(
-        Arc::clone(&replicas),
-        tracker,
-        config.min_in_sync,
-        config.size,
-        REPLICA_TIMEOUT,
-    )
-    .with_floor_book(floors);
-    let engine = Arc::new(engine);
-    let controller = Controller::new(
-        Arc::clone(&engine) as Arc<dyn crate::ha::WriterEngine>,
-        Arc::clone(coordinator) as Arc<dyn Coordinator>,
-        Arc::new(fencer),
-        ControllerConfig {
-            fence_timeout: Duration::from_secs(10),
-            retry_interval: Duration::from_millis(200),
-        },
+    Ok(())
+}
+
+/// Steps 4 and 5, and the volume's background work: resync, mark
+/// retirement, the NBD and HTTP listeners, the controller, the failure
+/// detector (after the start-up window) and fixing the volume config.
+#[allow(clippy::too_many_arguments)]
+fn spawn_background(
+    tasks: &mut Tasks,
+    config: &NodeConfig,
+    raft: &RaftParts,
+    volume: &Volume,
+    view: &Arc<NodeView>,
+    nbd: Option<tokio::net::TcpListener>,
+    http: Option<tokio::net::TcpListener>,
+) {
+    tasks.spawn("resync", Arc::clone(&volume.resync).run());
+    tasks.spawn(
+        "mark retirement",
+        Arc::clone(&volume.engine).run_mark_retirement(MARK_RETIREMENT),
     );
-    Ok((Arc::new(controller), engine, replicas))
+    if let Some(listener) = nbd {
+        let description = format!(
+            "replica-ha volume {} of cluster {}",
+            config.volume, config.cluster_id
+        );
+        let export = Arc::new(Export::new(
+            &config.volume,
+            description,
+            Arc::clone(view.device()),
+        ));
+        let stats = Arc::clone(view.nbd_stats());
+        let stop = tasks.stop_signal();
+        tasks.spawn_draining(
+            "NBD server",
+            crate::nbd::serve(listener, export, stats, stop),
+        );
+    }
+    if let Some(listener) = http {
+        let (view, stopped) = (Arc::clone(view), tasks.stopped());
+        tasks.spawn_draining("HTTP server", async move {
+            if let Err(err) = crate::http::serve(listener, view, stopped).await {
+                tracing::warn!(%err, "the HTTP listener failed");
+            }
+        });
+    }
+    let controller = Arc::clone(&volume.controller);
+    tasks.spawn("controller", async move {
+        if let Err(err) = controller.run().await {
+            tracing::info!(%err, "controller stopped");
+        }
+    });
+    let (raft_handle, peers, timing) = (raft.raft.clone(), Arc::clone(&raft.peers), config.timing);
+    tasks.spawn_on(raft.runtime.handle(), "failure detector", async move {
+        // The start-up window: no campaign before it has passed.
+        tokio::time::sleep(timing.election_max).await;
+        crate::raft::detector::run(raft_handle, peers, timing).await;
+    });
+    tasks.spawn(
+        "volume config",
+        fix_volume_config(
+            Arc::clone(&raft.coordinator),
+            volume_config(config),
+            config.peers.keys().copied().collect(),
+        ),
+    );
 }
 
 async fn bind(

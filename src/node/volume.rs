@@ -1,0 +1,178 @@
+//! The assembler of one volume on a node: its replica store, the replica
+//! set (this node's copy without a network hop, every peer's over the
+//! transport), the engine, the fencer, the controller and its write gate,
+//! the resync, and the data path that NBD and the admin API use (the read
+//! gate in front of the write gate, counted).
+//!
+//! A node serves one volume today; a node with several would assemble one
+//! of these per volume.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::config::{ConfigError, NodeConfig};
+use super::{NodeError, failed, journal, reads};
+use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGate, WriterEngine};
+use crate::metrics::{DeviceMetrics, MeteredDevice};
+use crate::net::Transport;
+use crate::raft::RaftCoordinator;
+use crate::replica::fencer::TokenFencer;
+use crate::replica::remote::RemoteReplica;
+use crate::replica::resync::{ResyncConfig, Resyncer};
+use crate::replica::{
+    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
+    StoreIdentity,
+};
+use crate::volume::Device;
+
+/// How often the writer retires the marks of extents that are durable on
+/// every in-sync replica (see `Engine::retire_marks`): what a failover must
+/// converge is about what the writer wrote in this long.
+pub const MARK_RETIREMENT: Duration = Duration::from_millis(200);
+
+/// How long a replica may stay silent (answer nothing while it has requests)
+/// before it counts as failed; see `replica::liveness`.
+pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long one fence attempt may take before the controller retries.
+const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One volume's parts, wired together.
+pub struct Volume {
+    /// This node's copy.
+    pub store: Arc<ReplicaStore>,
+    /// Every copy, this node's first.
+    pub replicas: Arc<ReplicaSet>,
+    pub engine: Arc<Engine>,
+    pub controller: Arc<Controller>,
+    pub resync: Arc<Resyncer>,
+    /// The data path: the read gate in front of the write gate, counted.
+    pub device: Arc<dyn Device>,
+    /// The data path's counters.
+    pub io: Arc<DeviceMetrics>,
+}
+
+impl Volume {
+    /// Opens this node's copy and wires the volume's parts over
+    /// `coordinator` and `transport`.
+    pub async fn assemble(
+        config: &NodeConfig,
+        transport: &Transport,
+        coordinator: &Arc<RaftCoordinator>,
+    ) -> Result<Self, NodeError> {
+        let store = Arc::new(open_store(config).await?);
+        let replicas = Arc::new(replica_set(config, transport, &store)?);
+        let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
+        let floors = Arc::new(FloorBook::default());
+        let engine = Engine::over(
+            EngineConfig {
+                local_id: config.id.to_string(),
+                min_in_sync: config.min_in_sync,
+                replica_timeout: REPLICA_TIMEOUT,
+                size: config.size,
+            },
+            Arc::clone(&replicas),
+            Arc::clone(&tracker),
+        )
+        .map_err(|e| ConfigError(e.to_string()))?
+        .with_floor_book(Arc::clone(&floors));
+        let engine = Arc::new(engine);
+        let fencer = TokenFencer::new(
+            Arc::clone(&replicas),
+            tracker,
+            config.min_in_sync,
+            config.size,
+            REPLICA_TIMEOUT,
+        )
+        .with_floor_book(floors);
+        let controller = Arc::new(Controller::new(
+            Arc::clone(&engine) as Arc<dyn WriterEngine>,
+            Arc::clone(coordinator) as Arc<dyn Coordinator>,
+            Arc::new(fencer),
+            ControllerConfig {
+                fence_timeout: FENCE_TIMEOUT,
+                retry_interval: Duration::from_millis(200),
+            },
+        ));
+        if let Some(path) = &config.gate_journal {
+            let journal = journal::FileJournal::open(path)
+                .map_err(|err| ConfigError(format!("gate journal {}: {err}", path.display())))?;
+            controller
+                .device()
+                .record_to(Arc::new(journal))
+                .map_err(|err| failed(err.to_string()))?;
+        }
+        let resync = Arc::new(Resyncer::new(
+            Arc::clone(&engine),
+            ResyncConfig {
+                rate: config.resync_rate,
+                ..ResyncConfig::default()
+            },
+        ));
+        let io = Arc::new(DeviceMetrics::default());
+        let local = replicas
+            .get(&config.id.to_string())
+            .ok_or_else(|| failed("the local replica is not in the replica set"))?;
+        let local_copy = reads::RaftLocalCopy::new(
+            config.id,
+            local,
+            coordinator.state_machine().subscribe(),
+        );
+        let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
+        let device = Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io)));
+        Ok(Self {
+            store,
+            replicas,
+            engine,
+            controller,
+            resync,
+            device,
+            io,
+        })
+    }
+}
+
+/// Opens this node's replica; one of another cluster, volume or size is a
+/// configuration error.
+async fn open_store(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
+    let identity = StoreIdentity::new(&config.cluster_id, &config.volume, config.size);
+    let dir = config.data_dir.join("replica");
+    ReplicaStore::open(&dir, identity)
+        .await
+        .map_err(|err| match err {
+            ReplicaError::IdentityMismatch(why) | ReplicaError::InvalidIdentity(why) => {
+                NodeError::Config(ConfigError(format!("replica in {}: {why}", dir.display())))
+            }
+            other => failed(format!("replica in {}: {other}", dir.display())),
+        })
+}
+
+/// Every replica of the volume: this node's own without a network hop, the
+/// peers' over `transport`.
+fn replica_set(
+    config: &NodeConfig,
+    transport: &Transport,
+    store: &Arc<ReplicaStore>,
+) -> Result<ReplicaSet, NodeError> {
+    let local_id = config.id.to_string();
+    let mut replicas: Vec<Arc<dyn Replica>> =
+        vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
+    for (id, addr) in &config.peers {
+        if *id != config.id {
+            let remote = RemoteReplica::new(
+                id.to_string(),
+                transport,
+                &addr.to_string(),
+                &config.cluster_id,
+                &config.volume,
+                // The engine and the fencer give up on a silent replica
+                // after REPLICA_TIMEOUT; the transport allows a busy one to
+                // take as long as they may wait.
+                crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
+            )
+            .map_err(|e| ConfigError(e.to_string()))?;
+            replicas.push(Arc::new(remote));
+        }
+    }
+    Ok(ReplicaSet::new(&local_id, replicas).map_err(|e| ConfigError(e.to_string()))?)
+}
