@@ -620,3 +620,40 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
         assert_eq!(node.store().read(extent, 4096).await.unwrap(), n1);
     }
 }
+
+/// S1 with a replica set that lacks a committed in-sync replica (a node
+/// whose peer list is behind a membership change): the old writer may still
+/// reach that one, so the fencer counts it among the N it must shut out.
+/// Here n3 is in sync but not in this node's set, and n2 does not answer:
+/// n1 alone (1 of 3) cannot shut out an old writer with min_in_sync 2,
+/// which could still reach n2 and n3.
+#[tokio::test]
+async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = FaultyReplica::new("n1", store(dir.path(), "n1").await);
+    let n2 = FaultyReplica::new("n2", store(dir.path(), "n2").await);
+    n2.set(Fault::Fail);
+    let replicas: Vec<Arc<dyn Replica>> = vec![n1, n2];
+    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let fencer = TokenFencer::new(
+        Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        2,
+        SIZE,
+        Duration::from_secs(1),
+    );
+    let err = fencer.fence(None, 2).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            replica_ha::ha::FenceError::TooFewFenced {
+                fenced: 1,
+                replicas: 3,
+                need: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

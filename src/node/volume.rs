@@ -110,12 +110,9 @@ impl Volume {
             },
         ));
         let io = Arc::new(DeviceMetrics::default());
-        let local = replicas
-            .get(&config.id.to_string())
-            .ok_or_else(|| failed("the local replica is not in the replica set"))?;
         let local_copy = reads::RaftLocalCopy::new(
             config.id,
-            local,
+            replicas.local(),
             coordinator.state_machine().subscribe(),
         );
         let gated = ReadGate::new(controller.device(), Arc::new(local_copy));

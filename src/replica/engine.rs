@@ -100,6 +100,29 @@ pub struct EngineConfig {
 #[error("invalid engine configuration: {0}")]
 pub struct EngineConfigError(pub String);
 
+/// Why a replica could not be added to or removed from the volume.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MembershipError {
+    /// The replica set refused the change.
+    #[error(transparent)]
+    Set(#[from] SetError),
+    /// A replica of this id is in the in-sync set; remove it first.
+    #[error("replica {0} is in the in-sync set")]
+    InSync(String),
+    /// A replica of this id is being rebuilt; remove it first.
+    #[error("replica {0} is being rebuilt")]
+    Rebuilding(String),
+    /// Removing it would leave fewer in-sync members than `min_in_sync`.
+    #[error("only {remaining} in-sync replicas would remain; {need} are needed")]
+    TooFew { remaining: usize, need: usize },
+    /// Removing an in-sync replica needs the active writer's term.
+    #[error("the engine is not active")]
+    Inactive,
+    /// The in-sync set could not be read or changed.
+    #[error(transparent)]
+    Commit(#[from] InSyncError),
+}
+
 /// Why a step of a rebuild failed; the rebuild is abandoned and starts
 /// again later.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -258,8 +281,8 @@ struct EngineState {
 }
 
 impl Engine {
-    /// Builds an engine over a fixed list of `replicas` (which must
-    /// include the local one); see [`Engine::over`].
+    /// Builds an engine over `replicas` (which must include the local one),
+    /// in a replica set of its own; see [`Engine::over`].
     pub fn new(
         config: EngineConfig,
         replicas: Vec<Arc<dyn Replica>>,
@@ -320,6 +343,60 @@ impl Engine {
         &self.replicas
     }
 
+    /// Adds `replica` to the replica set. It gets the writes that start
+    /// from now on only once a rebuild begins, and joins the in-sync set
+    /// only through a finished rebuild. Refused while a replica of the same
+    /// id is in the committed in-sync set or being rebuilt: a new copy
+    /// (a replaced disk) must not inherit the old one's standing (S5).
+    pub async fn add_replica(&self, replica: Arc<dyn Replica>) -> Result<(), MembershipError> {
+        let _serialized = self.shrink.lock().await;
+        let id = replica.id().to_string();
+        let committed = self.tracker.in_sync().await?;
+        {
+            let state = self.lock();
+            if committed.contains(&id) || state.in_sync.contains(&id) {
+                return Err(MembershipError::InSync(id));
+            }
+            if state.rebuilding.contains_key(&id) {
+                return Err(MembershipError::Rebuilding(id));
+            }
+        }
+        self.replicas.add(replica)?;
+        Ok(())
+    }
+
+    /// Removes replica `id` from the replica set. While it is in the
+    /// in-sync set, its removal from that set is committed first (on behalf
+    /// of the active term), so no write is acknowledged without it before
+    /// (S5); refused if fewer than `min_in_sync` members would remain. A
+    /// rebuild of it is abandoned.
+    pub async fn remove_replica(&self, id: &str) -> Result<Arc<dyn Replica>, MembershipError> {
+        let _serialized = self.shrink.lock().await;
+        let (term, in_sync) = {
+            let state = self.lock();
+            (state.term, state.in_sync.clone())
+        };
+        let committed = self.tracker.in_sync().await?;
+        if committed.contains(id) || in_sync.contains(id) {
+            let remaining = committed.iter().filter(|m| *m != id).count();
+            if remaining < self.config.min_in_sync {
+                return Err(MembershipError::TooFew {
+                    remaining,
+                    need: self.config.min_in_sync,
+                });
+            }
+            let term = term.ok_or(MembershipError::Inactive)?;
+            let ids: BTreeSet<String> = [id.to_string()].into();
+            let now = self.tracker.remove(term, &ids).await?;
+            let mut state = self.lock();
+            state.in_sync = now;
+            state.degraded.remove(id);
+        }
+        self.abort_rebuild(id);
+        let removed = self.replicas.remove(id)?;
+        Ok(removed)
+    }
+
     /// Reads the floors the node's fencer finds (see [`FloorBook`]).
     pub fn with_floor_book(mut self, floors: Arc<FloorBook>) -> Self {
         self.floors = floors;
@@ -339,9 +416,16 @@ impl Engine {
     /// replicas being rebuilt that it also goes to.
     #[allow(clippy::type_complexity)]
     fn targets(&self) -> Result<(u64, Vec<Arc<dyn Replica>>, Vec<Arc<dyn Replica>>), DeviceError> {
-        let state = self.lock();
+        let mut state = self.lock();
         let term = state.term.ok_or(DeviceError::Inactive)?;
         let members = self.replicas.members();
+        // A replica being rebuilt that left the set misses this request: its
+        // rebuild must not finish (it would return without the write).
+        for (id, rebuild) in state.rebuilding.iter_mut() {
+            if !members.iter().any(|r| r.id() == id) {
+                rebuild.failed = true;
+            }
+        }
         let pick = |keep: &dyn Fn(&str) -> bool| -> Vec<Arc<dyn Replica>> {
             members.iter().filter(|r| keep(r.id())).cloned().collect()
         };
@@ -636,7 +720,7 @@ impl Engine {
         }
         // S5 and S7: the copies were written without FUA; make them durable
         // on the target before the set counts on it.
-        let target = self.target(id)?;
+        let target = self.target(id).inspect_err(|_| self.abort_rebuild(id))?;
         let stamp = self.stamp(term, id);
         let flushed = self.bounded(target.id(), target.flush(stamp)).await;
         self.disown_if_lost(id, stamp, &flushed);

@@ -219,8 +219,7 @@ impl TokenFencer {
             .await;
         outcomes
             .into_iter()
-            .map(|(id, outcome)| outcome.map_err(|e| FenceError::replica(step, &id, e)))
-            .collect()
+            .try_for_each(|(id, outcome)| outcome.map_err(|e| FenceError::replica(step, &id, e)))
     }
 
     /// Makes the converged `extents` durable on every member, then drops
@@ -418,12 +417,20 @@ impl Fencer for TokenFencer {
         let replicas = self.replicas.members();
         let fenced = self.fence_all(term, &replicas).await?;
         let fenced_after = started.elapsed();
-        let need = quorum::fence_quorum(replicas.len(), self.min_in_sync);
+        // N counts every replica an older writer may still reach: the set's
+        // members, and any committed in-sync replica this node's set lacks
+        // (unfenced, since it was not sent the fence).
+        let absent = committed
+            .iter()
+            .filter(|id| find(&replicas, id).is_none())
+            .count();
+        let n = replicas.len() + absent;
+        let need = quorum::fence_quorum(n, self.min_in_sync);
         if fenced.len() < need {
             return Err(FenceError::TooFewFenced {
                 term,
                 fenced: fenced.len(),
-                replicas: replicas.len(),
+                replicas: n,
                 need,
             });
         }

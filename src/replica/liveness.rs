@@ -88,6 +88,13 @@ impl Liveness {
         }
     }
 
+    /// Forgets replica `id` (it left the set; a later copy under the same
+    /// id starts afresh).
+    pub fn forget(&self, id: &str) {
+        let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        heard.remove(id);
+    }
+
     fn heard_from(&self, id: &str) {
         let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
         match heard.get_mut(id) {

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{Engine, EngineConfig, RebuildError};
+pub use engine::{Engine, EngineConfig, MembershipError, RebuildError};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 

@@ -4,7 +4,11 @@
 //!
 //! A [`ReplicaSet`] hands out snapshots: a request fans out to the members
 //! as they were when it started, and a member added or removed meanwhile
-//! affects only later requests. It also owns the one [`Liveness`] record of
+//! affects only later requests. Membership change goes through the engine
+//! (`Engine::add_replica`, `Engine::remove_replica`), which commits an
+//! in-sync replica's removal before it leaves the set and refuses a new
+//! copy under the id of one still in sync or being rebuilt; nothing in the
+//! node drives it yet (Raft membership change is not built). It also owns the one [`Liveness`] record of
 //! when each replica last answered, so a replica that falls silent to the
 //! engine is silent to the fencer too, and every call to a member is
 //! bounded the same way ([`ReplicaSet::bounded`], [`ReplicaSet::fan_out`]).
@@ -16,7 +20,10 @@
 //!   acknowledged write: that is the committed in-sync set (S5). Removing a
 //!   replica that is still in the in-sync set does not let a write be
 //!   acknowledged without it; the engine counts it as failed until its
-//!   removal from the in-sync set is committed (see [`super::quorum`]).
+//!   removal from the in-sync set is committed (see [`super::quorum`]),
+//!   and the fencer counts it among the replicas an old writer may reach.
+//!   Ids are compared as strings: a new copy under an old id is told apart
+//!   only by the engine's checks above.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -86,6 +93,12 @@ impl ReplicaSet {
         Arc::clone(&self.members.read().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// This node's own replica.
+    pub fn local(&self) -> Arc<dyn Replica> {
+        // The first member is this node's, and it cannot be removed.
+        Arc::clone(&self.members()[0])
+    }
+
     /// The member with this id.
     pub fn get(&self, id: &str) -> Option<Arc<dyn Replica>> {
         self.members().iter().find(|r| r.id() == id).cloned()
@@ -131,6 +144,7 @@ impl ReplicaSet {
                 .ok_or_else(|| SetError::Unknown(id.to_string()))?;
             Ok(members.remove(at))
         })
+        .inspect(|_| self.liveness.forget(id))
     }
 
     fn edit<T>(
