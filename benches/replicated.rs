@@ -9,6 +9,9 @@
 //!
 //! Run: `cargo bench --bench replicated`.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -35,20 +38,9 @@ async fn open(dir: &std::path::Path, id: &str) -> Arc<ReplicaStore> {
 }
 
 async fn serve(store: Arc<ReplicaStore>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    common::serve_replica(ReplicaService::new(store))
         .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr").to_string();
-    tokio::spawn(
-        replica_ha::net::Transport::default()
-            .server()
-            .add_service(replica_ha::net::Transport::default().serve(
-                replica_ha::net::Audience::Members,
-                ReplicaService::new(store).into_server(),
-            ))
-            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
-    );
-    addr
+        .to_string()
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

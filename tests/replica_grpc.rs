@@ -31,18 +31,7 @@ use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
 use tonic::Code;
 
 async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(
-        replica_ha::net::Transport::default()
-            .server()
-            .add_service(replica_ha::net::Transport::default().serve(
-                replica_ha::net::Audience::Members,
-                ReplicaService::new(store).into_server(),
-            ))
-            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
-    );
-    addr
+    common::serve_replica(ReplicaService::new(store)).await
 }
 
 fn volume(cluster: &str) -> Option<pb::VolumeRef> {
@@ -73,21 +62,11 @@ async fn a_fence_tells_the_node_its_new_floor() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), "n1").await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let service = ReplicaService::new(local).on_fenced({
         let seen = Arc::clone(&seen);
         Arc::new(move |floor| seen.lock().unwrap().push(floor))
     });
-    tokio::spawn(
-        replica_ha::net::Transport::default()
-            .server()
-            .add_service(
-                replica_ha::net::Transport::default()
-                    .serve(replica_ha::net::Audience::Members, service.into_server()),
-            )
-            .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener)),
-    );
+    let addr = common::serve_replica(service).await;
     remote(addr, "n1").fence(4).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![4]);
 }

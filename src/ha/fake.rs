@@ -640,6 +640,19 @@ impl MemoryInSync {
         self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Applies `change` unless commits fail on command; the set after it.
+    fn commit(
+        &self,
+        change: impl FnOnce(&mut BTreeSet<String>),
+    ) -> Result<BTreeSet<String>, InSyncError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(InSyncError::Refused("the fake refuses on command".into()));
+        }
+        let mut set = self.lock();
+        change(&mut set);
+        Ok(set.clone())
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
         self.set
             .lock()
@@ -657,24 +670,14 @@ impl InSyncTracker for MemoryInSync {
         _term: u64,
         replicas: &BTreeSet<String>,
     ) -> Result<BTreeSet<String>, InSyncError> {
-        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(InSyncError::Refused("the fake refuses on command".into()));
-        }
-        let mut set = self.lock();
-        set.retain(|member| !replicas.contains(member));
-        Ok(set.clone())
+        self.commit(|set| set.retain(|member| !replicas.contains(member)))
     }
     async fn add(
         &self,
         _term: u64,
         replicas: &BTreeSet<String>,
     ) -> Result<BTreeSet<String>, InSyncError> {
-        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(InSyncError::Refused("the fake refuses on command".into()));
-        }
-        let mut set = self.lock();
-        set.extend(replicas.iter().cloned());
-        Ok(set.clone())
+        self.commit(|set| set.extend(replicas.iter().cloned()))
     }
 }
 

@@ -322,3 +322,21 @@ pub fn fill_file_system(path: &std::path::Path) {
         }
     }
 }
+
+/// Serves `service` alone, over the default transport, on a loopback port
+/// of its own; returns the address.
+pub async fn serve_replica(
+    service: replica_ha::replica::service::ReplicaService,
+) -> std::net::SocketAddr {
+    use replica_ha::net::{Audience, Transport};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let transport = Transport::default();
+    tokio::spawn(
+        transport
+            .server()
+            .add_service(transport.serve(Audience::Members, service.into_server()))
+            .serve_with_incoming(transport.incoming(listener)),
+    );
+    addr
+}
