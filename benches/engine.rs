@@ -40,9 +40,8 @@ async fn three_replica_engine(dir: &std::path::Path) -> Engine {
     }
     let config = EngineConfig {
         local_id: "n1".into(),
-        min_in_sync: 2,
         replica_timeout: Duration::from_secs(10),
-        size: VOLUME,
+        volume: replica_ha::volume::VolumeSpec::new("test", "vol0", VOLUME, 2),
     };
     let engine = Engine::new(config, replicas, Arc::new(MemoryInSync::new(ids))).expect("engine");
     engine.activate(1).await.expect("activate");

@@ -83,9 +83,8 @@ async fn main() {
     let engine = Engine::new(
         EngineConfig {
             local_id: "n1".into(),
-            min_in_sync: 2,
             replica_timeout: timeout,
-            size: VOLUME,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", VOLUME, 2),
         },
         replicas,
         Arc::new(MemoryInSync::new(["n1", "n2", "n3"])),

@@ -11,6 +11,10 @@
 //! volume, or a request larger than [`MAX_REQUEST`], is refused before any
 //! byte is written.
 //!
+//! [`VolumeSpec`] is the one description of a volume (cluster, name, size,
+//! extent size, `min_in_sync`): the Raft state records it, and the store,
+//! the engine and the fencer are built from it.
+//!
 //! [`Device::access`] says what a client connecting now may do: read and
 //! write under the gate's term, only read, or nothing. The NBD server binds a
 //! read-write session to that term and ends the session once the device no
@@ -18,10 +22,56 @@
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use serde::{Deserialize, Serialize};
 
 /// The largest single read or write, in bytes (32 MiB). NBD clients split
 /// larger transfers; a bigger request is refused with [`RangeError::TooLarge`].
 pub const MAX_REQUEST: u64 = 32 * 1024 * 1024;
+
+/// The granularity of dirty tracking, digests and rebuild copies, unless a
+/// volume says otherwise.
+pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
+
+/// What a volume is; see the module docs. The first leader records it in
+/// the Raft state, and a node configured otherwise refuses to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSpec {
+    /// The cluster's id.
+    pub cluster_id: String,
+    /// The volume's name.
+    #[serde(rename = "volume")]
+    pub name: String,
+    /// The size in bytes.
+    pub size: u64,
+    /// The granularity of dirty tracking in bytes (a power of two). Volumes
+    /// recorded before it was part of the spec have the default.
+    #[serde(default = "default_extent_size")]
+    pub extent_size: u64,
+    /// The fewest in-sync replicas a write may be acknowledged on.
+    pub min_in_sync: usize,
+}
+
+fn default_extent_size() -> u64 {
+    DEFAULT_EXTENT_SIZE
+}
+
+impl VolumeSpec {
+    /// A volume with the default extent size.
+    pub fn new(
+        cluster_id: impl Into<String>,
+        name: impl Into<String>,
+        size: u64,
+        min_in_sync: usize,
+    ) -> Self {
+        Self {
+            cluster_id: cluster_id.into(),
+            name: name.into(),
+            size,
+            extent_size: DEFAULT_EXTENT_SIZE,
+            min_in_sync,
+        }
+    }
+}
 
 /// A block device: positioned reads and writes over a fixed size.
 ///

@@ -57,9 +57,8 @@ impl Rig {
         let engine = Engine::new(
             EngineConfig {
                 local_id: "n1".into(),
-                min_in_sync,
                 replica_timeout: SHORT,
-                size: SIZE,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, min_in_sync),
             },
             dyn_replicas,
             Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -311,9 +310,8 @@ async fn invalid_configurations_are_refused() {
     let tracker = Arc::new(replica_ha::ha::fake::MemoryInSync::new(["a", "b"]));
     let config = |local: &str, min| EngineConfig {
         local_id: local.into(),
-        min_in_sync: min,
         replica_timeout: Duration::from_secs(1),
-        size: SIZE,
+        volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, min),
     };
     let cases = [
         (
@@ -483,9 +481,8 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
         Engine::new(
             EngineConfig {
                 local_id: "n1".into(),
-                min_in_sync: 2,
                 replica_timeout: SHORT,
-                size: SIZE,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
             },
             replicas.clone(),
             Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -627,9 +624,8 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
     let engine = Engine::new(
         EngineConfig {
             local_id: "n1".into(),
-            min_in_sync: 2,
             replica_timeout: SHORT,
-            size: SIZE,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         },
         replicas,
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -687,9 +683,8 @@ async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
         Engine::over(
             EngineConfig {
                 local_id: "n1".into(),
-                min_in_sync: 2,
                 replica_timeout: PATIENT,
-                size: SIZE,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
             },
             Arc::clone(&members),
             Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -811,4 +806,53 @@ async fn an_in_sync_replica_that_left_the_set_is_removed_before_the_next_ack() {
         rig.events.lock().unwrap().last().map(String::as_str),
         Some("remove:n3")
     );
+}
+
+/// The engine counts extents in the volume's extent size, the one its
+/// stores use: with 256 KiB extents, a rebuild copies exactly the extents
+/// that differ, and the rebuilt replica equals the others.
+#[tokio::test]
+async fn the_engine_counts_extents_in_the_volumes_extent_size() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::{LocalReplica, ReplicaStore, StoreIdentity};
+    use replica_ha::volume::VolumeSpec;
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = VolumeSpec {
+        extent_size: 256 << 10,
+        ..VolumeSpec::new("test", "vol0", SIZE, 2)
+    };
+    let mut replicas: Vec<Arc<dyn Replica>> = Vec::new();
+    for id in IDS {
+        let store = ReplicaStore::open(dir.path().join(id), StoreIdentity::from(&spec))
+            .await
+            .unwrap();
+        replicas.push(Arc::new(LocalReplica::new(id, Arc::new(store))));
+    }
+    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::default());
+    let engine = Arc::new(
+        Engine::new(
+            EngineConfig {
+                local_id: "n1".into(),
+                replica_timeout: SHORT,
+                volume: spec.clone(),
+            },
+            replicas.clone(),
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    assert_eq!(engine.extent_size(), spec.extent_size);
+    engine.activate(2).await.unwrap();
+    // Writes n3 misses: one in the fifth 256 KiB extent, one in the ninth.
+    let offsets = [5 * (256 << 10) + 4096, 9 * (256 << 10)];
+    for offset in offsets {
+        engine.write_at(offset, block(0x5e), false).await.unwrap();
+    }
+    let resync = Resyncer::new(Arc::clone(&engine), ResyncConfig::default());
+    let copied = resync.rebuild(&replicas[2]).await.unwrap();
+    assert_eq!(copied, 2 * spec.extent_size, "copied {copied} bytes");
+    for offset in offsets {
+        assert!(replicas[2].read(offset, 4096).await.unwrap() == block(0x5e));
+    }
 }

@@ -253,9 +253,8 @@ async fn the_engine_mirrors_through_remote_replicas() {
     let engine = Engine::new(
         EngineConfig {
             local_id: "n1".into(),
-            min_in_sync: 2,
             replica_timeout: Duration::from_secs(2),
-            size: SIZE,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         },
         replicas,
         tracker,
@@ -325,17 +324,15 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
     let fencer = TokenFencer::new(
         Arc::clone(&set),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        2,
-        size,
+        &replica_ha::volume::VolumeSpec::new("test", "vol0", size, 2),
         timeout,
     )
     .with_floor_book(Arc::clone(&floors));
     let engine = Engine::over(
         EngineConfig {
             local_id: "n1".into(),
-            min_in_sync: 1,
             replica_timeout: timeout,
-            size,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", size, 1),
         },
         set,
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -564,8 +561,7 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
     let fencer = TokenFencer::new(
         Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        2,
-        SIZE,
+        &replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         Duration::from_secs(1),
     );
     // Term 1's writer left a write on n2 only, durable there (FUA).
@@ -618,8 +614,7 @@ async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
     let fencer = TokenFencer::new(
         Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        2,
-        SIZE,
+        &replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         Duration::from_secs(1),
     );
     let err = fencer.fence(None, 2).await.unwrap_err();

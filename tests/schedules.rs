@@ -419,9 +419,13 @@ mod engine_world {
                 Engine::new(
                     EngineConfig {
                         local_id: "n1".into(),
-                        min_in_sync,
                         replica_timeout: TIMEOUT,
-                        size: SIZE,
+                        volume: replica_ha::volume::VolumeSpec::new(
+                            "test",
+                            "vol0",
+                            SIZE,
+                            min_in_sync,
+                        ),
                     },
                     dyn_replicas,
                     Arc::clone(&tracker) as Arc<dyn InSyncTracker>,

@@ -47,9 +47,10 @@ use crate::nbd::Export;
 use crate::net::{Audience, Limits, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
-use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine, VolumeConfig};
+use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine};
 use crate::replica::service::ReplicaService;
 use crate::status::{NodeFacts, NodeParts, NodeView};
+use crate::volume::VolumeSpec;
 use tasks::Tasks;
 use volume::{MARK_RETIREMENT, Volume};
 
@@ -176,7 +177,7 @@ impl Node {
     /// Resolves when the cluster's recorded volume config differs from this
     /// node's.
     async fn volume_conflict(&self) -> ConfigError {
-        let mine = volume_config(&self.config);
+        let mine = volume_spec(&self.config);
         let mut applied = self.raft.coordinator.state_machine().subscribe();
         loop {
             if let Some(theirs) = applied.borrow_and_update().control.volume.clone() {
@@ -451,9 +452,9 @@ fn spawn_background(
     });
     tasks.spawn(
         "volume config",
-        fix_volume_config(
+        fix_volume_spec(
             Arc::clone(&raft.coordinator),
-            volume_config(config),
+            volume_spec(config),
             config.peers.keys().copied().collect(),
         ),
     );
@@ -519,13 +520,14 @@ fn facts(config: &NodeConfig) -> NodeFacts {
     }
 }
 
-fn volume_config(config: &NodeConfig) -> VolumeConfig {
-    VolumeConfig {
-        cluster_id: config.cluster_id.clone(),
-        volume: config.volume.clone(),
-        size: config.size,
-        min_in_sync: config.min_in_sync,
-    }
+/// The volume this node is configured for.
+fn volume_spec(config: &NodeConfig) -> VolumeSpec {
+    VolumeSpec::new(
+        &config.cluster_id,
+        &config.volume,
+        config.size,
+        config.min_in_sync,
+    )
 }
 
 /// Refuses a data dir that belongs to another cluster or node.
@@ -564,9 +566,9 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), Nod
 
 /// Whenever this node leads and the cluster has no volume config yet,
 /// commits this node's.
-async fn fix_volume_config(
+async fn fix_volume_spec(
     coordinator: Arc<RaftCoordinator>,
-    volume: VolumeConfig,
+    volume: VolumeSpec,
     replicas: BTreeSet<u64>,
 ) {
     let mut observations = coordinator.observe();

@@ -23,7 +23,7 @@ use crate::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     StoreIdentity,
 };
-use crate::volume::Device;
+use crate::volume::{Device, VolumeSpec};
 
 /// How often the writer retires the marks of extents that are durable on
 /// every in-sync replica (see `Engine::retire_marks`): what a failover must
@@ -60,16 +60,16 @@ impl Volume {
         transport: &Transport,
         coordinator: &Arc<RaftCoordinator>,
     ) -> Result<Self, NodeError> {
-        let store = Arc::new(open_store(config).await?);
+        let spec = super::volume_spec(config);
+        let store = Arc::new(open_store(config, &spec).await?);
         let replicas = Arc::new(replica_set(config, transport, &store)?);
         let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
         let floors = Arc::new(FloorBook::default());
         let engine = Engine::over(
             EngineConfig {
                 local_id: config.id.to_string(),
-                min_in_sync: config.min_in_sync,
                 replica_timeout: REPLICA_TIMEOUT,
-                size: config.size,
+                volume: spec.clone(),
             },
             Arc::clone(&replicas),
             Arc::clone(&tracker),
@@ -77,14 +77,8 @@ impl Volume {
         .map_err(|e| ConfigError(e.to_string()))?
         .with_floor_book(Arc::clone(&floors));
         let engine = Arc::new(engine);
-        let fencer = TokenFencer::new(
-            Arc::clone(&replicas),
-            tracker,
-            config.min_in_sync,
-            config.size,
-            REPLICA_TIMEOUT,
-        )
-        .with_floor_book(floors);
+        let fencer = TokenFencer::new(Arc::clone(&replicas), tracker, &spec, REPLICA_TIMEOUT)
+            .with_floor_book(floors);
         let controller = Arc::new(Controller::new(
             Arc::clone(&engine) as Arc<dyn WriterEngine>,
             Arc::clone(coordinator) as Arc<dyn Coordinator>,
@@ -131,8 +125,8 @@ impl Volume {
 
 /// Opens this node's replica; one of another cluster, volume or size is a
 /// configuration error.
-async fn open_store(config: &NodeConfig) -> Result<ReplicaStore, NodeError> {
-    let identity = StoreIdentity::new(&config.cluster_id, &config.volume, config.size);
+async fn open_store(config: &NodeConfig, spec: &VolumeSpec) -> Result<ReplicaStore, NodeError> {
+    let identity = StoreIdentity::from(spec);
     let dir = config.data_dir.join("replica");
     ReplicaStore::open(&dir, identity)
         .await

@@ -74,6 +74,8 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
+use crate::volume::VolumeSpec;
+
 pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
 pub use state_machine::StateMachine;
@@ -96,19 +98,6 @@ openraft::declare_raft_types!(
 /// The openraft instance of a node.
 pub type Raft = openraft::Raft<TypeConfig>;
 
-/// The cluster's volume, as fixed by the first leader.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VolumeConfig {
-    /// The cluster's id.
-    pub cluster_id: String,
-    /// The volume's name.
-    pub volume: String,
-    /// The volume's size in bytes.
-    pub size: u64,
-    /// The fewest in-sync replicas a write may be acknowledged on.
-    pub min_in_sync: usize,
-}
-
 /// A promoted writer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WriterRecord {
@@ -125,7 +114,7 @@ pub enum Request {
     /// replica). Only the first is applied; a later one that differs fails.
     Init {
         /// The config.
-        volume: VolumeConfig,
+        volume: VolumeSpec,
         /// Every replica's node id.
         replicas: BTreeSet<NodeId>,
     },
@@ -167,7 +156,7 @@ pub struct Response {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ControlState {
     /// The volume config, once the first leader has fixed it.
-    pub volume: Option<VolumeConfig>,
+    pub volume: Option<VolumeSpec>,
     /// The last promoted writer.
     pub writer: Option<WriterRecord>,
     /// The replicas that hold every acknowledged write.
@@ -235,13 +224,15 @@ impl ControlState {
 mod tests {
     use super::*;
 
-    fn volume(size: u64) -> VolumeConfig {
-        VolumeConfig {
-            cluster_id: "c".into(),
-            volume: "v".into(),
-            size,
-            min_in_sync: 2,
-        }
+    fn volume(size: u64) -> VolumeSpec {
+        VolumeSpec::new("c", "v", size, 2)
+    }
+
+    #[test]
+    fn a_volume_recorded_without_an_extent_size_reads_with_the_default() {
+        let old = r#"{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2}"#;
+        let spec: VolumeSpec = serde_json::from_str(old).unwrap();
+        assert_eq!(spec, volume(4096));
     }
 
     #[test]

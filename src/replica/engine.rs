@@ -79,20 +79,18 @@ use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
-use crate::volume::{Device, DeviceError, check_request};
+use crate::volume::{Device, DeviceError, VolumeSpec, check_request};
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// The id of this node; its replica is read first.
     pub local_id: String,
-    /// The fewest in-sync replicas a write may be acknowledged on.
-    pub min_in_sync: usize,
     /// How long one replica may take to answer one request before it counts
     /// as failed for that request.
     pub replica_timeout: Duration,
-    /// The volume size in bytes.
-    pub size: u64,
+    /// The volume: its size, extent size and `min_in_sync`.
+    pub volume: VolumeSpec,
 }
 
 /// An engine could not be built from its configuration.
@@ -311,11 +309,17 @@ impl Engine {
             )));
         }
         let ids = replicas.ids();
-        if config.min_in_sync == 0 || config.min_in_sync > ids.len() {
+        if config.volume.min_in_sync == 0 || config.volume.min_in_sync > ids.len() {
             return Err(EngineConfigError(format!(
                 "min_in_sync {} must be between 1 and the number of replicas ({})",
-                config.min_in_sync,
+                config.volume.min_in_sync,
                 ids.len()
+            )));
+        }
+        let extent_size = config.volume.extent_size;
+        if !extent_size.is_power_of_two() {
+            return Err(EngineConfigError(format!(
+                "the extent size {extent_size} is not a power of two"
             )));
         }
         Ok(Self {
@@ -333,7 +337,7 @@ impl Engine {
             }),
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
-            extent_size: super::store::DEFAULT_EXTENT_SIZE,
+            extent_size,
             floors: Arc::default(),
         })
     }
@@ -379,10 +383,10 @@ impl Engine {
         let committed = self.tracker.in_sync().await?;
         if committed.contains(id) || in_sync.contains(id) {
             let remaining = committed.iter().filter(|m| *m != id).count();
-            if remaining < self.config.min_in_sync {
+            if remaining < self.config.volume.min_in_sync {
                 return Err(MembershipError::TooFew {
                     remaining,
-                    need: self.config.min_in_sync,
+                    need: self.config.volume.min_in_sync,
                 });
             }
             let term = term.ok_or(MembershipError::Inactive)?;
@@ -430,10 +434,10 @@ impl Engine {
             members.iter().filter(|r| keep(r.id())).cloned().collect()
         };
         let targets = pick(&|id| state.in_sync.contains(id));
-        if targets.len() < self.config.min_in_sync {
+        if targets.len() < self.config.volume.min_in_sync {
             return Err(DeviceError::InsufficientReplicas {
                 have: targets.len(),
-                need: self.config.min_in_sync,
+                need: self.config.volume.min_in_sync,
             });
         }
         let rebuilding = pick(&|id| state.rebuilding.contains_key(id));
@@ -672,10 +676,10 @@ impl Engine {
             .ok_or(RebuildError::NoSource)?;
         let target = self.target(id)?;
         let offset = extent * self.extent_size;
-        if offset >= self.config.size {
+        if offset >= self.config.volume.size {
             return Ok(0);
         }
-        let len = self.extent_size.min(self.config.size - offset);
+        let len = self.extent_size.min(self.config.volume.size - offset);
         let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
         let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
         let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
@@ -978,11 +982,11 @@ impl Engine {
                 break;
             }
             let offset = extent * self.extent_size;
-            if offset >= self.config.size {
+            if offset >= self.config.volume.size {
                 self.lock().activity.unsure.remove(&extent);
                 continue;
             }
-            let len = self.extent_size.min(self.config.size - offset);
+            let len = self.extent_size.min(self.config.volume.size - offset);
             let mut order = self.read_order().into_iter();
             let Some(source) = order.next() else {
                 break;
@@ -1085,7 +1089,7 @@ impl Engine {
             .iter()
             .map(|(id, outcome)| (id.clone(), outcome.is_ok()))
             .collect();
-        let need = self.config.min_in_sync;
+        let need = self.config.volume.min_in_sync;
         let errors = |ids: &BTreeSet<String>| -> BTreeMap<String, String> {
             ids.iter()
                 .map(|id| {
@@ -1154,7 +1158,7 @@ impl Engine {
 #[async_trait]
 impl Device for Engine {
     async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
-        check_request(offset, len, self.config.size)?;
+        check_request(offset, len, self.config.volume.size)?;
         let mut errors = Vec::new();
         for replica in self.read_order() {
             match self.bounded(replica.id(), replica.read(offset, len)).await {
@@ -1169,7 +1173,7 @@ impl Device for Engine {
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        check_request(offset, data.len() as u64, self.config.size)?;
+        check_request(offset, data.len() as u64, self.config.volume.size)?;
         let _span = self.lock_span(offset, data.len() as u64).await;
         let mut in_flight = self.begin_write(offset, data.len() as u64);
         let result = self
@@ -1188,7 +1192,7 @@ impl Device for Engine {
     }
 
     fn size(&self) -> u64 {
-        self.config.size
+        self.config.volume.size
     }
 
     fn is_writable(&self) -> bool {

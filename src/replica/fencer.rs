@@ -50,6 +50,7 @@ use super::quorum;
 use super::set::ReplicaSet;
 use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
+use crate::volume::VolumeSpec;
 
 /// The stamp the fencer uses for replica `id` (generation 0 if unknown).
 fn stamp_of(stamps: &BTreeMap<String, Stamp>, id: &str) -> Stamp {
@@ -84,19 +85,19 @@ fn find<'a>(members: &'a Members, id: &str) -> Option<&'a Arc<dyn Replica>> {
 }
 
 impl TokenFencer {
-    /// A fencer over the volume's replica set (the local replica included).
+    /// A fencer of `volume` over its replica set (the local replica
+    /// included).
     pub fn new(
         replicas: Arc<ReplicaSet>,
         tracker: Arc<dyn InSyncTracker>,
-        min_in_sync: usize,
-        size: u64,
+        volume: &VolumeSpec,
         timeout: Duration,
     ) -> Self {
         Self {
             replicas,
             tracker,
-            min_in_sync,
-            size,
+            min_in_sync: volume.min_in_sync,
+            size: volume.size,
             timeout,
             floors: Arc::default(),
         }

@@ -53,8 +53,7 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 use super::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::volume::check_request;
 
-/// Default extent size for dirty tracking and digests: 1 MiB.
-pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
+pub use crate::volume::DEFAULT_EXTENT_SIZE;
 
 /// The most extents one digest request may cover (256 MiB at 1 MiB).
 pub const MAX_DIGEST_EXTENTS: u64 = 256;
@@ -80,6 +79,17 @@ pub struct StoreIdentity {
     pub size: u64,
     /// The granularity of dirty tracking in bytes (a power of two).
     pub extent_size: u64,
+}
+
+impl From<&crate::volume::VolumeSpec> for StoreIdentity {
+    fn from(spec: &crate::volume::VolumeSpec) -> Self {
+        Self {
+            cluster_id: spec.cluster_id.clone(),
+            volume: spec.name.clone(),
+            size: spec.size,
+            extent_size: spec.extent_size,
+        }
+    }
 }
 
 impl StoreIdentity {
