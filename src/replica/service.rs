@@ -10,11 +10,16 @@
 //! |---|---|
 //! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` |
 //! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` |
-//! | term 0, invalid request, request too large | `INVALID_ARGUMENT` |
-//! | out of range | `OUT_OF_RANGE` |
+//! | term 0, invalid request | `INVALID_ARGUMENT` |
+//! | request too large | `INVALID_ARGUMENT`, its length and the maximum in `x-range-len` and `x-range-max` |
+//! | out of range | `OUT_OF_RANGE`, offset, length and volume size in `x-range-offset`, `x-range-len`, `x-range-size` |
 //! | identity mismatch | `FAILED_PRECONDITION` |
 //! | unavailable | `UNAVAILABLE` |
 //! | disk or metadata I/O | `INTERNAL` |
+//!
+//! Back on the client, every refusal becomes the same error again (a range
+//! refusal keeps its figures); a code the replica does not send on purpose
+//! means the replica is unavailable for this request.
 
 use std::sync::Arc;
 
@@ -34,30 +39,48 @@ pub const FLOOR_KEY: &str = "x-fence-floor";
 /// stale-generation refusal.
 pub const GENERATION_KEY: &str = "x-fence-generation";
 
+/// The metadata keys that carry a range refusal's figures, so the client
+/// gets the same [`RangeError`] back.
+const RANGE_OFFSET_KEY: &str = "x-range-offset";
+const RANGE_LEN_KEY: &str = "x-range-len";
+const RANGE_SIZE_KEY: &str = "x-range-size";
+const RANGE_MAX_KEY: &str = "x-range-max";
+
+fn with_numbers(mut status: Status, numbers: &[(&'static str, u64)]) -> Status {
+    for (key, value) in numbers {
+        if let Ok(value) = MetadataValue::try_from(value.to_string()) {
+            status.metadata_mut().insert(*key, value);
+        }
+    }
+    status
+}
+
 /// Maps a replica error to a gRPC status (see the module table).
 pub fn status_of(err: &ReplicaError) -> Status {
     let message = err.to_string();
     match err {
         ReplicaError::StaleTerm { floor, .. } => {
-            let mut status = Status::failed_precondition(message);
-            if let Ok(value) = MetadataValue::try_from(floor.to_string()) {
-                status.metadata_mut().insert(FLOOR_KEY, value);
-            }
-            status
+            with_numbers(Status::failed_precondition(message), &[(FLOOR_KEY, *floor)])
         }
-        ReplicaError::StaleGeneration { floor, .. } => {
-            let mut status = Status::failed_precondition(message);
-            for (key, value) in [(FLOOR_KEY, floor.term), (GENERATION_KEY, floor.generation)] {
-                if let Ok(value) = MetadataValue::try_from(value.to_string()) {
-                    status.metadata_mut().insert(key, value);
-                }
-            }
-            status
+        ReplicaError::StaleGeneration { floor, .. } => with_numbers(
+            Status::failed_precondition(message),
+            &[(FLOOR_KEY, floor.term), (GENERATION_KEY, floor.generation)],
+        ),
+        ReplicaError::InvalidTerm | ReplicaError::InvalidRequest(_) => {
+            Status::invalid_argument(message)
         }
-        ReplicaError::InvalidTerm
-        | ReplicaError::InvalidRequest(_)
-        | ReplicaError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),
-        ReplicaError::Range(RangeError::OutOfRange { .. }) => Status::out_of_range(message),
+        ReplicaError::Range(RangeError::TooLarge { len, max }) => with_numbers(
+            Status::invalid_argument(message),
+            &[(RANGE_LEN_KEY, *len), (RANGE_MAX_KEY, *max)],
+        ),
+        ReplicaError::Range(RangeError::OutOfRange { offset, len, size }) => with_numbers(
+            Status::out_of_range(message),
+            &[
+                (RANGE_OFFSET_KEY, *offset),
+                (RANGE_LEN_KEY, *len),
+                (RANGE_SIZE_KEY, *size),
+            ],
+        ),
         ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
             Status::failed_precondition(message)
         }
@@ -88,9 +111,20 @@ pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
             term: stamp.term,
             floor,
         },
-        (Code::InvalidArgument, ..) | (Code::OutOfRange, ..) => {
-            ReplicaError::Io(format!("refused: {}", status.message()))
-        }
+        (Code::OutOfRange, ..) => match (
+            number(RANGE_OFFSET_KEY),
+            number(RANGE_LEN_KEY),
+            number(RANGE_SIZE_KEY),
+        ) {
+            (Some(offset), Some(len), Some(size)) => {
+                ReplicaError::Range(RangeError::OutOfRange { offset, len, size })
+            }
+            _ => ReplicaError::InvalidRequest(status.message().to_string()),
+        },
+        (Code::InvalidArgument, ..) => match (number(RANGE_LEN_KEY), number(RANGE_MAX_KEY)) {
+            (Some(len), Some(max)) => ReplicaError::Range(RangeError::TooLarge { len, max }),
+            _ => ReplicaError::InvalidRequest(status.message().to_string()),
+        },
         (Code::FailedPrecondition, None, _) | (Code::PermissionDenied, ..) => {
             ReplicaError::IdentityMismatch(status.message().to_string())
         }
@@ -291,5 +325,58 @@ impl ReplicaRpc for ReplicaService {
             stale_accepts: info.stale_accepts,
             generation: info.generation,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_comes_back_as_the_same_error() {
+        let errors = [
+            ReplicaError::StaleTerm { term: 3, floor: 5 },
+            ReplicaError::StaleGeneration {
+                stamp: Stamp {
+                    term: 5,
+                    generation: 1,
+                },
+                floor: Stamp {
+                    term: 5,
+                    generation: 2,
+                },
+            },
+            ReplicaError::Range(RangeError::OutOfRange {
+                offset: 4096,
+                len: 512,
+                size: 4096,
+            }),
+            ReplicaError::Range(RangeError::TooLarge {
+                len: 64 << 20,
+                max: 32 << 20,
+            }),
+            ReplicaError::Unavailable("Unavailable: gone".into()),
+        ];
+        for err in errors {
+            let stamp = match &err {
+                ReplicaError::StaleGeneration { stamp, .. } => *stamp,
+                ReplicaError::StaleTerm { term, .. } => Stamp::term(*term),
+                _ => Stamp::term(1),
+            };
+            let back = error_of(&status_of(&err), stamp);
+            match (&err, &back) {
+                (ReplicaError::Unavailable(_), ReplicaError::Unavailable(_)) => {}
+                _ => assert_eq!(back, err),
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_request_is_a_bad_request_on_both_sides() {
+        let err = ReplicaError::InvalidRequest("no volume".into());
+        assert!(matches!(
+            error_of(&status_of(&err), 1),
+            ReplicaError::InvalidRequest(_)
+        ));
     }
 }
