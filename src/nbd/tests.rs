@@ -488,7 +488,7 @@ fn connect(export: &Arc<Export>) -> Client {
     }
 }
 
-/// Issue 19, point 8: a passive node serves reads of its own copy only
+/// Fenced reads: a passive node serves reads of its own copy only
 /// while that copy is in the committed in-sync set. Out of it, a new client
 /// is turned away at the handshake with the reason, and a session already
 /// open gets `EIO` for its reads until the copy is back in sync.
