@@ -96,7 +96,7 @@ impl Admin for AdminService {
             in_sync: status.in_sync.iter().map(|id| id.to_string()).collect(),
             volume_size: status.size,
             min_in_sync: status.min_in_sync as u64,
-            last_applied: status.log.last_applied,
+            last_applied: status.applied_index,
             role: status.role.as_str().to_string(),
             gate_open: status.gate_open,
             fence_floor,

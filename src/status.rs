@@ -105,8 +105,12 @@ pub struct NodeStatus {
     pub raft_state: String,
     pub term: u64,
     pub leader: Option<NodeId>,
-    /// Where the Raft log stands.
+    /// Where the Raft log stands (openraft's figures, for metrics).
     pub log: LogProgress,
+    /// The index of the last entry the state machine applied: the state
+    /// that `in_sync`, `prev_writer`, `size` and `min_in_sync` are read
+    /// from.
+    pub applied_index: u64,
     /// The time left on this node's lease, if it holds one now.
     pub lease_remaining: Option<Duration>,
     /// The nodes heard from within one lease, this one included.
@@ -186,6 +190,7 @@ impl NodeView {
             term: raft.term,
             leader: raft.leader,
             log: self.coordinator.log_progress(),
+            applied_index: raft.applied.last_applied.map_or(0, |id| id.index),
             lease_remaining: self.lease_remaining(),
             live: self.coordinator.live_members(),
             prev_writer: control.writer,

@@ -12,8 +12,8 @@
 //! byte is written.
 //!
 //! [`VolumeSpec`] is the one description of a volume (cluster, name, size,
-//! extent size, `min_in_sync`): the Raft state records it, and the store,
-//! the engine and the fencer are built from it.
+//! extent size, `min_in_sync`): the store, the engine and the fencer are
+//! built from it, and the Raft state records the cluster's.
 //!
 //! [`Device::access`] says what a client connecting now may do: read and
 //! write under the gate's term, only read, or nothing. The NBD server binds a
@@ -32,8 +32,10 @@ pub const MAX_REQUEST: u64 = 32 * 1024 * 1024;
 /// volume says otherwise.
 pub const DEFAULT_EXTENT_SIZE: u64 = 1024 * 1024;
 
-/// What a volume is; see the module docs. The first leader records it in
-/// the Raft state, and a node configured otherwise refuses to run.
+/// What a volume is; see the module docs. A node builds its store, engine
+/// and fencer from the spec of its own configuration; the first leader
+/// records that spec in the Raft state, and a node whose spec differs from
+/// the recorded one refuses to run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeSpec {
     /// The cluster's id.

@@ -24,7 +24,8 @@
 //! Shutdown on SIGTERM or SIGINT: close the gate and resign (hand
 //! leadership to a caught-up peer), send the one stop signal and wait for
 //! the background tasks ([`tasks`]), stop Raft and the server, stop Raft's
-//! runtime and wait for its threads, flush the Db, exit 0.
+//! runtime and wait for its threads, flush the Db, exit 0. The gRPC health
+//! service reports NOT_SERVING from the first step on.
 
 pub mod config;
 pub mod journal;
@@ -90,6 +91,7 @@ pub struct Node {
     controller: Arc<Controller>,
     stop_server: watch::Sender<bool>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
+    health: tonic_health::server::HealthReporter,
     tasks: Tasks,
 }
 
@@ -129,7 +131,10 @@ impl Node {
         let grpc = serve_grpc(&transport, &raft, &volume, &view, listeners.grpc)?;
         bootstrap(&raft.raft, &config).await?;
         let mut tasks = Tasks::default();
-        tasks.spawn("gRPC health", report_health(grpc.health, Arc::clone(&view)));
+        tasks.spawn(
+            "gRPC health",
+            report_health(grpc.health.clone(), Arc::clone(&view)),
+        );
         spawn_background(
             &mut tasks,
             &config,
@@ -153,6 +158,7 @@ impl Node {
             controller: volume.controller,
             stop_server: grpc.stop,
             server: grpc.task,
+            health: grpc.health,
             tasks,
         })
     }
@@ -196,6 +202,11 @@ impl Node {
     /// Closes the gate, resigns, stops the background tasks, Raft and the
     /// server, and flushes.
     pub async fn shutdown(self) {
+        // Load balancers and routers stop sending here first.
+        use tonic_health::ServingStatus::NotServing;
+        for service in ["", WRITER_HEALTH_SERVICE] {
+            self.health.set_service_status(service, NotServing).await;
+        }
         let grace = self.config.timing.election_max * 4;
         if tokio::time::timeout(grace, self.controller.stop())
             .await
@@ -398,7 +409,6 @@ async fn bootstrap(raft: &Raft, config: &NodeConfig) -> Result<(), NodeError> {
 /// Steps 4 and 5, and the volume's background work: resync, mark
 /// retirement, the NBD and HTTP listeners, the controller, the failure
 /// detector (after the start-up window) and fixing the volume config.
-#[allow(clippy::too_many_arguments)]
 fn spawn_background(
     tasks: &mut Tasks,
     config: &NodeConfig,

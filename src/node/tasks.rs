@@ -1,13 +1,17 @@
 //! The node's background tasks and the one signal that stops them.
 //!
-//! Every long-running task of a node (the gRPC server, NBD and HTTP
-//! listeners, the controller, the failure detector, resync, mark
-//! retirement, health reporting) is spawned through [`Tasks`]. Shutdown
-//! sends one stop signal; each task either watches it itself (the servers
-//! drain their connections) or is stopped at its next await point, and
+//! The node's long-running work (the NBD and HTTP listeners, the
+//! controller, the failure detector, resync, mark retirement, health
+//! reporting) is spawned through [`Tasks`]. Shutdown sends one stop signal:
+//! the HTTP server drains its requests, the NBD server closes its
+//! connections, and every other task is stopped at its next await point.
 //! [`Tasks::stop`] waits for all of them, within a deadline, before the
-//! node flushes its state. A task still running at the deadline is named
-//! in the log and aborted.
+//! node stops Raft and flushes its state; a task still running at the
+//! deadline is named in the log and aborted. (The gRPC server is stopped
+//! after Raft, by a signal of its own: Raft's handlers live on it.)
+//!
+//! Dropping a [`Tasks`] without calling [`Tasks::stop`] stops its tasks
+//! too: the signal's sender goes away.
 
 use std::future::Future;
 use std::time::Duration;
@@ -15,6 +19,9 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+/// How long an aborted task gets to be dropped.
+const ABORT_GRACE: Duration = Duration::from_millis(100);
 
 /// See the module docs.
 pub struct Tasks {
@@ -94,11 +101,22 @@ impl Tasks {
         for (name, mut handle) in self.running {
             match tokio::time::timeout_at(until, &mut handle).await {
                 Ok(Ok(())) => {}
-                Ok(Err(err)) if err.is_panic() => tracing::error!(task = name, "task panicked"),
+                Ok(Err(err)) if err.is_panic() => {
+                    let panic = err.into_panic();
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(task = name, why, "task panicked");
+                }
                 Ok(Err(_)) => {}
                 Err(_) => {
                     tracing::warn!(task = name, "task did not stop in time; aborting it");
                     handle.abort();
+                    // Wait for the abort to land, so nothing of it runs on
+                    // while the node stops Raft and flushes.
+                    let _ = tokio::time::timeout(ABORT_GRACE, handle).await;
                 }
             }
         }

@@ -43,6 +43,7 @@ pub struct Volume {
     pub store: Arc<ReplicaStore>,
     /// Every copy, this node's first.
     pub replicas: Arc<ReplicaSet>,
+    /// The mirror the write gate fronts.
     pub engine: Arc<Engine>,
     pub controller: Arc<Controller>,
     pub resync: Arc<Resyncer>,

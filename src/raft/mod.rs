@@ -229,6 +229,16 @@ mod tests {
     }
 
     #[test]
+    fn a_control_state_and_an_init_entry_of_the_older_format_still_read() {
+        let state = r#"{"volume":{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2},"writer":{"node":1,"term":4},"in_sync":[1,2]}"#;
+        let state: ControlState = serde_json::from_str(state).unwrap();
+        assert_eq!(state.volume, Some(volume(4096)));
+        let init = r#"{"Init":{"volume":{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2},"replicas":[1,2,3]}}"#;
+        let init: Request = serde_json::from_str(init).unwrap();
+        assert!(matches!(init, Request::Init { volume: v, .. } if v == volume(4096)));
+    }
+
+    #[test]
     fn a_volume_recorded_without_an_extent_size_reads_with_the_default() {
         let old = r#"{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2}"#;
         let spec: VolumeSpec = serde_json::from_str(old).unwrap();

@@ -119,7 +119,8 @@ pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
             (Some(offset), Some(len), Some(size)) => {
                 ReplicaError::Range(RangeError::OutOfRange { offset, len, size })
             }
-            _ => ReplicaError::InvalidRequest(status.message().to_string()),
+            // Not a range refusal of the replica's own (a transport limit).
+            _ => ReplicaError::Io(format!("refused: {}", status.message())),
         },
         (Code::InvalidArgument, ..) => match (number(RANGE_LEN_KEY), number(RANGE_MAX_KEY)) {
             (Some(len), Some(max)) => ReplicaError::Range(RangeError::TooLarge { len, max }),
