@@ -55,6 +55,15 @@ async fn sigkill_of_the_leader_elects_another_with_a_greater_term_and_the_old_on
 
 /// S4 across processes: a leader cut off from both peers reports it is no
 /// longer leader before either peer reports itself leader.
+///
+/// A status reply says what held at some moment while the call was open,
+/// and a call to a node whose peers are cut off takes a few hundred
+/// milliseconds (its replicas' floors time out). So the check is the one
+/// the samples can prove: once a peer has reported itself leader, a status
+/// call to the old leader that starts after that must find it no longer
+/// leading. (Comparing the replies' arrival times instead failed now and
+/// then without any overlap: the old leader's "leader" sample could be
+/// taken just before its lease ran out and arrive after a fast election.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
@@ -64,7 +73,9 @@ async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
     cluster.isolate(old, true);
     let cut = Instant::now();
 
+    // When a call to the old leader that found it no longer leading began.
     let mut old_gave_up = None;
+    // When a call that found a peer leading returned, and which peer.
     let mut new_took_over = None;
     let deadline = cut + ELECTION;
     while new_took_over.is_none() {
@@ -72,31 +83,35 @@ async fn a_partitioned_leader_drops_its_lease_before_a_new_leader_takes_one() {
             Instant::now() < deadline,
             "no new leader after the partition"
         );
-        // Ask the old leader first, so a sample never favours the check.
+        let asked = Instant::now();
         let old_status = cluster
             .status(old)
             .await
             .expect("old leader answers its admin port");
         if !old_status.is_self && old_gave_up.is_none() {
-            old_gave_up = Some(Instant::now());
+            old_gave_up = Some(asked);
         }
         for id in &others {
             if cluster.status(*id).await.is_some_and(|s| s.is_self) {
-                new_took_over = Some(Instant::now());
+                new_took_over = Some((Instant::now(), *id));
             }
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let gave_up = old_gave_up.expect("the old leader never reported losing its lease");
-    let took_over = new_took_over.unwrap();
+    let (took_over, new) = new_took_over.unwrap();
+    let asked = Instant::now();
+    let old_status = cluster
+        .status(old)
+        .await
+        .expect("old leader answers its admin port");
     assert!(
-        gave_up < took_over,
-        "old leader gave up {:?} after the cut, new leader took over {:?} after",
-        gave_up - cut,
-        took_over - cut
+        !old_status.is_self,
+        "node {old} still reports its lease ({} ms left) after node {new} reported itself leader",
+        old_status.lease_remaining_ms
     );
+    let gave_up = old_gave_up.unwrap_or(asked);
     eprintln!(
-        "lease dropped {:?} after the cut; new leader {:?} after",
+        "lease dropped by {:?} after the cut; new leader by {:?} after",
         gave_up - cut,
         took_over - cut
     );
