@@ -17,6 +17,7 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use replica_ha::ha::WriterEngine;
 use replica_ha::ha::fake::MemoryInSync;
+use replica_ha::ids::NodeId;
 use replica_ha::replica::{
     Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
 };
@@ -30,16 +31,19 @@ fn offsets(block: u64) -> impl Iterator<Item = u64> {
 }
 
 async fn three_replica_engine(dir: &std::path::Path) -> Engine {
-    let ids = ["n1", "n2", "n3"];
+    let ids = [NodeId(1), NodeId(2), NodeId(3)];
     let mut replicas: Vec<Arc<dyn Replica>> = Vec::new();
     for id in ids {
-        let store = ReplicaStore::open(dir.join(id), StoreIdentity::new("bench", "vol0", VOLUME))
-            .await
-            .expect("open store");
+        let store = ReplicaStore::open(
+            dir.join(id.to_string()),
+            StoreIdentity::new("bench", "vol0", VOLUME),
+        )
+        .await
+        .expect("open store");
         replicas.push(Arc::new(LocalReplica::new(id, Arc::new(store))));
     }
     let config = EngineConfig {
-        local_id: "n1".into(),
+        local_id: NodeId(1),
         replica_timeout: Duration::from_secs(10),
         volume: replica_ha::volume::VolumeSpec::new("test", "vol0", VOLUME, 2),
     };

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use replica_ha::ha::WriterEngine;
 use replica_ha::ha::fake::MemoryInSync;
+use replica_ha::ids::NodeId;
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
@@ -29,11 +30,14 @@ use replica_ha::volume::Device;
 
 const VOLUME: u64 = 256 << 20;
 
-async fn open(dir: &std::path::Path, id: &str) -> Arc<ReplicaStore> {
+async fn open(dir: &std::path::Path, id: NodeId) -> Arc<ReplicaStore> {
     Arc::new(
-        ReplicaStore::open(dir.join(id), StoreIdentity::new("bench", "vol0", VOLUME))
-            .await
-            .expect("store"),
+        ReplicaStore::open(
+            dir.join(id.to_string()),
+            StoreIdentity::new("bench", "vol0", VOLUME),
+        )
+        .await
+        .expect("store"),
     )
 }
 
@@ -63,31 +67,45 @@ async fn main() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let (s1, s2, s3) = (
-        open(dir.path(), "n1").await,
-        open(dir.path(), "n2").await,
-        open(dir.path(), "n3").await,
+        open(dir.path(), NodeId(1)).await,
+        open(dir.path(), NodeId(2)).await,
+        open(dir.path(), NodeId(3)).await,
     );
     let timeout = Duration::from_secs(5);
     let transport = replica_ha::net::Transport::default();
     let replicas: Vec<Arc<dyn Replica>> = vec![
-        Arc::new(LocalReplica::new("n1", s1)),
+        Arc::new(LocalReplica::new(NodeId(1), s1)),
         Arc::new(
-            RemoteReplica::new("n2", &transport, &serve(s2).await, "bench", "vol0", timeout)
-                .expect("n2"),
+            RemoteReplica::new(
+                NodeId(2),
+                &transport,
+                &serve(s2).await,
+                "bench",
+                "vol0",
+                timeout,
+            )
+            .expect("n2"),
         ),
         Arc::new(
-            RemoteReplica::new("n3", &transport, &serve(s3).await, "bench", "vol0", timeout)
-                .expect("n3"),
+            RemoteReplica::new(
+                NodeId(3),
+                &transport,
+                &serve(s3).await,
+                "bench",
+                "vol0",
+                timeout,
+            )
+            .expect("n3"),
         ),
     ];
     let engine = Engine::new(
         EngineConfig {
-            local_id: "n1".into(),
+            local_id: NodeId(1),
             replica_timeout: timeout,
             volume: replica_ha::volume::VolumeSpec::new("test", "vol0", VOLUME, 2),
         },
         replicas,
-        Arc::new(MemoryInSync::new(["n1", "n2", "n3"])),
+        Arc::new(MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)])),
     )
     .expect("engine");
     engine.activate(1).await.expect("activate");

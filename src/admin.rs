@@ -14,6 +14,7 @@ use bytes::Bytes;
 use tonic::{Request, Response, Status};
 
 use crate::ha::HaError;
+use crate::ids::NodeId;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus, StatusReply,
@@ -83,15 +84,15 @@ impl Admin for AdminService {
             .map(|r| r.fence_floor)
             .unwrap_or(0);
         Ok(Response::new(StatusReply {
-            node_id: facts.id,
+            node_id: facts.id.0,
             cluster_id: facts.cluster_id.clone(),
             raft_state: status.raft_state.clone(),
             term: status.term,
-            leader: status.leader.unwrap_or(0),
+            leader: status.leader.map_or(0, |id| id.0),
             is_self: status.lease_remaining.is_some(),
             lease_remaining_ms: status.lease_remaining.map_or(0, |d| d.as_millis() as u64),
-            members: status.live.clone(),
-            prev_writer: status.prev_writer.map(|w| w.node).unwrap_or(0),
+            members: status.live.iter().map(|id| id.0).collect(),
+            prev_writer: status.prev_writer.map_or(0, |w| w.node.0),
             prev_writer_term: status.prev_writer.map(|w| w.term).unwrap_or(0),
             in_sync: status.in_sync.iter().map(|id| id.to_string()).collect(),
             volume_size: status.size,
@@ -116,7 +117,7 @@ impl Admin for AdminService {
             .members()
             .into_iter()
             .map(|m| Member {
-                id: m.id,
+                id: m.id.0,
                 address: m.address,
                 live: m.live,
                 leader: m.leader,
@@ -151,7 +152,7 @@ impl Admin for AdminService {
         &self,
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
-        let to = request.into_inner().to;
+        let to = NodeId(request.into_inner().to);
         if !self.view.facts().peers.contains_key(&to) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
@@ -171,7 +172,7 @@ fn replica_status(report: ReplicaReport) -> ReplicaStatus {
         Err(err) => (false, Default::default(), err),
     };
     ReplicaStatus {
-        id: report.id,
+        id: report.id.to_string(),
         state: report.state.as_str().to_string(),
         local: report.local,
         reachable,

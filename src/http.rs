@@ -197,7 +197,8 @@ pub fn render(status: &NodeStatus) -> String {
             ReplicaState::Rebuilding,
             ReplicaState::Offline,
         ] {
-            let labels = [("replica", report.id.as_str()), ("state", state.as_str())];
+            let id = report.id.to_string();
+            let labels = [("replica", id.as_str()), ("state", state.as_str())];
             text.sample(
                 "replica_ha_replica_state",
                 &labels,
@@ -205,9 +206,9 @@ pub fn render(status: &NodeStatus) -> String {
             );
         }
     }
-    let infos: Vec<(&str, ReplicaInfo)> = reports
+    let infos: Vec<(String, ReplicaInfo)> = reports
         .iter()
-        .filter_map(|r| r.info.as_ref().ok().map(|info| (r.id.as_str(), *info)))
+        .filter_map(|r| r.info.as_ref().ok().map(|info| (r.id.to_string(), *info)))
         .collect();
     type Field = fn(&ReplicaInfo) -> u64;
     let per_replica: [(&str, &str, Field); 3] = [
@@ -240,7 +241,7 @@ pub fn render(status: &NodeStatus) -> String {
             for (kind, value) in [("done", p.done), ("total", p.total), ("copied", p.copied)] {
                 text.sample(
                     "replica_ha_resync_bytes",
-                    &[("replica", &report.id), ("kind", kind)],
+                    &[("replica", &report.id.to_string()), ("kind", kind)],
                     value as f64,
                 );
             }
@@ -255,7 +256,7 @@ pub fn render(status: &NodeStatus) -> String {
         if let Some(p) = report.resync.filter(|p| p.running) {
             text.sample(
                 "replica_ha_resync_eta_seconds",
-                &[("replica", &report.id)],
+                &[("replica", &report.id.to_string())],
                 p.eta,
             );
         }
@@ -278,7 +279,7 @@ pub fn render(status: &NodeStatus) -> String {
         "replica_ha_raft_leader",
         "gauge",
         "The Raft leader's node id as this node knows it (0 if none).",
-        status.leader.unwrap_or(0) as f64,
+        status.leader.map_or(0, |id| id.0) as f64,
     );
     if let Some(replication) = &status.log.replication {
         text.family(

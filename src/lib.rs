@@ -19,6 +19,7 @@
 //!   traits;
 //! - [`volume`]: the [`volume::Device`] seam that the NBD server, the gates
 //!   and the engine all speak;
+//! - [`ids`]: the [`ids::NodeId`] type every layer names a node by;
 //! - [`net`]: the one `Transport` every gRPC server and channel is made by;
 //! - [`sled_ops`]: how sled is used without its deadlocks;
 //! - [`proto`]: the generated gRPC types.
@@ -32,6 +33,7 @@ compile_error!(
 pub mod admin;
 pub mod ha;
 pub mod http;
+pub mod ids;
 pub mod metrics;
 pub mod nbd;
 pub mod net;

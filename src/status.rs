@@ -16,10 +16,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::ha::{Controller, HaError, ReplicaState, Role};
+use crate::ids::NodeId;
 use crate::metrics::DeviceMetrics;
 use crate::nbd::NbdStats;
 use crate::raft::coordinator::LogProgress;
-use crate::raft::{NodeId, RaftCoordinator, WriterRecord};
+use crate::raft::{RaftCoordinator, WriterRecord};
 use crate::replica::resync::{Progress, Resyncer};
 use crate::replica::{ReplicaInfo, ReplicaSet};
 use crate::volume::{Access, Device, DeviceError};
@@ -76,7 +77,7 @@ pub struct NodeParts {
 /// One replica's line in a report.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaReport {
-    pub id: String,
+    pub id: NodeId,
     pub state: ReplicaState,
     /// Whether it is this node's own replica.
     pub local: bool,
@@ -253,13 +254,13 @@ impl NodeView {
             }
         }))
         .await;
-        let local = self.facts.id.to_string();
+        let local = self.facts.id;
         members
             .iter()
             .zip(infos)
             .map(|(replica, info)| {
-                let id = replica.id().to_string();
-                let in_sync = id.parse().is_ok_and(|node| committed.contains(&node));
+                let id = replica.id();
+                let in_sync = committed.contains(&id);
                 let degraded = active
                     && engine
                         .iter()

@@ -12,6 +12,7 @@ use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
 use replica_ha::ha::{Controller, ControllerConfig, Coordinator, HaError, Role, Writer};
+use replica_ha::ids::NodeId;
 use replica_ha::volume::{Device, DeviceError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -26,7 +27,7 @@ struct Node {
 }
 
 impl Node {
-    fn start(cluster: &FakeCluster, script: &Arc<FenceScript>, id: &str) -> Node {
+    fn start(cluster: &FakeCluster, script: &Arc<FenceScript>, id: NodeId) -> Node {
         let coordinator = cluster.coordinator(id);
         let engine = MemoryEngine::new(1 << 20);
         let controller = Arc::new(Controller::new(
@@ -62,13 +63,13 @@ impl Node {
     }
 }
 
-fn setup(ids: &[&str]) -> (FakeCluster, Arc<FenceScript>, Vec<Node>) {
+fn setup(ids: &[NodeId]) -> (FakeCluster, Arc<FenceScript>, Vec<Node>) {
     common::init_tracing();
     let cluster = FakeCluster::new(LEASE);
     let script = FenceScript::new();
     let nodes = ids
         .iter()
-        .map(|id| Node::start(&cluster, &script, id))
+        .map(|id| Node::start(&cluster, &script, *id))
         .collect();
     (cluster, script, nodes)
 }
@@ -94,24 +95,24 @@ async fn always(what: &str, span: Duration, mut cond: impl FnMut() -> bool) {
 
 #[tokio::test(start_paused = true)]
 async fn the_elected_node_fences_then_opens_its_gate() {
-    let (cluster, script, nodes) = setup(&["a", "b"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let a = &nodes[0];
     assert_eq!(a.write().await, Err(DeviceError::NotLeader));
-    let term = cluster.elect("a").unwrap();
+    let term = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
 
     let status = a.controller.status();
     assert_eq!(status.term, term);
-    assert_eq!(status.leader.as_deref(), Some("a"));
+    assert_eq!(status.leader.as_ref(), Some(&NodeId(1)));
     assert!(status.active);
     assert_eq!(status.promotions, 1);
     assert_eq!(status.prev_writer, None);
     assert_eq!(status.replicas.len(), 1);
-    assert!(script.fenced("a", term));
+    assert!(script.fenced(NodeId(1), term));
     assert_eq!(
         cluster.promoted(),
         Some(Writer {
-            node: "a".into(),
+            node: NodeId(1),
             term
         })
     );
@@ -128,9 +129,9 @@ async fn the_elected_node_fences_then_opens_its_gate() {
 
 #[tokio::test(start_paused = true)]
 async fn failover_fences_the_previous_writer_and_demotes_it() {
-    let (cluster, script, nodes) = setup(&["a", "b"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let (a, b) = (&nodes[0], &nodes[1]);
-    let first = cluster.elect("a").unwrap();
+    let first = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     cluster.expire(true);
     until("a demoted", || a.role() == Role::Follower).await;
@@ -138,29 +139,33 @@ async fn failover_fences_the_previous_writer_and_demotes_it() {
     assert_eq!(a.engine.term(), None);
     assert_eq!(a.write().await, Err(DeviceError::NotLeader));
 
-    let second = cluster.elect("b").unwrap();
+    let second = cluster.elect(NodeId(2)).unwrap();
     assert!(second > first);
     until("b leads", || b.role() == Role::Leader).await;
     let previous = Some(Writer {
-        node: "a".into(),
+        node: NodeId(1),
         term: first,
     });
     assert_eq!(b.controller.status().prev_writer, previous);
-    let record = script.log().into_iter().find(|r| r.node == "b").unwrap();
+    let record = script
+        .log()
+        .into_iter()
+        .find(|r| r.node == NodeId(2))
+        .unwrap();
     assert_eq!(
         (record.prev, record.term, record.ok),
         (previous, second, true)
     );
     b.write().await.unwrap();
-    assert_eq!(a.controller.status().leader.as_deref(), Some("b"));
+    assert_eq!(a.controller.status().leader.as_ref(), Some(&NodeId(2)));
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_fence_stays_pending_retries_and_never_opens() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    script.set("a", FenceBehavior::Fail);
-    cluster.elect("a").unwrap();
+    script.set(NodeId(1), FenceBehavior::Fail);
+    cluster.elect(NodeId(1)).unwrap();
     until("three failed fences", || {
         a.controller.status().fence_failures >= 3
     })
@@ -176,7 +181,7 @@ async fn a_failed_fence_stays_pending_retries_and_never_opens() {
     until("a retry on the observation", || script.log().len() > before).await;
     assert!(!a.controller.status().active);
 
-    script.set("a", FenceBehavior::Succeed);
+    script.set(NodeId(1), FenceBehavior::Succeed);
     cluster.renew();
     until("a leads", || a.role() == Role::Leader).await;
     assert!(script.log().iter().filter(|r| !r.ok).count() >= 3);
@@ -184,10 +189,10 @@ async fn a_failed_fence_stays_pending_retries_and_never_opens() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hung_fence_times_out_and_the_node_stays_passive() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    script.set("a", FenceBehavior::Hang);
-    cluster.elect("a").unwrap();
+    script.set(NodeId(1), FenceBehavior::Hang);
+    cluster.elect(NodeId(1)).unwrap();
     until("a fence timeout", || {
         a.controller.status().fence_failures >= 1
     })
@@ -199,10 +204,10 @@ async fn a_hung_fence_times_out_and_the_node_stays_passive() {
 /// The seed's known limitation: leadership lost while a fence is slow.
 #[tokio::test(start_paused = true)]
 async fn leadership_lost_during_a_slow_fence_never_opens_the_gate() {
-    let (cluster, script, nodes) = setup(&["a", "b"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let (a, b) = (&nodes[0], &nodes[1]);
     script.set_delay(Duration::from_millis(400));
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
     cluster.expire(true);
     let gate_a = a.controller.device();
@@ -210,8 +215,13 @@ async fn leadership_lost_during_a_slow_fence_never_opens_the_gate() {
     assert_eq!(a.role(), Role::Follower);
     assert_eq!(a.controller.status().promotions, 0);
     // The abandoned attempt never reported success.
-    assert!(script.log().iter().all(|r| r.node != "a" || r.term != 1));
-    cluster.elect("b").unwrap();
+    assert!(
+        script
+            .log()
+            .iter()
+            .all(|r| r.node != NodeId(1) || r.term != 1)
+    );
+    cluster.elect(NodeId(2)).unwrap();
     until("b leads", || b.role() == Role::Leader).await;
     always("a's gate stays closed", LEASE, || !gate_a.is_open()).await;
 }
@@ -220,13 +230,13 @@ async fn leadership_lost_during_a_slow_fence_never_opens_the_gate() {
 /// activation, and the final check refuses to open.
 #[tokio::test(start_paused = true)]
 async fn an_unobserved_lease_loss_during_promotion_never_opens_the_gate() {
-    let (cluster, _script, nodes) = setup(&["a", "b"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let a = &nodes[0];
     a.engine
         .set_activate_delay(LEASE + Duration::from_millis(100));
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
-    cluster.set_deaf("a", true);
+    cluster.set_deaf(NodeId(1), true);
     let gate_a = a.controller.device();
     always("a's gate stays closed", LEASE * 3, || !gate_a.is_open()).await;
     assert_eq!(a.controller.status().promotions, 0);
@@ -235,10 +245,10 @@ async fn an_unobserved_lease_loss_during_promotion_never_opens_the_gate() {
 
 #[tokio::test(start_paused = true)]
 async fn an_observation_during_activation_restarts_the_decision() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
     a.engine.set_activate_delay(Duration::from_millis(300));
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     cluster.expire(true);
@@ -252,9 +262,9 @@ async fn an_observation_during_activation_restarts_the_decision() {
 /// controller has not (yet) heard of the loss.
 #[tokio::test(start_paused = true)]
 async fn writes_are_refused_once_the_lease_ends_without_an_observation() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     a.write().await.unwrap();
     let deadline = cluster.lease_deadline().unwrap();
@@ -278,9 +288,9 @@ async fn writes_are_refused_once_the_lease_ends_without_an_observation() {
 
 #[tokio::test(start_paused = true)]
 async fn a_renewed_lease_keeps_the_leader_writable() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     for _ in 0..10 {
         tokio::time::sleep(LEASE / 2).await;
@@ -293,26 +303,26 @@ async fn a_renewed_lease_keeps_the_leader_writable() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_runs_out_and_returns_leads_to_a_new_fence() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    let first = cluster.elect("a").unwrap();
+    let first = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
-    cluster.set_deaf("a", true);
+    cluster.set_deaf(NodeId(1), true);
     tokio::time::sleep(LEASE).await;
     until("a demotes itself", || a.role() != Role::Leader).await;
-    let second = cluster.elect("a").unwrap();
-    cluster.set_deaf("a", false);
+    let second = cluster.elect(NodeId(1)).unwrap();
+    cluster.set_deaf(NodeId(1), false);
     until("a leads again", || {
         a.role() == Role::Leader && a.controller.status().term == second
     })
     .await;
     assert!(second > first);
-    assert!(script.fenced("a", second));
+    assert!(script.fenced(NodeId(1), second));
     assert_eq!(a.controller.device().open_term(), Some(second));
     assert_eq!(
         a.controller.status().prev_writer,
         Some(Writer {
-            node: "a".into(),
+            node: NodeId(1),
             term: first
         })
     );
@@ -323,9 +333,9 @@ async fn a_lease_that_runs_out_and_returns_leads_to_a_new_fence() {
 /// it resigns, and only a fresh term promotes it.
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again() {
-    let (cluster, script, nodes) = setup(&["a", "b"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let a = &nodes[0];
-    let first = cluster.elect("a").unwrap();
+    let first = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     a.write().await.unwrap();
     cluster.expire(false);
@@ -341,12 +351,12 @@ async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again(
         1,
         "no second stint at {first}"
     );
-    let second = cluster.elect("a").unwrap();
+    let second = cluster.elect(NodeId(1)).unwrap();
     until("a leads at the fresh term", || {
         a.controller.device().open_term() == Some(second)
     })
     .await;
-    assert!(script.fenced("a", second));
+    assert!(script.fenced(NodeId(1), second));
     a.write().await.unwrap();
     assert_eq!(a.engine.writes().last().map(|w| w.0), Some(second));
 }
@@ -356,9 +366,9 @@ async fn a_lease_that_lapses_and_returns_at_the_same_term_is_not_promoted_again(
 /// stay passive for good.
 #[tokio::test(start_paused = true)]
 async fn a_sole_voter_whose_lease_returns_at_the_same_term_writes_again() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    let term = cluster.elect("a").unwrap();
+    let term = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     cluster.expire(false);
     until("a demotes itself", || a.role() != Role::Leader).await;
@@ -372,29 +382,29 @@ async fn a_sole_voter_whose_lease_returns_at_the_same_term_writes_again() {
 
 #[tokio::test(start_paused = true)]
 async fn a_new_term_observed_while_leading_closes_the_gate_first() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    let first = cluster.elect("a").unwrap();
+    let first = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     // Hold the next fence so the intermediate state can be seen.
-    script.set("a", FenceBehavior::Hang);
+    script.set(NodeId(1), FenceBehavior::Hang);
     cluster.expire(false);
-    let second = cluster.elect("a").unwrap();
+    let second = cluster.elect(NodeId(1)).unwrap();
     until("a re-fencing", || a.role() == Role::FencePending).await;
     assert!(
         !a.controller.status().active,
         "the gate of term {first} closed"
     );
-    script.set("a", FenceBehavior::Succeed);
+    script.set(NodeId(1), FenceBehavior::Succeed);
     until("a leads at the new term", || a.role() == Role::Leader).await;
     assert_eq!(a.controller.device().open_term(), Some(second));
 }
 
 #[tokio::test(start_paused = true)]
 async fn demotion_with_writes_in_flight_refuses_new_writes_and_hangs_nothing() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    let term = cluster.elect("a").unwrap();
+    let term = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     a.engine.set_delay(Duration::from_millis(200));
     let device = a.controller.device();
@@ -425,9 +435,9 @@ async fn demotion_with_writes_in_flight_refuses_new_writes_and_hangs_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn stop_is_idempotent_resigns_once_and_run_after_stop_is_refused() {
-    let (cluster, _script, nodes) = setup(&["a", "b"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let a = &nodes.into_iter().next().unwrap();
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     a.controller.stop().await.unwrap();
     assert!(!a.controller.status().active);
@@ -443,10 +453,10 @@ async fn stop_is_idempotent_resigns_once_and_run_after_stop_is_refused() {
 
 #[tokio::test(start_paused = true)]
 async fn the_run_loop_returns_stopped_after_stop() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = nodes.into_iter().next().unwrap();
-    script.set("a", FenceBehavior::Hang);
-    cluster.elect("a").unwrap();
+    script.set(NodeId(1), FenceBehavior::Hang);
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
     a.controller.stop().await.unwrap();
     assert_eq!(a.run.await.unwrap(), Err(HaError::Stopped));
@@ -455,7 +465,7 @@ async fn the_run_loop_returns_stopped_after_stop() {
 
 #[tokio::test(start_paused = true)]
 async fn stop_while_following_returns_stopped_from_run() {
-    let (_cluster, _script, nodes) = setup(&["a"]);
+    let (_cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = nodes.into_iter().next().unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await;
     a.controller.stop().await.unwrap();
@@ -464,7 +474,7 @@ async fn stop_while_following_returns_stopped_from_run() {
 
 #[tokio::test(start_paused = true)]
 async fn a_second_run_is_refused_while_one_runs() {
-    let (_cluster, _script, nodes) = setup(&["a"]);
+    let (_cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(a.controller.run().await, Err(HaError::AlreadyRunning));
@@ -472,7 +482,7 @@ async fn a_second_run_is_refused_while_one_runs() {
 
 #[tokio::test(start_paused = true)]
 async fn reads_and_size_pass_while_passive() {
-    let (_cluster, _script, nodes) = setup(&["a"]);
+    let (_cluster, _script, nodes) = setup(&[NodeId(1)]);
     let device = nodes[0].controller.device();
     assert!(!device.is_open());
     assert_eq!(device.size(), 1 << 20);
@@ -484,10 +494,10 @@ async fn reads_and_size_pass_while_passive() {
 
 #[tokio::test(start_paused = true)]
 async fn failures_after_the_fence_keep_the_node_passive_until_they_clear() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
     cluster.set_fail_prev_writer(true);
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a pending", || a.role() == Role::FencePending).await;
     always("no gate without the previous writer", LEASE / 4, || {
         !a.controller.status().active
@@ -513,15 +523,15 @@ async fn failures_after_the_fence_keep_the_node_passive_until_they_clear() {
 
 #[tokio::test(start_paused = true)]
 async fn an_observed_leader_without_a_lease_waits_passively() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     // The lease ends with no notification, then an observation repeats the
     // old news: is_self from a stale broadcast must not reopen the gate.
-    cluster.set_deaf("a", true);
+    cluster.set_deaf(NodeId(1), true);
     cluster.expire(false);
-    cluster.set_deaf("a", false);
+    cluster.set_deaf(NodeId(1), false);
     until("a demoted", || a.role() != Role::Leader).await;
     always("a's gate stays closed", LEASE, || {
         !a.controller.status().active
@@ -531,9 +541,9 @@ async fn an_observed_leader_without_a_lease_waits_passively() {
 
 #[tokio::test(start_paused = true)]
 async fn a_closed_observation_stream_ends_run_with_the_gate_closed() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = nodes.into_iter().next().unwrap();
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     cluster.shut_down();
     assert!(matches!(a.run.await.unwrap(), Err(HaError::Coordinator(_))));
@@ -543,10 +553,10 @@ async fn a_closed_observation_stream_ends_run_with_the_gate_closed() {
 
 #[tokio::test(start_paused = true)]
 async fn a_stream_that_closes_during_a_fence_ends_run() {
-    let (cluster, script, nodes) = setup(&["a"]);
+    let (cluster, script, nodes) = setup(&[NodeId(1)]);
     let a = nodes.into_iter().next().unwrap();
-    script.set("a", FenceBehavior::Hang);
-    cluster.elect("a").unwrap();
+    script.set(NodeId(1), FenceBehavior::Hang);
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
     cluster.shut_down();
     assert!(matches!(a.run.await.unwrap(), Err(HaError::Coordinator(_))));
@@ -554,25 +564,31 @@ async fn a_stream_that_closes_during_a_fence_ends_run() {
 
 #[tokio::test(start_paused = true)]
 async fn members_and_campaign_come_from_the_coordinator() {
-    let (cluster, _script, nodes) = setup(&["a", "b"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
     let a = &nodes[0];
-    assert_eq!(a.controller.members().await.unwrap(), vec!["a", "b"]);
-    assert_eq!(a.coordinator.node_id(), "a");
+    assert_eq!(
+        a.controller.members().await.unwrap(),
+        vec![NodeId(1), NodeId(2)]
+    );
+    assert_eq!(a.coordinator.node_id(), NodeId(1));
     let campaign = tokio::spawn({
         let coordinator = Arc::clone(&nodes[1].coordinator);
         async move { coordinator.campaign().await }
     });
-    assert!(cluster.elect("b").is_ok());
+    assert!(cluster.elect(NodeId(2)).is_ok());
     campaign.await.unwrap().unwrap();
     // Only b may resign b's leadership.
     a.coordinator.resign().await.unwrap();
-    assert_eq!(cluster.leader().0.as_deref(), Some("b"));
-    assert!(cluster.elect("a").is_err(), "b's lease is still valid");
+    assert_eq!(cluster.leader().0.as_ref(), Some(&NodeId(2)));
+    assert!(
+        cluster.elect(NodeId(1)).is_err(),
+        "b's lease is still valid"
+    );
     nodes[1].coordinator.resign().await.unwrap();
     assert_eq!(cluster.leader().0, None);
     assert!(
         cluster
-            .elect("nobody")
+            .elect(NodeId(99))
             .unwrap_err()
             .to_string()
             .contains("unknown node")
@@ -582,10 +598,10 @@ async fn members_and_campaign_come_from_the_coordinator() {
 
 #[tokio::test(start_paused = true)]
 async fn stop_during_activation_never_opens_the_gate() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = nodes.into_iter().next().unwrap();
     a.engine.set_activate_delay(Duration::from_millis(300));
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a fencing", || a.role() == Role::FencePending).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     a.controller.stop().await.unwrap();
@@ -601,15 +617,15 @@ async fn the_default_configuration_promotes() {
     let engine = MemoryEngine::new(4096);
     let controller = Arc::new(Controller::new(
         engine,
-        cluster.coordinator("a"),
-        script.fencer("a"),
+        cluster.coordinator(NodeId(1)),
+        script.fencer(NodeId(1)),
         ControllerConfig::default(),
     ));
     tokio::spawn({
         let controller = Arc::clone(&controller);
         async move { controller.run().await }
     });
-    cluster.elect("a").unwrap();
+    cluster.elect(NodeId(1)).unwrap();
     until("a leads", || controller.status().role == Role::Leader).await;
     let names: Vec<_> = [Role::Follower, Role::FencePending, Role::Leader]
         .iter()
@@ -620,9 +636,9 @@ async fn the_default_configuration_promotes() {
 
 #[tokio::test(start_paused = true)]
 async fn a_step_down_notice_for_a_newer_term_closes_the_gate() {
-    let (cluster, _script, nodes) = setup(&["a"]);
+    let (cluster, _script, nodes) = setup(&[NodeId(1)]);
     let a = &nodes[0];
-    let term = cluster.elect("a").unwrap();
+    let term = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     a.controller.step_down(term);
     assert_eq!(

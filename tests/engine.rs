@@ -27,10 +27,11 @@ use bytes::Bytes;
 use common::{Fault, FaultyReplica, LoggingTracker, SHORT, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::{ReplicaState, WriterEngine};
+use replica_ha::ids::NodeId;
 use replica_ha::replica::{Engine, EngineConfig, Replica};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
-const IDS: [&str; 3] = ["n1", "n2", "n3"];
+const IDS: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
 
 struct Rig {
     _dir: tempfile::TempDir,
@@ -56,7 +57,7 @@ impl Rig {
             .collect();
         let engine = Engine::new(
             EngineConfig {
-                local_id: "n1".into(),
+                local_id: NodeId(1),
                 replica_timeout: SHORT,
                 volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, min_in_sync),
             },
@@ -77,7 +78,7 @@ impl Rig {
         self.replicas[i].store().read(offset, len).await.unwrap()
     }
 
-    async fn committed(&self) -> BTreeSet<String> {
+    async fn committed(&self) -> BTreeSet<NodeId> {
         self.tracker.in_sync().await.unwrap()
     }
 
@@ -90,8 +91,8 @@ fn block(byte: u8) -> Bytes {
     Bytes::from(vec![byte; 4096])
 }
 
-fn set(ids: &[&str]) -> BTreeSet<String> {
-    ids.iter().map(|s| s.to_string()).collect()
+fn set(ids: &[NodeId]) -> BTreeSet<NodeId> {
+    ids.iter().copied().collect()
 }
 
 #[tokio::test]
@@ -129,7 +130,7 @@ async fn a_failed_replica_is_dropped_by_a_commit_before_the_write_is_acknowledge
     rig.engine.write_at(0, block(5), false).await.unwrap();
     rig.events.lock().unwrap().push("ack".into());
     assert_eq!(*rig.events.lock().unwrap(), vec!["remove:n2", "ack"]);
-    assert_eq!(rig.committed().await, set(&["n1", "n3"]));
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(3)]));
     assert_eq!(
         rig.states(),
         vec![
@@ -152,7 +153,7 @@ async fn a_replica_that_does_not_answer_counts_as_failed() {
     rig.engine.activate(1).await.unwrap();
     rig.replicas[2].set(Fault::Hang);
     rig.engine.write_at(0, block(5), false).await.unwrap();
-    assert_eq!(rig.committed().await, set(&["n1", "n2"]));
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
 }
 
 #[tokio::test]
@@ -243,7 +244,7 @@ async fn concurrent_failures_cannot_both_be_acknowledged() {
         (4096, block(2))
     };
     for (i, id) in IDS.iter().enumerate() {
-        if committed.contains(*id) {
+        if committed.contains(id) {
             assert_eq!(rig.on(i, offset, 4096).await, data);
         }
     }
@@ -254,7 +255,7 @@ async fn a_committed_set_below_min_in_sync_acknowledges_nothing() {
     let rig = Rig::new(2).await;
     rig.tracker
         .inner
-        .remove(1, &set(&["n2", "n3"]))
+        .remove(1, &set(&[NodeId(2), NodeId(3)]))
         .await
         .unwrap();
     rig.engine.activate(2).await.unwrap();
@@ -272,7 +273,7 @@ async fn reads_prefer_the_local_replica_and_fall_back_to_in_sync_peers() {
     // Drop the local replica from the in-sync set.
     rig.replicas[0].set(Fault::Fail);
     rig.engine.write_at(4096, block(4), false).await.unwrap();
-    assert_eq!(rig.committed().await, set(&["n2", "n3"]));
+    assert_eq!(rig.committed().await, set(&[NodeId(2), NodeId(3)]));
     rig.replicas[0].set(Fault::None);
     assert_eq!(rig.engine.read_at(4096, 4096).await.unwrap(), block(4));
     // One in-sync peer fails a read: the next one serves it.
@@ -305,32 +306,35 @@ async fn bad_requests_are_refused_before_any_replica_is_touched() {
 #[tokio::test]
 async fn invalid_configurations_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let a: Arc<dyn Replica> = FaultyReplica::new("a", store(dir.path(), "a").await);
-    let b: Arc<dyn Replica> = FaultyReplica::new("b", store(dir.path(), "b").await);
-    let tracker = Arc::new(replica_ha::ha::fake::MemoryInSync::new(["a", "b"]));
-    let config = |local: &str, min| EngineConfig {
-        local_id: local.into(),
+    let a: Arc<dyn Replica> = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
+    let b: Arc<dyn Replica> = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
+    let tracker = Arc::new(replica_ha::ha::fake::MemoryInSync::new([
+        NodeId(1),
+        NodeId(2),
+    ]));
+    let config = |local: NodeId, min| EngineConfig {
+        local_id: local,
         replica_timeout: Duration::from_secs(1),
         volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, min),
     };
     let cases = [
         (
-            config("a", 1),
+            config(NodeId(1), 1),
             vec![Arc::clone(&a), Arc::clone(&a)],
             "unique",
         ),
         (
-            config("z", 1),
+            config(NodeId(26), 1),
             vec![Arc::clone(&a), Arc::clone(&b)],
             "local",
         ),
         (
-            config("a", 0),
+            config(NodeId(1), 0),
             vec![Arc::clone(&a), Arc::clone(&b)],
             "min_in_sync",
         ),
         (
-            config("a", 3),
+            config(NodeId(1), 3),
             vec![Arc::clone(&a), Arc::clone(&b)],
             "min_in_sync",
         ),
@@ -348,7 +352,7 @@ async fn with_n3_out(rig: &Rig) {
     rig.engine.activate(5).await.unwrap();
     rig.replicas[2].set(Fault::Fail);
     rig.engine.write_at(0, block(1), false).await.unwrap();
-    assert!(!rig.committed().await.contains("n3"));
+    assert!(!rig.committed().await.contains(&NodeId(3)));
     rig.replicas[2].set(Fault::None);
 }
 
@@ -357,22 +361,22 @@ async fn a_rebuild_copies_differences_receives_new_writes_and_rejoins() {
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
     rig.engine.write_at(8192, block(2), false).await.unwrap();
-    let term = rig.engine.begin_rebuild("n3").await.unwrap();
+    let term = rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     assert_eq!(term, 5);
     let states = rig.engine.replicas();
     assert_eq!(states[2].state, ReplicaState::Rebuilding);
     // A write during the rebuild reaches the rebuilding replica too.
     rig.engine.write_at(1 << 20, block(3), false).await.unwrap();
     assert_eq!(rig.on(2, 1 << 20, 4096).await, block(3));
-    let copied = rig.engine.copy_extent("n3", 0).await.unwrap();
+    let copied = rig.engine.copy_extent(NodeId(3), 0).await.unwrap();
     assert_eq!(copied, 1 << 20, "extent 0 differed and was copied whole");
     assert_eq!(
-        rig.engine.copy_extent("n3", 1).await.unwrap(),
+        rig.engine.copy_extent(NodeId(3), 1).await.unwrap(),
         0,
         "extent 1 was equal"
     );
-    rig.engine.finish_rebuild("n3").await.unwrap();
-    assert!(rig.committed().await.contains("n3"));
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    assert!(rig.committed().await.contains(&NodeId(3)));
     assert_eq!(rig.on(2, 0, 16384).await, rig.on(0, 0, 16384).await);
     assert!(rig.events.lock().unwrap().iter().any(|e| e == "add:n3"));
 }
@@ -381,15 +385,15 @@ async fn a_rebuild_copies_differences_receives_new_writes_and_rejoins() {
 async fn a_write_the_rebuilding_replica_fails_keeps_it_out() {
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
-    rig.engine.begin_rebuild("n3").await.unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     rig.replicas[2].set(Fault::Fail);
     // The write is acknowledged (n1, n2 in sync) but the rebuild is spoiled.
     rig.engine.write_at(4096, block(4), false).await.unwrap();
     rig.replicas[2].set(Fault::None);
-    assert!(rig.engine.rebuild_failed("n3"));
-    assert!(rig.engine.copy_extent("n3", 0).await.is_err());
-    assert!(rig.engine.finish_rebuild("n3").await.is_err());
-    assert!(!rig.committed().await.contains("n3"));
+    assert!(rig.engine.rebuild_failed(NodeId(3)));
+    assert!(rig.engine.copy_extent(NodeId(3), 0).await.is_err());
+    assert!(rig.engine.finish_rebuild(NodeId(3)).await.is_err());
+    assert!(!rig.committed().await.contains(&NodeId(3)));
     assert!(
         !rig.events
             .lock()
@@ -403,16 +407,16 @@ async fn a_write_the_rebuilding_replica_fails_keeps_it_out() {
 async fn a_rebuild_does_not_survive_a_new_term() {
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
-    rig.engine.begin_rebuild("n3").await.unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     rig.engine.deactivate();
     rig.engine.activate(6).await.unwrap();
     assert!(
-        rig.engine.rebuild_failed("n3"),
+        rig.engine.rebuild_failed(NodeId(3)),
         "the old term's rebuild is gone"
     );
-    assert!(rig.engine.finish_rebuild("n3").await.is_err());
+    assert!(rig.engine.finish_rebuild(NodeId(3)).await.is_err());
     assert!(
-        rig.engine.begin_rebuild("n1").await.is_err(),
+        rig.engine.begin_rebuild(NodeId(1)).await.is_err(),
         "n1 is in sync"
     );
 }
@@ -425,14 +429,14 @@ async fn a_write_that_fails_on_a_replica_whose_return_just_committed_is_not_ackn
  {
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
-    rig.engine.begin_rebuild("n3").await.unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     for extent in 0..(SIZE >> 20) {
-        rig.engine.copy_extent("n3", extent).await.unwrap();
+        rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
     }
     let commit = rig.tracker.hold_adds();
     let finish = tokio::spawn({
         let engine = Arc::clone(&rig.engine);
-        async move { engine.finish_rebuild("n3").await }
+        async move { engine.finish_rebuild(NodeId(3)).await }
     });
     // finish_rebuild is now waiting on the held commit, past its barrier.
     common::wait_until("the return is being committed", || {
@@ -447,13 +451,13 @@ async fn a_write_that_fails_on_a_replica_whose_return_just_committed_is_not_ackn
     rig.replicas[2].wait_held(1).await;
     commit.add_permits(1);
     finish.await.unwrap().unwrap();
-    assert!(rig.committed().await.contains("n3"), "n3 returned");
+    assert!(rig.committed().await.contains(&NodeId(3)), "n3 returned");
     rig.replicas[2].release(1);
     let acked = write.await.unwrap();
     rig.replicas[2].set(Fault::None);
     if acked.is_ok() {
         for (i, id) in IDS.iter().enumerate() {
-            if rig.committed().await.contains(*id) {
+            if rig.committed().await.contains(id) {
                 assert!(
                     rig.on(i, 3 << 20, 4096).await == block(0x5a),
                     "{id} is in the committed in-sync set but lacks an acknowledged write"
@@ -472,15 +476,15 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
-    let n1 = FaultyReplica::new("n1", store(dir.path(), "n1").await);
-    let n2 = FaultyReplica::new("n2", store(dir.path(), "n2").await);
-    let n3 = PowerCutReplica::new("n3", store(dir.path(), "n3").await).await;
+    let n1 = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
+    let n2 = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
+    let n3 = PowerCutReplica::new(NodeId(3), store(dir.path(), NodeId(3)).await).await;
     let replicas: Vec<Arc<dyn Replica>> = vec![n1.clone(), n2.clone(), n3.clone()];
-    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::default());
+    let tracker = LoggingTracker::new(&[NodeId(1), NodeId(2)], Arc::default());
     let engine = Arc::new(
         Engine::new(
             EngineConfig {
-                local_id: "n1".into(),
+                local_id: NodeId(1),
                 replica_timeout: SHORT,
                 volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
             },
@@ -501,7 +505,7 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
         .await
         .unwrap();
     assert!(copied >= 4 << 20, "copied {copied}");
-    assert!(tracker.in_sync().await.unwrap().contains("n3"));
+    assert!(tracker.in_sync().await.unwrap().contains(&NodeId(3)));
     n3.power_cut().await;
     for i in 0..4u64 {
         assert!(
@@ -545,7 +549,7 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
     rig.engine.activate(4).await.unwrap();
     rig.replicas[2].set(Fault::HoldWrites { pass: true });
     rig.engine.write_at(0, block(0x01), false).await.unwrap();
-    assert_eq!(rig.committed().await, set(&["n1", "n2"]));
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
     rig.replicas[2].set(Fault::None);
     let replicas: Vec<Arc<dyn Replica>> = rig
         .replicas
@@ -623,7 +627,7 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
     let tracker = LoggingTracker::new(&IDS, Arc::default());
     let engine = Engine::new(
         EngineConfig {
-            local_id: "n1".into(),
+            local_id: NodeId(1),
             replica_timeout: SHORT,
             volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         },
@@ -676,13 +680,13 @@ async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
         nodes.push(FaultyReplica::new(id, store(dir.path(), id).await));
     }
     let dyn_of = |i: usize| Arc::clone(&nodes[i]) as Arc<dyn Replica>;
-    let members = Arc::new(ReplicaSet::new("n1", vec![dyn_of(0), dyn_of(1)]).unwrap());
+    let members = Arc::new(ReplicaSet::new(NodeId(1), vec![dyn_of(0), dyn_of(1)]).unwrap());
     let events = Arc::new(Mutex::new(Vec::new()));
-    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::clone(&events));
+    let tracker = LoggingTracker::new(&[NodeId(1), NodeId(2)], Arc::clone(&events));
     let engine = Arc::new(
         Engine::over(
             EngineConfig {
-                local_id: "n1".into(),
+                local_id: NodeId(1),
                 replica_timeout: PATIENT,
                 volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
             },
@@ -748,13 +752,16 @@ async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
 
     // Out: n2 leaves while in sync; its removal is committed first.
     let acks_before = events.lock().unwrap().len();
-    engine.remove_replica("n2").await.unwrap();
-    assert!(!members.ids().contains("n2"));
-    assert_eq!(tracker.in_sync().await.unwrap(), set(&["n1", "n3"]));
+    engine.remove_replica(NodeId(2)).await.unwrap();
+    assert!(!members.ids().contains(&NodeId(2)));
+    assert_eq!(
+        tracker.in_sync().await.unwrap(),
+        set(&[NodeId(1), NodeId(3)])
+    );
     wait_for_acks(acks(&events) + 100).await;
     // Not below min_in_sync.
     assert!(matches!(
-        engine.remove_replica("n3").await,
+        engine.remove_replica(NodeId(3)).await,
         Err(MembershipError::TooFew { .. })
     ));
     stop.store(true, Ordering::SeqCst);
@@ -799,9 +806,9 @@ async fn an_in_sync_replica_that_left_the_set_is_removed_before_the_next_ack() {
     let rig = Rig::new(2).await;
     rig.engine.activate(2).await.unwrap();
     rig.engine.write_at(0, block(0x01), false).await.unwrap();
-    rig.engine.replica_set().remove("n3").unwrap();
+    rig.engine.replica_set().remove(NodeId(3)).unwrap();
     rig.engine.write_at(0, block(0x02), false).await.unwrap();
-    assert_eq!(rig.committed().await, set(&["n1", "n2"]));
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
     assert_eq!(
         rig.events.lock().unwrap().last().map(String::as_str),
         Some("remove:n3")
@@ -824,16 +831,16 @@ async fn the_engine_counts_extents_in_the_volumes_extent_size() {
     };
     let mut replicas: Vec<Arc<dyn Replica>> = Vec::new();
     for id in IDS {
-        let store = ReplicaStore::open(dir.path().join(id), StoreIdentity::from(&spec))
+        let store = ReplicaStore::open(dir.path().join(id.to_string()), StoreIdentity::from(&spec))
             .await
             .unwrap();
         replicas.push(Arc::new(LocalReplica::new(id, Arc::new(store))));
     }
-    let tracker = LoggingTracker::new(&["n1", "n2"], Arc::default());
+    let tracker = LoggingTracker::new(&[NodeId(1), NodeId(2)], Arc::default());
     let engine = Arc::new(
         Engine::new(
             EngineConfig {
-                local_id: "n1".into(),
+                local_id: NodeId(1),
                 replica_timeout: SHORT,
                 volume: spec.clone(),
             },

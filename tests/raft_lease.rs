@@ -101,7 +101,7 @@ struct TestNode {
 }
 
 async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
-    let ids: [NodeId; 3] = [1, 2, 3];
+    let ids: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
     let mut listeners = BTreeMap::new();
     for id in ids {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -35,13 +35,15 @@ async fn vote_and_log_survive_reopening() {
     {
         let db = sled::open(dir.path()).unwrap();
         let mut log = LogStore::open(&db).unwrap();
-        log.save_vote(&Vote::new_committed(7, 2)).await.unwrap();
+        log.save_vote(&Vote::new_committed(7, NodeId(2)))
+            .await
+            .unwrap();
     }
     let db = sled::open(dir.path()).unwrap();
     let mut log = LogStore::open(&db).unwrap();
     assert_eq!(
         log.read_vote().await.unwrap(),
-        Some(Vote::new_committed(7, 2))
+        Some(Vote::new_committed(7, NodeId(2)))
     );
     assert!(log.try_get_log_entries(0..10).await.unwrap().is_empty());
     let state = log.get_log_state().await.unwrap();

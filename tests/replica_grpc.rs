@@ -18,6 +18,7 @@ use common::{Fault, FaultyReplica, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ha::{Fencer, WriterEngine};
+use replica_ha::ids::NodeId;
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
 use replica_ha::replica::fencer::TokenFencer;
@@ -45,7 +46,7 @@ fn block(byte: u8) -> Bytes {
     Bytes::from(vec![byte; 4096])
 }
 
-fn remote(addr: SocketAddr, id: &str) -> RemoteReplica {
+fn remote(addr: SocketAddr, id: NodeId) -> RemoteReplica {
     RemoteReplica::new(
         id,
         &replica_ha::net::Transport::default(),
@@ -60,22 +61,22 @@ fn remote(addr: SocketAddr, id: &str) -> RemoteReplica {
 #[tokio::test]
 async fn a_fence_tells_the_node_its_new_floor() {
     let dir = tempfile::tempdir().unwrap();
-    let local = store(dir.path(), "n1").await;
+    let local = store(dir.path(), NodeId(1)).await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let service = ReplicaService::new(local).on_fenced({
         let seen = Arc::clone(&seen);
         Arc::new(move |floor| seen.lock().unwrap().push(floor))
     });
     let addr = common::serve_replica(service).await;
-    remote(addr, "n1").fence(4).await.unwrap();
+    remote(addr, NodeId(1)).fence(4).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![4]);
 }
 
 #[tokio::test]
 async fn the_fence_floor_holds_over_grpc() {
     let dir = tempfile::tempdir().unwrap();
-    let local = store(dir.path(), "n1").await;
-    let replica = remote(serve(Arc::clone(&local)).await, "n1");
+    let local = store(dir.path(), NodeId(1)).await;
+    let replica = remote(serve(Arc::clone(&local)).await, NodeId(1));
     replica
         .write(Stamp::from(1), 0, block(1), false)
         .await
@@ -115,7 +116,7 @@ async fn the_fence_floor_holds_over_grpc() {
 #[tokio::test]
 async fn bad_requests_get_their_codes_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let local = store(dir.path(), "n1").await;
+    let local = store(dir.path(), NodeId(1)).await;
     let addr = serve(Arc::clone(&local)).await;
     let mut client = ReplicaClient::new(
         replica_ha::net::Transport::default()
@@ -218,7 +219,7 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
         }
     });
     let replica = RemoteReplica::new(
-        "n9",
+        NodeId(9),
         &replica_ha::net::Transport::default(),
         &addr.to_string(),
         "test",
@@ -240,19 +241,19 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
 async fn the_engine_mirrors_through_remote_replicas() {
     let dir = tempfile::tempdir().unwrap();
     let stores = [
-        store(dir.path(), "n1").await,
-        store(dir.path(), "n2").await,
-        store(dir.path(), "n3").await,
+        store(dir.path(), NodeId(1)).await,
+        store(dir.path(), NodeId(2)).await,
+        store(dir.path(), NodeId(3)).await,
     ];
     let replicas: Vec<Arc<dyn Replica>> = vec![
-        Arc::new(LocalReplica::new("n1", Arc::clone(&stores[0]))),
-        Arc::new(remote(serve(Arc::clone(&stores[1])).await, "n2")),
-        Arc::new(remote(serve(Arc::clone(&stores[2])).await, "n3")),
+        Arc::new(LocalReplica::new(NodeId(1), Arc::clone(&stores[0]))),
+        Arc::new(remote(serve(Arc::clone(&stores[1])).await, NodeId(2))),
+        Arc::new(remote(serve(Arc::clone(&stores[2])).await, NodeId(3))),
     ];
-    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let tracker = Arc::new(MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]));
     let engine = Engine::new(
         EngineConfig {
-            local_id: "n1".into(),
+            local_id: NodeId(1),
             replica_timeout: Duration::from_secs(2),
             volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         },
@@ -294,19 +295,19 @@ impl FenceRig {
     }
 }
 
-async fn fence_rig(in_sync: &[&str]) -> FenceRig {
+async fn fence_rig(in_sync: &[NodeId]) -> FenceRig {
     fence_rig_of(in_sync, SIZE, Duration::from_millis(300)).await
 }
 
 /// Three stores of `size` bytes and a fencer over them whose calls time
 /// out after `timeout`.
-async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRig {
+async fn fence_rig_of(in_sync: &[NodeId], size: u64, timeout: Duration) -> FenceRig {
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let mut replicas = Vec::new();
-    for id in ["n1", "n2", "n3"] {
+    for id in [NodeId(1), NodeId(2), NodeId(3)] {
         let store = ReplicaStore::open(
-            dir.path().join(id),
+            dir.path().join(id.to_string()),
             replica_ha::replica::StoreIdentity::new("test", "vol0", size),
         )
         .await
@@ -320,7 +321,7 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
         .collect();
     let floors = Arc::new(FloorBook::default());
     // One replica set, shared as in a node.
-    let set = Arc::new(ReplicaSet::new("n1", dyn_replicas).unwrap());
+    let set = Arc::new(ReplicaSet::new(NodeId(1), dyn_replicas).unwrap());
     let fencer = TokenFencer::new(
         Arc::clone(&set),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
@@ -330,7 +331,7 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
     .with_floor_book(Arc::clone(&floors));
     let engine = Engine::over(
         EngineConfig {
-            local_id: "n1".into(),
+            local_id: NodeId(1),
             replica_timeout: timeout,
             volume: replica_ha::volume::VolumeSpec::new("test", "vol0", size, 1),
         },
@@ -348,13 +349,13 @@ async fn fence_rig_of(in_sync: &[&str], size: u64, timeout: Duration) -> FenceRi
     }
 }
 
-fn set(ids: &[&str]) -> BTreeSet<String> {
-    ids.iter().map(|s| s.to_string()).collect()
+fn set(ids: &[NodeId]) -> BTreeSet<NodeId> {
+    ids.iter().copied().collect()
 }
 
 #[tokio::test]
 async fn fencing_raises_every_reachable_floor_and_shuts_the_old_writer_out() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     for r in &rig.replicas {
         r.store().write(1, 0, block(1), false).await.unwrap();
     }
@@ -368,43 +369,46 @@ async fn fencing_raises_every_reachable_floor_and_shuts_the_old_writer_out() {
     }
     assert_eq!(
         rig.tracker.in_sync().await.unwrap(),
-        set(&["n1", "n2", "n3"])
+        set(&[NodeId(1), NodeId(2), NodeId(3)])
     );
 }
 
 #[tokio::test]
 async fn an_unreached_in_sync_replica_is_dropped_by_a_commit() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     rig.replicas[2].set(Fault::Hang);
     rig.fencer.fence(None, 2).await.unwrap();
-    assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&["n1", "n2"]));
+    assert_eq!(
+        rig.tracker.in_sync().await.unwrap(),
+        set(&[NodeId(1), NodeId(2)])
+    );
 }
 
 #[tokio::test]
 async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     rig.replicas[1].set(Fault::Fail);
     rig.replicas[2].set(Fault::Hang);
     let err = rig.fencer.fence(None, 2).await.unwrap_err();
     assert!(err.to_string().contains("only 1 of 3"), "{err}");
     assert_eq!(
         rig.tracker.in_sync().await.unwrap(),
-        set(&["n1", "n2", "n3"])
+        set(&[NodeId(1), NodeId(2), NodeId(3)])
     );
 }
 
 #[tokio::test]
 async fn a_fence_without_an_in_sync_member_fails() {
-    let rig = fence_rig(&["n3"]).await;
+    let rig = fence_rig(&[NodeId(3)]).await;
     rig.replicas[2].set(Fault::Fail);
     let err = rig.fencer.fence(None, 2).await.unwrap_err();
     assert!(err.to_string().contains("in-sync"), "{err}");
-    assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&["n3"]));
+    assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&[NodeId(3)]));
 }
 
 #[tokio::test]
 async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     rig.replicas[1].store().fence(7).await.unwrap();
     let err = rig.fencer.fence(None, 5).await.unwrap_err();
     assert!(err.to_string().contains("newer writer"), "{err}");
@@ -416,7 +420,7 @@ async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
 /// gone.
 #[tokio::test]
 async fn older_dirty_extents_converge_before_the_new_writer_writes() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     let extent = 3 * (1 << 20);
     rig.replicas[1]
         .store()
@@ -449,7 +453,12 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
 /// only the rest.
 #[tokio::test]
 async fn an_interrupted_convergence_resumes_where_it_was() {
-    let rig = fence_rig_of(&["n1", "n2", "n3"], 256 << 20, Duration::from_secs(5)).await;
+    let rig = fence_rig_of(
+        &[NodeId(1), NodeId(2), NodeId(3)],
+        256 << 20,
+        Duration::from_secs(5),
+    )
+    .await;
     let (replicas, tracker, fencer) = (&rig.replicas, &rig.tracker, &rig.fencer);
     // Term 1 left 128 extents marked, with n1's copy differing from n2's.
     for extent in 0..128u64 {
@@ -504,7 +513,7 @@ async fn an_interrupted_convergence_resumes_where_it_was() {
 /// the copies made.
 #[tokio::test]
 async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer() {
-    let rig = fence_rig(&["n1", "n2", "n3"]).await;
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     for (i, r) in rig.replicas.iter().enumerate() {
         r.store()
             .write(1, 5 << 20, block(0xc0 + i as u8), false)
@@ -550,16 +559,16 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes = Vec::new();
-    for id in ["n1", "n2", "n3"] {
+    for id in [NodeId(1), NodeId(2), NodeId(3)] {
         nodes.push(PowerCutReplica::new(id, common::store(dir.path(), id).await).await);
     }
     let replicas: Vec<Arc<dyn Replica>> = nodes
         .iter()
         .map(|r| Arc::clone(r) as Arc<dyn Replica>)
         .collect();
-    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let tracker = Arc::new(MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]));
     let fencer = TokenFencer::new(
-        Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
+        Arc::new(ReplicaSet::new(NodeId(1), replicas).unwrap()),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         &replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         Duration::from_secs(1),
@@ -606,13 +615,13 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
 async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
-    let n1 = FaultyReplica::new("n1", store(dir.path(), "n1").await);
-    let n2 = FaultyReplica::new("n2", store(dir.path(), "n2").await);
+    let n1 = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
+    let n2 = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
     n2.set(Fault::Fail);
     let replicas: Vec<Arc<dyn Replica>> = vec![n1, n2];
-    let tracker = Arc::new(MemoryInSync::new(["n1", "n2", "n3"]));
+    let tracker = Arc::new(MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]));
     let fencer = TokenFencer::new(
-        Arc::new(ReplicaSet::new("n1", replicas).unwrap()),
+        Arc::new(ReplicaSet::new(NodeId(1), replicas).unwrap()),
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
         &replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         Duration::from_secs(1),

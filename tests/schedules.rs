@@ -36,10 +36,11 @@ use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
 use replica_ha::ha::{Controller, ControllerConfig, Coordinator, GateJournal};
+use replica_ha::ids::NodeId;
 use replica_ha::volume::Device;
 use tokio::time::Instant;
 
-const NODES: [&str; 3] = ["a", "b", "c"];
+const NODES: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
 const LEASE: Duration = Duration::from_millis(1000);
 const STEP: Duration = Duration::from_millis(5);
 
@@ -335,6 +336,7 @@ mod engine_world {
     use replica_ha::ha::InSyncTracker;
     use replica_ha::ha::WriterEngine;
     use replica_ha::ha::fake::MemoryInSync;
+    use replica_ha::ids::NodeId;
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::{Engine, EngineConfig, Replica};
     use replica_ha::volume::Device;
@@ -342,7 +344,7 @@ mod engine_world {
 
     use super::common::{Fault, FaultyReplica, SIZE, store};
 
-    const IDS: [&str; 3] = ["n1", "n2", "n3"];
+    const IDS: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
     const BLOCKS: u64 = 6;
     const TIMEOUT: Duration = Duration::from_millis(150);
 
@@ -418,7 +420,7 @@ mod engine_world {
             let engine = Arc::new(
                 Engine::new(
                     EngineConfig {
-                        local_id: "n1".into(),
+                        local_id: NodeId(1),
                         replica_timeout: TIMEOUT,
                         volume: replica_ha::volume::VolumeSpec::new(
                             "test",
@@ -485,7 +487,7 @@ mod engine_world {
                 Op::Release(i) => self.release(i),
                 Op::Rebuild(i) => {
                     let id = IDS[i];
-                    let out = !self.tracker.in_sync().await.unwrap().contains(id);
+                    let out = !self.tracker.in_sync().await.unwrap().contains(&id);
                     if out && self.rebuilding.lock().unwrap().insert(i) {
                         let resync = Arc::clone(&self.resync);
                         let target = Arc::clone(&self.replicas[i]) as Arc<dyn Replica>;
@@ -544,7 +546,7 @@ mod engine_world {
                 };
                 let allowed: Vec<u8> = history[last_acked..].iter().map(|(v, _)| *v).collect();
                 for (i, id) in IDS.iter().enumerate() {
-                    if !members.contains(*id) {
+                    if !members.contains(id) {
                         continue;
                     }
                     let data = self.replicas[i]

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use replica_ha::ids::NodeId;
 use replica_ha::net::{Limits, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides};
 use replica_ha::proto::admin::admin_client::AdminClient;
@@ -191,7 +192,7 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         .with_writer(std::io::stderr)
         .try_init();
     let overrides = Overrides {
-        id: args.id,
+        id: args.id.map(NodeId),
         cluster_id: args.cluster_id,
         listen: args.listen,
         data_dir: args.data_dir,

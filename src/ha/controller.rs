@@ -49,6 +49,7 @@ use super::{
     ActiveDevice, Coordinator, FenceError, Fencer, HaError, Leadership, ReplicaStatus, Writer,
     WriterEngine,
 };
+use crate::ids::NodeId;
 
 /// Timing of the controller.
 #[derive(Debug, Clone, Copy)]
@@ -99,7 +100,7 @@ pub struct Status {
     /// The term of the latest observation acted on.
     pub term: u64,
     /// The leader of that observation.
-    pub leader: Option<String>,
+    pub leader: Option<NodeId>,
     /// The writer fenced (or being fenced) on the latest promotion.
     pub prev_writer: Option<Writer>,
     /// Whether the write gate is open.
@@ -118,7 +119,7 @@ pub struct Status {
 struct Inner {
     role: Role,
     term: u64,
-    leader: Option<String>,
+    leader: Option<NodeId>,
     prev_writer: Option<Writer>,
     stopped: bool,
     running: bool,
@@ -197,7 +198,7 @@ impl Controller {
         Status {
             role: inner.role,
             term: inner.term,
-            leader: inner.leader.clone(),
+            leader: inner.leader,
             prev_writer: inner.prev_writer.clone(),
             active: self.device.is_open(),
             fence_failures: inner.fence_failures,
@@ -208,7 +209,7 @@ impl Controller {
     }
 
     /// The live members, from the coordinator.
-    pub async fn members(&self) -> Result<Vec<String>, HaError> {
+    pub async fn members(&self) -> Result<Vec<NodeId>, HaError> {
         self.coordinator.members().await
     }
 
@@ -267,7 +268,7 @@ impl Controller {
         self.stop.send_replace(true);
         if first {
             tracing::info!(
-                node = self.coordinator.node_id(),
+                node = %self.coordinator.node_id(),
                 "controller stopped; resigning"
             );
             self.coordinator.resign().await?;
@@ -462,7 +463,7 @@ impl Controller {
         inner.role = Role::Leader;
         inner.promotions += 1;
         tracing::info!(
-            node = self.coordinator.node_id(),
+            node = %self.coordinator.node_id(),
             term,
             role = Role::Leader.as_str(),
             prev = ?inner.prev_writer,
@@ -475,7 +476,7 @@ impl Controller {
         let mut inner = self.lock();
         if inner.role != Role::FencePending || inner.term != seen.term {
             tracing::info!(
-                node = self.coordinator.node_id(),
+                node = %self.coordinator.node_id(),
                 term = seen.term,
                 role = Role::FencePending.as_str(),
                 "won leadership; fencing before promotion"
@@ -483,7 +484,7 @@ impl Controller {
         }
         inner.role = Role::FencePending;
         inner.term = seen.term;
-        inner.leader = seen.leader.clone();
+        inner.leader = seen.leader;
     }
 
     /// Closes the gate and becomes a follower.
@@ -493,7 +494,7 @@ impl Controller {
         self.engine.deactivate();
         if inner.role != Role::Follower {
             tracing::info!(
-                node = self.coordinator.node_id(),
+                node = %self.coordinator.node_id(),
                 term = inner.term,
                 role = Role::Follower.as_str(),
                 why,
@@ -503,7 +504,7 @@ impl Controller {
         inner.role = Role::Follower;
         if let Some(seen) = seen {
             inner.term = seen.term;
-            inner.leader = seen.leader.clone();
+            inner.leader = seen.leader;
         }
     }
 

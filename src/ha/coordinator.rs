@@ -26,12 +26,13 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::HaError;
+use crate::ids::NodeId;
 
 /// One observation of who leads.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Leadership {
     /// The leader's node id; `None` while there is no leader.
-    pub leader: Option<String>,
+    pub leader: Option<NodeId>,
     /// Whether the leader is this node *and* its lease is valid.
     pub is_self: bool,
     /// The term of the observation (non-decreasing).
@@ -58,7 +59,7 @@ impl Lease {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Writer {
     /// Its node id.
-    pub node: String,
+    pub node: NodeId,
     /// The term it wrote with.
     pub term: u64,
 }
@@ -69,7 +70,7 @@ pub struct Writer {
 #[async_trait]
 pub trait Coordinator: Send + Sync {
     /// This node's stable id: the `leader` of a [`Leadership`] when it leads.
-    fn node_id(&self) -> &str;
+    fn node_id(&self) -> NodeId;
 
     /// Waits until this node leads with a valid lease. Returns at once when
     /// it already does.
@@ -88,7 +89,7 @@ pub trait Coordinator: Send + Sync {
     fn observe(&self) -> watch::Receiver<Leadership>;
 
     /// The nodes heard from within the lease.
-    async fn members(&self) -> Result<Vec<String>, HaError>;
+    async fn members(&self) -> Result<Vec<NodeId>, HaError>;
 
     /// This node's current lease, if it leads.
     fn lease(&self) -> Option<Lease>;
@@ -118,7 +119,7 @@ pub enum FenceError {
     /// A replica has taken a newer term than the one being fenced with.
     #[error("replica {replica} has seen term {floor} > {term}: a newer writer exists")]
     NewerWriter {
-        replica: String,
+        replica: NodeId,
         floor: u64,
         term: u64,
     },
@@ -136,7 +137,7 @@ pub enum FenceError {
     /// None of the fenced replicas is in the committed in-sync set, so
     /// none holds every acknowledged write.
     #[error("no fenced replica is in the in-sync set {in_sync:?}; waiting for one")]
-    NoInSyncFenced { in_sync: BTreeSet<String> },
+    NoInSyncFenced { in_sync: BTreeSet<NodeId> },
     /// The in-sync set could not be read or changed.
     #[error(transparent)]
     InSync(#[from] InSyncError),
@@ -149,7 +150,7 @@ pub enum FenceError {
     /// The fenced replicas count their marks in different extent sizes.
     #[error("replica {replica} reports extent size {reported}, not {expected}")]
     ExtentSize {
-        replica: String,
+        replica: NodeId,
         reported: u64,
         expected: u64,
     },
@@ -157,17 +158,17 @@ pub enum FenceError {
     #[error("{step} on {replica}: {cause}")]
     Replica {
         step: &'static str,
-        replica: String,
+        replica: NodeId,
         cause: String,
     },
 }
 
 impl FenceError {
     /// A failed `step` (`"digesting extent"`, `"flushing"`, …) on `replica`.
-    pub fn replica(step: &'static str, replica: &str, cause: impl std::fmt::Display) -> Self {
+    pub fn replica(step: &'static str, replica: NodeId, cause: impl std::fmt::Display) -> Self {
         Self::Replica {
             step,
-            replica: replica.to_string(),
+            replica,
             cause: cause.to_string(),
         }
     }
@@ -182,31 +183,28 @@ impl FenceError {
 #[async_trait]
 pub trait InSyncTracker: Send + Sync {
     /// The committed in-sync set.
-    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError>;
+    async fn in_sync(&self) -> Result<BTreeSet<NodeId>, InSyncError>;
     /// Commits the return of rebuilt `replicas` on behalf of the writer of
     /// `term` and returns the committed set. Fails, changing nothing, unless
     /// `term` is the recorded writer's.
     async fn add(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError>;
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError>;
     /// Commits the removal of `replicas` on behalf of the writer of `term`
     /// and returns the committed set. Fails, changing nothing, when the
     /// writer of `term` can no longer commit (it was deposed).
     async fn remove(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError>;
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError>;
 }
 
 /// Why the in-sync set could not be read or changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InSyncError {
-    /// A replica id that names no node.
-    #[error("bad replica id {0:?}")]
-    BadId(String),
     /// The change was refused, and nothing changed: its term is not the
     /// recorded writer's.
     #[error("in-sync change refused: {0}")]

@@ -30,6 +30,7 @@ use super::{
     Coordinator, FenceError, Fencer, HaError, InSyncError, InSyncTracker, Leadership, Lease,
     LocalCopy, ReplicaState, ReplicaStatus, Writer, WriterEngine,
 };
+use crate::ids::NodeId;
 use crate::volume::{Access, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -44,7 +45,7 @@ pub enum ElectError {
     LeaseValid { term: u64, remaining: Duration },
     /// No such node joined the fake cluster.
     #[error("unknown node {0}")]
-    UnknownNode(String),
+    UnknownNode(NodeId),
 }
 
 struct FakeNode {
@@ -55,25 +56,25 @@ struct FakeNode {
 #[derive(Default)]
 struct ClusterState {
     term: u64,
-    leader: Option<String>,
+    leader: Option<NodeId>,
     /// The last lease granted to each node; it may have run out.
-    leases: HashMap<String, Lease>,
+    leases: HashMap<NodeId, Lease>,
     promoted: Option<Writer>,
-    nodes: BTreeMap<String, FakeNode>,
+    nodes: BTreeMap<NodeId, FakeNode>,
     fail_promotions: bool,
     fail_prev_writer: bool,
     resigns: u64,
 }
 
 impl ClusterState {
-    fn observation_for(&self, id: &str, now: Instant) -> Leadership {
-        let is_self = self.leader.as_deref() == Some(id)
+    fn observation_for(&self, id: NodeId, now: Instant) -> Leadership {
+        let is_self = self.leader == Some(id)
             && self
                 .leases
-                .get(id)
+                .get(&id)
                 .is_some_and(|lease| lease.covers(self.term, now));
         Leadership {
-            leader: self.leader.clone(),
+            leader: self.leader,
             is_self,
             term: self.term,
         }
@@ -83,7 +84,7 @@ impl ClusterState {
         let now = Instant::now();
         for (id, node) in &self.nodes {
             if !node.deaf {
-                node.tx.send_replace(self.observation_for(id, now));
+                node.tx.send_replace(self.observation_for(*id, now));
             }
         }
     }
@@ -113,15 +114,13 @@ impl FakeCluster {
     }
 
     /// Registers node `id` and returns its coordinator.
-    pub fn coordinator(&self, id: &str) -> Arc<FakeCoordinator> {
+    pub fn coordinator(&self, id: NodeId) -> Arc<FakeCoordinator> {
         let mut state = lock(&self.state);
         let now = Instant::now();
         let (tx, _) = watch::channel(state.observation_for(id, now));
-        state
-            .nodes
-            .insert(id.to_string(), FakeNode { tx, deaf: false });
+        state.nodes.insert(id, FakeNode { tx, deaf: false });
         Arc::new(FakeCoordinator {
-            id: id.to_string(),
+            id,
             cluster: self.clone(),
         })
     }
@@ -129,7 +128,7 @@ impl FakeCluster {
     /// Elects `id` for a new term, granting it a fresh lease, and notifies
     /// every node that hears. Refused while the current leader's lease is
     /// valid. Returns the new term.
-    pub fn elect(&self, id: &str) -> Result<u64, ElectError> {
+    pub fn elect(&self, id: NodeId) -> Result<u64, ElectError> {
         let mut state = lock(&self.state);
         let now = Instant::now();
         if let Some(lease) = state.leader_lease() {
@@ -140,16 +139,16 @@ impl FakeCluster {
                 });
             }
         }
-        if !state.nodes.contains_key(id) {
-            return Err(ElectError::UnknownNode(id.to_string()));
+        if !state.nodes.contains_key(&id) {
+            return Err(ElectError::UnknownNode(id));
         }
         state.term += 1;
-        state.leader = Some(id.to_string());
+        state.leader = Some(id);
         let lease = Lease {
             term: state.term,
             deadline: now + self.lease,
         };
-        state.leases.insert(id.to_string(), lease);
+        state.leases.insert(id, lease);
         state.notify();
         Ok(state.term)
     }
@@ -160,7 +159,7 @@ impl FakeCluster {
         let mut state = lock(&self.state);
         let deadline = Instant::now() + self.lease;
         let term = state.term;
-        if let Some(leader) = state.leader.clone() {
+        if let Some(leader) = state.leader {
             if let Some(lease) = state.leases.get_mut(&leader) {
                 if lease.term == term {
                     lease.deadline = deadline;
@@ -175,7 +174,7 @@ impl FakeCluster {
     pub fn expire(&self, notify: bool) {
         let mut state = lock(&self.state);
         let now = Instant::now();
-        if let Some(leader) = state.leader.clone() {
+        if let Some(leader) = state.leader {
             if let Some(lease) = state.leases.get_mut(&leader) {
                 lease.deadline = lease.deadline.min(now);
             }
@@ -188,11 +187,11 @@ impl FakeCluster {
 
     /// Loses (`true`) or restores (`false`) the observations sent to `id`.
     /// On restore the node gets the current observation.
-    pub fn set_deaf(&self, id: &str, deaf: bool) {
+    pub fn set_deaf(&self, id: NodeId, deaf: bool) {
         let mut state = lock(&self.state);
         let now = Instant::now();
         let observation = state.observation_for(id, now);
-        if let Some(node) = state.nodes.get_mut(id) {
+        if let Some(node) = state.nodes.get_mut(&id) {
             node.deaf = deaf;
             if !deaf {
                 node.tx.send_replace(observation);
@@ -227,9 +226,9 @@ impl FakeCluster {
     }
 
     /// The current leader and term.
-    pub fn leader(&self) -> (Option<String>, u64) {
+    pub fn leader(&self) -> (Option<NodeId>, u64) {
         let state = lock(&self.state);
-        (state.leader.clone(), state.term)
+        (state.leader, state.term)
     }
 
     /// The current leader's lease deadline.
@@ -245,7 +244,7 @@ impl FakeCluster {
 
 /// One node's view of a [`FakeCluster`].
 pub struct FakeCoordinator {
-    id: String,
+    id: NodeId,
     cluster: FakeCluster,
 }
 
@@ -262,8 +261,8 @@ impl FakeCoordinator {
 
 #[async_trait]
 impl Coordinator for FakeCoordinator {
-    fn node_id(&self) -> &str {
-        &self.id
+    fn node_id(&self) -> NodeId {
+        self.id
     }
 
     async fn campaign(&self) -> Result<(), HaError> {
@@ -280,7 +279,7 @@ impl Coordinator for FakeCoordinator {
 
     async fn resign(&self) -> Result<(), HaError> {
         let mut state = lock(&self.cluster.state);
-        if state.leader.as_deref() == Some(self.id.as_str()) {
+        if state.leader == Some(self.id) {
             let now = Instant::now();
             if let Some(lease) = state.leases.get_mut(&self.id) {
                 lease.deadline = lease.deadline.min(now);
@@ -300,7 +299,7 @@ impl Coordinator for FakeCoordinator {
         lock(&self.cluster.state).nodes.len() <= 1
     }
 
-    async fn members(&self) -> Result<Vec<String>, HaError> {
+    async fn members(&self) -> Result<Vec<NodeId>, HaError> {
         Ok(lock(&self.cluster.state).nodes.keys().cloned().collect())
     }
 
@@ -321,7 +320,7 @@ impl Coordinator for FakeCoordinator {
         if state.fail_promotions {
             return Err(HaError::Coordinator("promotion could not commit".into()));
         }
-        let leads = state.leader.as_deref() == Some(self.id.as_str())
+        let leads = state.leader == Some(self.id)
             && state.term == term
             && state
                 .leases
@@ -341,7 +340,7 @@ impl Coordinator for FakeCoordinator {
             )));
         }
         state.promoted = Some(Writer {
-            node: self.id.clone(),
+            node: self.id,
             term,
         });
         Ok(())
@@ -364,7 +363,7 @@ pub enum FenceBehavior {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FenceRecord {
     /// The node that fenced.
-    pub node: String,
+    pub node: NodeId,
     /// The writer it fenced.
     pub prev: Option<Writer>,
     /// The term it fenced for.
@@ -376,7 +375,7 @@ pub struct FenceRecord {
 /// Scripts the behaviour of several [`FakeFencer`]s and logs their attempts.
 #[derive(Default)]
 pub struct FenceScript {
-    behavior: Mutex<HashMap<String, FenceBehavior>>,
+    behavior: Mutex<HashMap<NodeId, FenceBehavior>>,
     delay: Mutex<Duration>,
     log: Mutex<Vec<FenceRecord>>,
 }
@@ -388,16 +387,16 @@ impl FenceScript {
     }
 
     /// A fencer for node `node`.
-    pub fn fencer(self: &Arc<Self>, node: &str) -> Arc<FakeFencer> {
+    pub fn fencer(self: &Arc<Self>, node: NodeId) -> Arc<FakeFencer> {
         Arc::new(FakeFencer {
-            node: node.to_string(),
+            node,
             script: Arc::clone(self),
         })
     }
 
     /// Sets what `node`'s fencer does from now on.
-    pub fn set(&self, node: &str, behavior: FenceBehavior) {
-        lock(&self.behavior).insert(node.to_string(), behavior);
+    pub fn set(&self, node: NodeId, behavior: FenceBehavior) {
+        lock(&self.behavior).insert(node, behavior);
     }
 
     /// Makes every fence take `delay` before it acts.
@@ -411,7 +410,7 @@ impl FenceScript {
     }
 
     /// Whether `node` fenced successfully for `term`.
-    pub fn fenced(&self, node: &str, term: u64) -> bool {
+    pub fn fenced(&self, node: NodeId, term: u64) -> bool {
         lock(&self.log)
             .iter()
             .any(|r| r.ok && r.node == node && r.term == term)
@@ -420,7 +419,7 @@ impl FenceScript {
 
 /// A fencer whose behaviour a [`FenceScript`] decides.
 pub struct FakeFencer {
-    node: String,
+    node: NodeId,
     script: Arc<FenceScript>,
 }
 
@@ -440,7 +439,7 @@ impl Fencer for FakeFencer {
         }
         let ok = behavior == FenceBehavior::Succeed;
         lock(&self.script.log).push(FenceRecord {
-            node: self.node.clone(),
+            node: self.node,
             prev: prev_writer.cloned(),
             term,
             ok,
@@ -571,7 +570,7 @@ impl WriterEngine for MemoryEngine {
 
     fn replicas(&self) -> Vec<ReplicaStatus> {
         vec![ReplicaStatus {
-            id: "memory".into(),
+            id: NodeId::default(),
             state: ReplicaState::InSync,
             local: true,
         }]
@@ -618,7 +617,7 @@ impl LocalCopy for MemoryCopy {
 /// An in-sync set kept in memory, for a single process and for tests.
 /// The Raft coordinator provides the durable, committed one.
 pub struct MemoryInSync {
-    set: Mutex<BTreeSet<String>>,
+    set: Mutex<BTreeSet<NodeId>>,
     fail: std::sync::atomic::AtomicBool,
 }
 
@@ -627,7 +626,7 @@ impl MemoryInSync {
     pub fn new<I, S>(members: I) -> Self
     where
         I: IntoIterator<Item = S>,
-        S: Into<String>,
+        S: Into<NodeId>,
     {
         Self {
             set: Mutex::new(members.into_iter().map(Into::into).collect()),
@@ -643,8 +642,8 @@ impl MemoryInSync {
     /// Applies `change` unless commits fail on command; the set after it.
     fn commit(
         &self,
-        change: impl FnOnce(&mut BTreeSet<String>),
-    ) -> Result<BTreeSet<String>, InSyncError> {
+        change: impl FnOnce(&mut BTreeSet<NodeId>),
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
         if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(InSyncError::Refused("the fake refuses on command".into()));
         }
@@ -653,7 +652,7 @@ impl MemoryInSync {
         Ok(set.clone())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<NodeId>> {
         self.set
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -662,21 +661,21 @@ impl MemoryInSync {
 
 #[async_trait]
 impl InSyncTracker for MemoryInSync {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError> {
+    async fn in_sync(&self) -> Result<BTreeSet<NodeId>, InSyncError> {
         Ok(self.lock().clone())
     }
     async fn remove(
         &self,
         _term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError> {
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
         self.commit(|set| set.retain(|member| !replicas.contains(member)))
     }
     async fn add(
         &self,
         _term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError> {
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
         self.commit(|set| set.extend(replicas.iter().cloned()))
     }
 }
@@ -687,8 +686,8 @@ mod tests {
 
     #[tokio::test]
     async fn memory_in_sync_removes_and_refuses_on_command() {
-        let set = MemoryInSync::new(["a", "b", "c"]);
-        let removed: BTreeSet<String> = ["b".to_string()].into();
+        let set = MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]);
+        let removed: BTreeSet<NodeId> = [NodeId(2)].into();
         assert_eq!(set.remove(1, &removed).await.unwrap().len(), 2);
         set.fail_removals(true);
         assert!(set.remove(1, &removed).await.is_err());

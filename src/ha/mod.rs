@@ -47,6 +47,7 @@ pub use coordinator::{
 pub use gate::{ActiveDevice, GateJournal};
 pub use reads::{LocalCopy, ReadGate};
 
+use crate::ids::NodeId;
 use crate::volume::{Device, DeviceError};
 
 /// The data plane as the controller drives it: a device whose writes are
@@ -93,7 +94,7 @@ impl ReplicaState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaStatus {
     /// The node holding the replica.
-    pub id: String,
+    pub id: NodeId,
     /// Its state.
     pub state: ReplicaState,
     /// Whether it is this node's own replica.

@@ -145,7 +145,7 @@ impl NodeConfig {
         let Some(id) = flags.id.or(file.id) else {
             return fail("no node id: set `id` in the config or pass --id");
         };
-        if id == 0 {
+        if id == NodeId(0) {
             return fail("node id 0 is not allowed; ids are positive integers");
         }
         let cluster_id = flags
@@ -291,7 +291,7 @@ fn parse_peer(entry: &str) -> Result<(NodeId, SocketAddr), ConfigError> {
         .trim()
         .parse()
         .map_err(|_| ConfigError(format!("peer id {id:?} is not a positive integer")))?;
-    if id == 0 {
+    if id == NodeId(0) {
         return fail("peer id 0 is not allowed; ids are positive integers");
     }
     Ok((id, parse_addr(&format!("peer {id}"), addr.trim())?))
@@ -337,9 +337,9 @@ mod tests {
         ]
     }
 
-    fn flags(id: NodeId) -> Overrides {
+    fn flags(id: u64) -> Overrides {
         Overrides {
-            id: Some(id),
+            id: Some(NodeId(id)),
             listen: Some("127.0.0.1:7001".into()),
             data_dir: Some("/tmp/x".into()),
             peers: three(),
@@ -368,7 +368,7 @@ mod tests {
         )
         .unwrap();
         let config = NodeConfig::build(file, Overrides::default()).unwrap();
-        assert_eq!(config.id, 2);
+        assert_eq!(config.id, NodeId(2));
         assert_eq!(config.size, 64 << 20);
         assert_eq!(config.min_in_sync, 2);
         assert_eq!(config.peers.len(), 3);
@@ -398,7 +398,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(config.peers[&2].port(), 9999);
+        assert_eq!(config.peers[&NodeId(2)].port(), 9999);
         assert_eq!(config.peers.len(), 3);
         assert_eq!(config.size, 1 << 20);
         assert_eq!(config.min_in_sync, 3);

@@ -44,6 +44,7 @@ pub use config::{ConfigError, NodeConfig, Overrides};
 
 use crate::admin::AdminService;
 use crate::ha::{Controller, Coordinator};
+use crate::ids::NodeId;
 use crate::nbd::Export;
 use crate::net::{Audience, Limits, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
@@ -145,7 +146,7 @@ impl Node {
             listeners.http,
         );
         tracing::info!(
-            node = config.id,
+            node = %config.id,
             listen = %config.listen,
             nbd = ?config.nbd,
             http = ?config.http,
@@ -237,7 +238,7 @@ impl Node {
         if let Err(err) = self.db.flush_async().await {
             tracing::warn!(%err, "flushing the Raft Db");
         }
-        tracing::info!(node = self.config.id, "node stopped");
+        tracing::info!(node = %self.config.id, "node stopped");
     }
 }
 
@@ -399,8 +400,8 @@ async fn bootstrap(raft: &Raft, config: &NodeConfig) -> Result<(), NodeError> {
     if !raft.is_initialized().await.map_err(failed)? {
         let members: BTreeSet<_> = config.peers.keys().copied().collect();
         match raft.initialize(members).await {
-            Ok(()) => tracing::info!(node = config.id, "bootstrapped the cluster membership"),
-            Err(err) => tracing::info!(node = config.id, %err, "membership already initialized"),
+            Ok(()) => tracing::info!(node = %config.id, "bootstrapped the cluster membership"),
+            Err(err) => tracing::info!(node = %config.id, %err, "membership already initialized"),
         }
     }
     Ok(())
@@ -549,7 +550,7 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), Nod
         (None, None) => {
             tree.insert("cluster_id", config.cluster_id.as_bytes())
                 .map_err(failed)?;
-            tree.insert("node_id", &config.id.to_be_bytes())
+            tree.insert("node_id", &config.id.0.to_be_bytes())
                 .map_err(failed)?;
             db.flush().map_err(failed)?;
             Ok(())
@@ -559,7 +560,7 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), Nod
             let node = <[u8; 8]>::try_from(node.as_ref())
                 .map(u64::from_be_bytes)
                 .map_err(|_| failed("corrupt node id in the data dir"))?;
-            if cluster != config.cluster_id || node != config.id {
+            if cluster != config.cluster_id || NodeId(node) != config.id {
                 return Err(ConfigError(format!(
                     "data dir {} belongs to cluster {cluster:?} node {node}, not cluster {:?} node {}",
                     config.data_dir.display(),
@@ -579,7 +580,7 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), Nod
 async fn fix_volume_spec(
     coordinator: Arc<RaftCoordinator>,
     volume: VolumeSpec,
-    replicas: BTreeSet<u64>,
+    replicas: BTreeSet<NodeId>,
 ) {
     let mut observations = coordinator.observe();
     loop {

@@ -68,7 +68,7 @@ impl Volume {
         let floors = Arc::new(FloorBook::default());
         let engine = Engine::over(
             EngineConfig {
-                local_id: config.id.to_string(),
+                local_id: config.id,
                 replica_timeout: REPLICA_TIMEOUT,
                 volume: spec.clone(),
             },
@@ -146,13 +146,13 @@ fn replica_set(
     transport: &Transport,
     store: &Arc<ReplicaStore>,
 ) -> Result<ReplicaSet, NodeError> {
-    let local_id = config.id.to_string();
+    let local_id = config.id;
     let mut replicas: Vec<Arc<dyn Replica>> =
-        vec![Arc::new(LocalReplica::new(&local_id, Arc::clone(store)))];
+        vec![Arc::new(LocalReplica::new(local_id, Arc::clone(store)))];
     for (id, addr) in &config.peers {
         if *id != config.id {
             let remote = RemoteReplica::new(
-                id.to_string(),
+                *id,
                 transport,
                 &addr.to_string(),
                 &config.cluster_id,
@@ -166,5 +166,5 @@ fn replica_set(
             replicas.push(Arc::new(remote));
         }
     }
-    Ok(ReplicaSet::new(&local_id, replicas).map_err(|e| ConfigError(e.to_string()))?)
+    Ok(ReplicaSet::new(local_id, replicas).map_err(|e| ConfigError(e.to_string()))?)
 }

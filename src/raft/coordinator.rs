@@ -116,7 +116,6 @@ pub struct LogProgress {
 /// The Raft-backed coordinator. See the module docs.
 pub struct RaftCoordinator {
     id: NodeId,
-    id_text: String,
     raft: Raft,
     state_machine: StateMachine,
     peers: Arc<Peers>,
@@ -156,7 +155,6 @@ impl RaftCoordinator {
         ));
         Arc::new(Self {
             id,
-            id_text: id.to_string(),
             raft,
             state_machine,
             peers,
@@ -250,9 +248,9 @@ impl RaftCoordinator {
         self.raft.runtime_config().heartbeat(false);
         let request = TransferRequest {
             cluster_id: self.peers.cluster_id().to_string(),
-            from: self.id,
+            from: self.id.0,
             term: metrics.current_term,
-            target: to,
+            target: to.0,
         };
         // Tell every peer, the target last: non-targets must hold off
         // before the target's election can start.
@@ -274,7 +272,7 @@ impl RaftCoordinator {
                 if peer == to {
                     outcome = Err(HaError::Coordinator(format!("node {to} declined: {err}")));
                 } else {
-                    tracing::warn!(peer, %err, "could not announce the transfer");
+                    tracing::warn!(%peer, %err, "could not announce the transfer");
                 }
             }
         }
@@ -424,7 +422,7 @@ async fn watch_leadership(
                 None
             };
             let leadership = Leadership {
-                leader: m.current_leader.map(|l| l.to_string()),
+                leader: m.current_leader,
                 is_self: lease.is_some_and(|l| l.covers(m.current_term, now)),
                 term: m.current_term,
             };
@@ -434,7 +432,7 @@ async fn watch_leadership(
         tx.send_if_modified(|current| {
             let changed = *current != leadership;
             if changed {
-                tracing::info!(node = id, term = leadership.term, leader = ?leadership.leader, is_self = leadership.is_self, "leadership");
+                tracing::info!(node = %id, term = leadership.term, leader = ?leadership.leader, is_self = leadership.is_self, "leadership");
                 *current = leadership.clone();
             }
             changed
@@ -452,8 +450,8 @@ async fn watch_leadership(
 
 #[async_trait]
 impl Coordinator for RaftCoordinator {
-    fn node_id(&self) -> &str {
-        &self.id_text
+    fn node_id(&self) -> NodeId {
+        self.id
     }
 
     async fn campaign(&self) -> Result<(), HaError> {
@@ -479,7 +477,7 @@ impl Coordinator for RaftCoordinator {
             match self.transfer_to(to).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
-                    tracing::warn!(to, %err, "transfer failed; trying the next peer");
+                    tracing::warn!(%to, %err, "transfer failed; trying the next peer");
                     last = Err(err);
                 }
             }
@@ -500,12 +498,8 @@ impl Coordinator for RaftCoordinator {
         self.observations.clone()
     }
 
-    async fn members(&self) -> Result<Vec<String>, HaError> {
-        Ok(self
-            .live_members()
-            .into_iter()
-            .map(|id| id.to_string())
-            .collect())
+    async fn members(&self) -> Result<Vec<NodeId>, HaError> {
+        Ok(self.live_members().into_iter().collect())
     }
 
     fn lease(&self) -> Option<Lease> {
@@ -515,7 +509,7 @@ impl Coordinator for RaftCoordinator {
     async fn prev_writer(&self, term: u64) -> Result<Option<Writer>, HaError> {
         let applied = self.applied_through(term).await?;
         Ok(applied.control.writer.map(|w| Writer {
-            node: w.node.to_string(),
+            node: w.node,
             term: w.term,
         }))
     }
@@ -539,28 +533,18 @@ impl Coordinator for RaftCoordinator {
     }
 }
 
-fn parse_ids(ids: &BTreeSet<String>) -> Result<BTreeSet<NodeId>, InSyncError> {
-    ids.iter()
-        .map(|id| id.parse().map_err(|_| InSyncError::BadId(id.clone())))
-        .collect()
-}
-
-fn format_ids(ids: &BTreeSet<NodeId>) -> BTreeSet<String> {
-    ids.iter().map(|id| id.to_string()).collect()
-}
-
 #[async_trait]
 impl InSyncTracker for RaftCoordinator {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, InSyncError> {
-        Ok(format_ids(&self.state_machine.current().control.in_sync))
+    async fn in_sync(&self) -> Result<BTreeSet<NodeId>, InSyncError> {
+        Ok(self.state_machine.current().control.in_sync.clone())
     }
 
     async fn remove(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError> {
-        let remove = parse_ids(replicas)?;
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
+        let remove = replicas.clone();
         self.commit_in_sync(term, Request::ShrinkInSync { term, remove })
             .await
     }
@@ -568,9 +552,9 @@ impl InSyncTracker for RaftCoordinator {
     async fn add(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, InSyncError> {
-        let add = parse_ids(replicas)?;
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
+        let add = replicas.clone();
         self.commit_in_sync(term, Request::GrowInSync { term, add })
             .await
     }
@@ -582,12 +566,12 @@ impl RaftCoordinator {
         &self,
         term: u64,
         request: Request,
-    ) -> Result<BTreeSet<String>, InSyncError> {
+    ) -> Result<BTreeSet<NodeId>, InSyncError> {
         let response = self.commit(term, request).await.map_err(|err| match err {
             HaError::Refused(why) => InSyncError::Refused(why),
             other => InSyncError::Uncommitted(other.to_string()),
         })?;
-        Ok(format_ids(&response.in_sync))
+        Ok(response.in_sync)
     }
 }
 
@@ -601,11 +585,11 @@ mod tests {
     #[test]
     fn the_deadline_is_the_quorum_th_newest_ack_plus_the_lease_and_time_does_not_move_it() {
         let t0 = Instant::now();
-        let voters = vec![BTreeSet::from([1, 2, 3])];
-        let acks = HashMap::from([(2, t0), (3, t0 + Duration::from_millis(40))]);
+        let voters = vec![BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)])];
+        let acks = HashMap::from([(NodeId(2), t0), (NodeId(3), t0 + Duration::from_millis(40))]);
         for later in [0, 100, 1000, 5000] {
             let now = t0 + Duration::from_millis(later);
-            let lease = lease_from_acks(1, 7, &voters, &acks, LEASE, now).unwrap();
+            let lease = lease_from_acks(NodeId(1), 7, &voters, &acks, LEASE, now).unwrap();
             // Self and node 3 make the quorum: node 3's send time decides.
             assert_eq!(lease.deadline, t0 + Duration::from_millis(40) + LEASE);
             assert_eq!(lease.term, 7);
@@ -615,24 +599,33 @@ mod tests {
     #[test]
     fn without_a_quorum_of_acks_there_is_no_lease() {
         let t0 = Instant::now();
-        let five = vec![BTreeSet::from([1, 2, 3, 4, 5])];
-        let acks = HashMap::from([(2, t0)]);
-        assert_eq!(lease_from_acks(1, 7, &five, &acks, LEASE, t0), None);
-        let acks = HashMap::from([(2, t0), (4, t0 + Duration::from_millis(10))]);
-        let lease = lease_from_acks(1, 7, &five, &acks, LEASE, t0).unwrap();
+        let five = vec![BTreeSet::from([
+            NodeId(1),
+            NodeId(2),
+            NodeId(3),
+            NodeId(4),
+            NodeId(5),
+        ])];
+        let acks = HashMap::from([(NodeId(2), t0)]);
+        assert_eq!(lease_from_acks(NodeId(1), 7, &five, &acks, LEASE, t0), None);
+        let acks = HashMap::from([(NodeId(2), t0), (NodeId(4), t0 + Duration::from_millis(10))]);
+        let lease = lease_from_acks(NodeId(1), 7, &five, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE, "the older of the two peer acks");
     }
 
     #[test]
     fn a_joint_config_needs_a_quorum_of_each_half() {
         let t0 = Instant::now();
-        let joint = vec![BTreeSet::from([1, 2, 3]), BTreeSet::from([1, 4, 5])];
-        let acks = HashMap::from([(2, t0 + Duration::from_millis(30)), (4, t0)]);
-        let lease = lease_from_acks(1, 7, &joint, &acks, LEASE, t0).unwrap();
+        let joint = vec![
+            BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)]),
+            BTreeSet::from([NodeId(1), NodeId(4), NodeId(5)]),
+        ];
+        let acks = HashMap::from([(NodeId(2), t0 + Duration::from_millis(30)), (NodeId(4), t0)]);
+        let lease = lease_from_acks(NodeId(1), 7, &joint, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE);
-        let only_old_half = HashMap::from([(2, t0)]);
+        let only_old_half = HashMap::from([(NodeId(2), t0)]);
         assert_eq!(
-            lease_from_acks(1, 7, &joint, &only_old_half, LEASE, t0),
+            lease_from_acks(NodeId(1), 7, &joint, &only_old_half, LEASE, t0),
             None
         );
     }
@@ -640,8 +633,8 @@ mod tests {
     #[test]
     fn a_lone_voter_leads_without_acks() {
         let now = Instant::now();
-        let lone = vec![BTreeSet::from([1])];
-        let lease = lease_from_acks(1, 3, &lone, &HashMap::new(), LEASE, now).unwrap();
+        let lone = vec![BTreeSet::from([NodeId(1)])];
+        let lease = lease_from_acks(NodeId(1), 3, &lone, &HashMap::new(), LEASE, now).unwrap();
         assert_eq!(lease.deadline, now + LEASE);
     }
 }

@@ -64,7 +64,7 @@ impl Jitter {
 
 /// Runs until Raft stops: campaigns when the leader has been quiet too long.
 pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
-    let seed = peers.self_id().wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    let seed = peers.self_id().0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
         ^ std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -107,12 +107,12 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         if !pre_vote(&peers, next_index, timing.election_min / 2).await {
             // A majority still hears a leader (or is ahead of us): raising
             // the term now would only disturb it. Look again later.
-            tracing::info!(node = peers.self_id(), "pre-vote refused; not campaigning");
+            tracing::info!(node = %peers.self_id(), "pre-vote refused; not campaigning");
             last_attempt = Instant::now();
             retry_after = timing.heartbeat * 2 + jitter.below(spread);
             continue;
         }
-        tracing::info!(node = peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
+        tracing::info!(node = %peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
         peers.note_campaign();
         if raft.trigger().elect().await.is_err() {
             return;
@@ -130,7 +130,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
 async fn pre_vote(peers: &Peers, next_index: u64, timeout: Duration) -> bool {
     let request = PreVoteRequest {
         cluster_id: peers.cluster_id().to_string(),
-        from: peers.self_id(),
+        from: peers.self_id().0,
         next_index,
     };
     let asks = peers.peer_ids().map(|peer| {

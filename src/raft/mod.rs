@@ -80,8 +80,7 @@ pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
 pub use state_machine::StateMachine;
 
-/// A node's id in the Raft group.
-pub type NodeId = u64;
+pub use crate::ids::NodeId;
 
 openraft::declare_raft_types!(
     /// The openraft type configuration of replica-ha.
@@ -250,26 +249,32 @@ mod tests {
         let mut state = ControlState::default();
         state.apply(&Request::Init {
             volume: volume(4096),
-            replicas: [1, 2, 3].into(),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
         });
-        state.apply(&Request::Promote(WriterRecord { node: 1, term: 4 }));
+        state.apply(&Request::Promote(WriterRecord {
+            node: NodeId(1),
+            term: 4,
+        }));
         state.apply(&Request::ShrinkInSync {
             term: 4,
-            remove: [3].into(),
+            remove: [NodeId(3)].into(),
         });
         for stale in [3, 5] {
             let grow = Request::GrowInSync {
                 term: stale,
-                add: [3].into(),
+                add: [NodeId(3)].into(),
             };
             assert!(!state.apply(&grow).applied, "term {stale}");
         }
-        assert_eq!(state.in_sync, [1, 2].into());
+        assert_eq!(state.in_sync, [NodeId(1), NodeId(2)].into());
         let grow = Request::GrowInSync {
             term: 4,
-            add: [3].into(),
+            add: [NodeId(3)].into(),
         };
-        assert_eq!(state.apply(&grow).in_sync, [1, 2, 3].into());
+        assert_eq!(
+            state.apply(&grow).in_sync,
+            [NodeId(1), NodeId(2), NodeId(3)].into()
+        );
     }
 
     #[test]
@@ -277,13 +282,13 @@ mod tests {
         let mut state = ControlState::default();
         let init = Request::Init {
             volume: volume(4096),
-            replicas: [1, 2, 3].into(),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
         };
         assert!(state.apply(&init).applied);
         assert!(state.apply(&init).applied, "the same init is idempotent");
         let other = Request::Init {
             volume: volume(8192),
-            replicas: [1, 2, 3].into(),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
         };
         let response = state.apply(&other);
         assert!(!response.applied);
@@ -295,34 +300,43 @@ mod tests {
         let mut state = ControlState::default();
         state.apply(&Request::Init {
             volume: volume(4096),
-            replicas: [1, 2, 3].into(),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
         });
         assert!(
             state
-                .apply(&Request::Promote(WriterRecord { node: 1, term: 5 }))
+                .apply(&Request::Promote(WriterRecord {
+                    node: NodeId(1),
+                    term: 5
+                }))
                 .applied
         );
         assert!(
             !state
-                .apply(&Request::Promote(WriterRecord { node: 2, term: 4 }))
+                .apply(&Request::Promote(WriterRecord {
+                    node: NodeId(2),
+                    term: 4
+                }))
                 .applied
         );
         assert!(
             !state
-                .apply(&Request::Promote(WriterRecord { node: 3, term: 5 }))
+                .apply(&Request::Promote(WriterRecord {
+                    node: NodeId(3),
+                    term: 5
+                }))
                 .applied,
             "another node at a recorded term"
         );
         let stale = Request::ShrinkInSync {
             term: 4,
-            remove: [3].into(),
+            remove: [NodeId(3)].into(),
         };
         assert!(!state.apply(&stale).applied);
-        assert_eq!(state.in_sync, [1, 2, 3].into());
+        assert_eq!(state.in_sync, [NodeId(1), NodeId(2), NodeId(3)].into());
         let shrink = Request::ShrinkInSync {
             term: 5,
-            remove: [3].into(),
+            remove: [NodeId(3)].into(),
         };
-        assert_eq!(state.apply(&shrink).in_sync, [1, 2].into());
+        assert_eq!(state.apply(&shrink).in_sync, [NodeId(1), NodeId(2)].into());
     }
 }

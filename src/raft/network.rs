@@ -315,29 +315,30 @@ impl Peers {
     fn envelope<T: Serialize>(&self, payload: &T) -> Result<RaftMessage, String> {
         Ok(RaftMessage {
             cluster_id: self.cluster_id.clone(),
-            from: self.self_id,
+            from: self.self_id.0,
             payload: serde_json::to_vec(payload)
                 .map_err(|e| format!("encode: {e}"))?
                 .into(),
         })
     }
 
-    /// Checks the envelope of an incoming message and records its sender.
-    fn admit(&self, message: &RaftMessage) -> Result<(), Status> {
-        if message.cluster_id != self.cluster_id {
+    /// Checks the envelope of an incoming message (its cluster, and the
+    /// node it says it comes from), records its sender and returns it.
+    fn admit(&self, cluster_id: &str, from: u64) -> Result<NodeId, Status> {
+        if cluster_id != self.cluster_id {
             return Err(Status::failed_precondition(format!(
-                "message of cluster {:?}, this node belongs to {:?}",
-                message.cluster_id, self.cluster_id
+                "message of cluster {cluster_id:?}, this node belongs to {:?}",
+                self.cluster_id
             )));
         }
-        if !self.addresses.contains_key(&message.from) {
+        let from = NodeId(from);
+        if !self.addresses.contains_key(&from) {
             return Err(Status::permission_denied(format!(
-                "node {} is not a member of this cluster",
-                message.from
+                "node {from} is not a member of this cluster"
             )));
         }
-        self.touch(message.from);
-        Ok(())
+        self.touch(from);
+        Ok(from)
     }
 }
 
@@ -557,7 +558,7 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&message)?;
+            peers.admit(&message.cluster_id, message.from)?;
             let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
             let result = raft.append_entries(rpc).await;
             if result.as_ref().is_ok_and(accepts_leader) {
@@ -574,9 +575,9 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&message)?;
+            let from = peers.admit(&message.cluster_id, message.from)?;
             let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
-            if let Some(why) = peers.refuse_vote(message.from) {
+            if let Some(why) = peers.refuse_vote(from) {
                 return Err(Status::unavailable(why));
             }
             let result = raft.vote(rpc).await;
@@ -594,7 +595,7 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&message)?;
+            peers.admit(&message.cluster_id, message.from)?;
             let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
             reply(&peers, &raft.install_snapshot(rpc).await)
         })
@@ -607,12 +608,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<PreVoteReply>, Status> {
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&RaftMessage {
-                cluster_id: request.cluster_id.clone(),
-                from: request.from,
-                payload: Default::default(),
-            })?;
-            let refusal = peers.refuse_pre_vote(request.from, request.next_index, &raft);
+            let from = peers.admit(&request.cluster_id, request.from)?;
+            let refusal = peers.refuse_pre_vote(from, request.next_index, &raft);
             Ok(GrpcResponse::new(PreVoteReply {
                 granted: refusal.is_none(),
                 reason: refusal.unwrap_or_default(),
@@ -627,24 +624,20 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<TransferReply>, Status> {
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&RaftMessage {
-                cluster_id: request.cluster_id.clone(),
-                from: request.from,
-                payload: Default::default(),
-            })?;
+            let from = peers.admit(&request.cluster_id, request.from)?;
+            let target = NodeId(request.target);
             let metrics = raft.metrics().borrow().clone();
-            if metrics.current_leader != Some(request.from) || metrics.current_term != request.term
-            {
+            if metrics.current_leader != Some(from) || metrics.current_term != request.term {
                 return Err(Status::failed_precondition(format!(
-                    "node {} does not lead term {} here (leader {:?}, term {})",
-                    request.from, request.term, metrics.current_leader, metrics.current_term
+                    "node {from} does not lead term {} here (leader {:?}, term {})",
+                    request.term, metrics.current_leader, metrics.current_term
                 )));
             }
-            peers.begin_transfer(request.target);
-            if request.target == peers.self_id {
+            peers.begin_transfer(target);
+            if target == peers.self_id {
                 let wait = peers.election_timeout_max + Duration::from_millis(20);
                 tracing::info!(
-                    from = request.from,
+                    %from,
                     term = request.term,
                     "leadership offered; campaigning after {wait:?}"
                 );
@@ -656,8 +649,8 @@ impl raft_server::Raft for RaftService {
                 });
             } else {
                 tracing::info!(
-                    from = request.from,
-                    target = request.target,
+                    %from,
+                    %target,
                     "leadership moving; holding off"
                 );
             }

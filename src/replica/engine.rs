@@ -79,13 +79,14 @@ use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
+use crate::ids::NodeId;
 use crate::volume::{Device, DeviceError, VolumeSpec, check_request};
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// The id of this node; its replica is read first.
-    pub local_id: String,
+    pub local_id: NodeId,
     /// How long one replica may take to answer one request before it counts
     /// as failed for that request.
     pub replica_timeout: Duration,
@@ -106,10 +107,10 @@ pub enum MembershipError {
     Set(#[from] SetError),
     /// A replica of this id is in the in-sync set; remove it first.
     #[error("replica {0} is in the in-sync set")]
-    InSync(String),
+    InSync(NodeId),
     /// A replica of this id is being rebuilt; remove it first.
     #[error("replica {0} is being rebuilt")]
-    Rebuilding(String),
+    Rebuilding(NodeId),
     /// Removing it would leave fewer in-sync members than `min_in_sync`.
     #[error("only {remaining} in-sync replicas would remain; {need} are needed")]
     TooFew { remaining: usize, need: usize },
@@ -130,18 +131,18 @@ pub enum RebuildError {
     Inactive,
     /// No replica of the volume has this id.
     #[error("{0} is not a replica of this volume")]
-    Unknown(String),
+    Unknown(NodeId),
     /// The replica is in the in-sync set already.
     #[error("{0} is in sync already")]
-    InSync(String),
+    InSync(NodeId),
     /// The rebuild failed or was abandoned (a new term, a write that failed
     /// on the target).
     #[error("the rebuild of {0} failed or was abandoned")]
-    Abandoned(String),
+    Abandoned(NodeId),
     /// A write to the target failed while it was rebuilt or rejoined, so it
     /// may lack an acknowledged write.
     #[error("a write to {0} failed during its rebuild")]
-    WriteFailed(String),
+    WriteFailed(NodeId),
     /// No in-sync replica is left to copy from.
     #[error("no in-sync replica to copy from")]
     NoSource,
@@ -149,7 +150,7 @@ pub enum RebuildError {
     #[error("{step} {replica}: {cause}")]
     Replica {
         step: &'static str,
-        replica: String,
+        replica: NodeId,
         cause: ReplicaError,
     },
     /// The return could not be committed.
@@ -158,10 +159,10 @@ pub enum RebuildError {
 }
 
 impl RebuildError {
-    pub(super) fn replica(step: &'static str, replica: &str, cause: ReplicaError) -> Self {
+    pub(super) fn replica(step: &'static str, replica: NodeId, cause: ReplicaError) -> Self {
         Self::Replica {
             step,
-            replica: replica.to_string(),
+            replica,
             cause,
         }
     }
@@ -192,7 +193,7 @@ const STRIPES: u64 = 64;
 const FIRST_GENERATION: u64 = 1;
 
 /// Each replica's answer to one mirrored request, by replica id.
-type Outcomes = BTreeMap<String, Result<(), ReplicaError>>;
+type Outcomes = BTreeMap<NodeId, Result<(), ReplicaError>>;
 
 /// What [`Engine::settle`] decided.
 enum Settled {
@@ -263,19 +264,19 @@ struct EngineState {
     /// The active term; `None` while passive.
     term: Option<u64>,
     /// The committed in-sync set as last learned from the tracker.
-    in_sync: BTreeSet<String>,
+    in_sync: BTreeSet<NodeId>,
     /// Members whose last request failed but could not be dropped.
-    degraded: BTreeSet<String>,
+    degraded: BTreeSet<NodeId>,
     /// Replicas being rebuilt (write-only members).
-    rebuilding: BTreeMap<String, Rebuild>,
+    rebuilding: BTreeMap<NodeId, Rebuild>,
     /// The generation each replica's requests are stamped with in this term
     /// (0 when absent); raised past any request whose outcome was lost.
-    generations: BTreeMap<String, u64>,
+    generations: BTreeMap<NodeId, u64>,
     /// This term's writes, per extent.
     activity: Activity,
     /// Extents copied to a replica by a rebuild that was abandoned: marked
     /// with this term there, retired once a later rebuild returns it.
-    orphan_copies: BTreeMap<String, BTreeSet<u64>>,
+    orphan_copies: BTreeMap<NodeId, BTreeSet<u64>>,
 }
 
 impl Engine {
@@ -286,7 +287,7 @@ impl Engine {
         replicas: Vec<Arc<dyn Replica>>,
         tracker: Arc<dyn InSyncTracker>,
     ) -> Result<Self, EngineConfigError> {
-        let set = ReplicaSet::new(&config.local_id, replicas).map_err(|e| match e {
+        let set = ReplicaSet::new(config.local_id, replicas).map_err(|e| match e {
             SetError::Duplicate(_) => EngineConfigError("replica ids are not unique".into()),
             other => EngineConfigError(other.to_string()),
         })?;
@@ -354,7 +355,7 @@ impl Engine {
     /// (a replaced disk) must not inherit the old one's standing (S5).
     pub async fn add_replica(&self, replica: Arc<dyn Replica>) -> Result<(), MembershipError> {
         let _serialized = self.shrink.lock().await;
-        let id = replica.id().to_string();
+        let id = replica.id();
         let committed = self.tracker.in_sync().await?;
         {
             let state = self.lock();
@@ -374,15 +375,15 @@ impl Engine {
     /// of the active term), so no write is acknowledged without it before
     /// (S5); refused if fewer than `min_in_sync` members would remain. A
     /// rebuild of it is abandoned.
-    pub async fn remove_replica(&self, id: &str) -> Result<Arc<dyn Replica>, MembershipError> {
+    pub async fn remove_replica(&self, id: NodeId) -> Result<Arc<dyn Replica>, MembershipError> {
         let _serialized = self.shrink.lock().await;
         let (term, in_sync) = {
             let state = self.lock();
             (state.term, state.in_sync.clone())
         };
         let committed = self.tracker.in_sync().await?;
-        if committed.contains(id) || in_sync.contains(id) {
-            let remaining = committed.iter().filter(|m| *m != id).count();
+        if committed.contains(&id) || in_sync.contains(&id) {
+            let remaining = committed.iter().filter(|m| **m != id).count();
             if remaining < self.config.volume.min_in_sync {
                 return Err(MembershipError::TooFew {
                     remaining,
@@ -390,11 +391,11 @@ impl Engine {
                 });
             }
             let term = term.ok_or(MembershipError::Inactive)?;
-            let ids: BTreeSet<String> = [id.to_string()].into();
+            let ids: BTreeSet<NodeId> = [id].into();
             let now = self.tracker.remove(term, &ids).await?;
             let mut state = self.lock();
             state.in_sync = now;
-            state.degraded.remove(id);
+            state.degraded.remove(&id);
         }
         self.abort_rebuild(id);
         let removed = self.replicas.remove(id)?;
@@ -426,12 +427,12 @@ impl Engine {
         // A replica being rebuilt that left the set misses this request: its
         // rebuild must not finish (it would return without the write).
         for (id, rebuild) in state.rebuilding.iter_mut() {
-            if !members.iter().any(|r| r.id() == id) {
+            if !members.iter().any(|r| r.id() == *id) {
                 rebuild.failed = true;
             }
         }
-        let pick = |keep: &dyn Fn(&str) -> bool| -> Vec<Arc<dyn Replica>> {
-            members.iter().filter(|r| keep(r.id())).cloned().collect()
+        let pick = |keep: &dyn Fn(&NodeId) -> bool| -> Vec<Arc<dyn Replica>> {
+            members.iter().filter(|r| keep(&r.id())).cloned().collect()
         };
         let targets = pick(&|id| state.in_sync.contains(id));
         if targets.len() < self.config.volume.min_in_sync {
@@ -524,7 +525,7 @@ impl Engine {
             .zip(results)
             .map(|(replica, (stamp, result))| {
                 self.disown_if_lost(replica.id(), stamp, &result);
-                (replica.id().to_string(), result)
+                (replica.id(), result)
             })
             .collect()
     }
@@ -533,7 +534,7 @@ impl Engine {
     /// for the replica timeout (see [`super::liveness`]).
     async fn bounded<T>(
         &self,
-        id: &str,
+        id: NodeId,
         call: impl std::future::Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
         self.replicas
@@ -545,13 +546,13 @@ impl Engine {
     /// activation starts at generation [`FIRST_GENERATION`], above the
     /// fencer's, so the engine's first request to each replica drains and
     /// shuts out any copy of the promotion's fence that is still on its way.
-    fn stamp(&self, term: u64, id: &str) -> Stamp {
+    fn stamp(&self, term: u64, id: NodeId) -> Stamp {
         Stamp {
             term,
             generation: self
                 .lock()
                 .generations
-                .get(id)
+                .get(&id)
                 .copied()
                 .unwrap_or(FIRST_GENERATION),
         }
@@ -567,7 +568,7 @@ impl Engine {
     /// this writer writes at its term: an earlier request of its own got
     /// there first) refuses the request for good; the engine then moves
     /// past that floor for the replica, which disowns the same requests.
-    fn disown_if_lost<T>(&self, id: &str, used: Stamp, outcome: &Result<T, ReplicaError>) {
+    fn disown_if_lost<T>(&self, id: NodeId, used: Stamp, outcome: &Result<T, ReplicaError>) {
         let next = match outcome {
             Err(ReplicaError::Unavailable(why)) => {
                 tracing::info!(replica = %id, lost = %used, %why, "disowned a request whose outcome is unknown");
@@ -579,10 +580,7 @@ impl Engine {
             _ => return,
         };
         let mut state = self.lock();
-        let generation = state
-            .generations
-            .entry(id.to_string())
-            .or_insert(FIRST_GENERATION);
+        let generation = state.generations.entry(id).or_insert(FIRST_GENERATION);
         *generation = (*generation).max(next);
     }
 
@@ -606,7 +604,7 @@ impl Engine {
     /// spoiled, and a failure on a joining replica fails the request
     /// (returned as the replica's id). A replica whose return has already
     /// committed is a member by now, and [`Engine::settle`] judges it.
-    fn note_rebuilt(&self, outcomes: &Outcomes) -> Option<String> {
+    fn note_rebuilt(&self, outcomes: &Outcomes) -> Option<NodeId> {
         let mut joining_failed = None;
         let mut state = self.lock();
         for (id, outcome) in outcomes {
@@ -618,7 +616,7 @@ impl Engine {
             }
             rebuild.failed = true;
             if rebuild.joining {
-                joining_failed = Some(id.clone());
+                joining_failed = Some(*id);
             }
         }
         joining_failed
@@ -627,20 +625,20 @@ impl Engine {
     /// Starts rebuilding `id`: from now on it receives every write. Returns
     /// the term the rebuild runs under, once every write that began without
     /// it has finished.
-    pub async fn begin_rebuild(&self, id: &str) -> Result<u64, RebuildError> {
+    pub async fn begin_rebuild(&self, id: NodeId) -> Result<u64, RebuildError> {
         let term = {
             let mut state = self.lock();
             let term = state.term.ok_or(RebuildError::Inactive)?;
             if self.replicas.get(id).is_none() {
-                return Err(RebuildError::Unknown(id.to_string()));
+                return Err(RebuildError::Unknown(id));
             }
-            if state.in_sync.contains(id) {
-                return Err(RebuildError::InSync(id.to_string()));
+            if state.in_sync.contains(&id) {
+                return Err(RebuildError::InSync(id));
             }
             // A replica whose return's outcome is unknown stays joining (see
             // `finish_rebuild`): its failures keep failing writes.
-            let orphans = state.orphan_copies.remove(id).unwrap_or_default();
-            let rebuild = state.rebuilding.entry(id.to_string()).or_default();
+            let orphans = state.orphan_copies.remove(&id).unwrap_or_default();
+            let rebuild = state.rebuilding.entry(id).or_default();
             rebuild.failed = false;
             rebuild.copied.extend(orphans);
             term
@@ -663,11 +661,11 @@ impl Engine {
     /// Compares extent `extent` of the first in-sync replica and `id`
     /// under the extent's stripe, and copies it to `id` when they differ.
     /// Returns the bytes copied.
-    pub async fn copy_extent(&self, id: &str, extent: u64) -> Result<u64, RebuildError> {
+    pub async fn copy_extent(&self, id: NodeId, extent: u64) -> Result<u64, RebuildError> {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
         let term = self.term().ok_or(RebuildError::Inactive)?;
         if self.rebuild_failed(id) {
-            return Err(RebuildError::Abandoned(id.to_string()));
+            return Err(RebuildError::Abandoned(id));
         }
         let source = self
             .read_order()
@@ -696,7 +694,7 @@ impl Engine {
             .await;
         self.disown_if_lost(id, stamp, &written);
         written.map_err(|e| RebuildError::replica("writing", id, e))?;
-        if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
+        if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
             rebuild.copied.insert(extent);
         }
         Ok(len)
@@ -704,14 +702,14 @@ impl Engine {
 
     /// Commits the return of `id` to the in-sync set, once no write it
     /// failed could have been acknowledged without it.
-    pub async fn finish_rebuild(&self, id: &str) -> Result<(), RebuildError> {
+    pub async fn finish_rebuild(&self, id: NodeId) -> Result<(), RebuildError> {
         let term = {
             let mut state = self.lock();
             let term = state.term.ok_or(RebuildError::Inactive)?;
             let rebuild = state
                 .rebuilding
-                .get_mut(id)
-                .ok_or_else(|| RebuildError::Abandoned(id.to_string()))?;
+                .get_mut(&id)
+                .ok_or(RebuildError::Abandoned(id))?;
             rebuild.joining = true;
             term
         };
@@ -720,7 +718,7 @@ impl Engine {
         self.barrier().await;
         if self.rebuild_failed(id) {
             self.abort_rebuild(id);
-            return Err(RebuildError::WriteFailed(id.to_string()));
+            return Err(RebuildError::WriteFailed(id));
         }
         // S5 and S7: the copies were written without FUA; make them durable
         // on the target before the set counts on it.
@@ -732,7 +730,7 @@ impl Engine {
             self.abort_rebuild(id);
             return Err(RebuildError::replica("flushing", id, cause));
         }
-        let ids: BTreeSet<String> = [id.to_string()].into();
+        let ids: BTreeSet<NodeId> = [id].into();
         // In-sync changes are serialized with the acknowledgement decisions
         // of [`Engine::settle`].
         let _serialized = self.shrink.lock().await;
@@ -745,13 +743,13 @@ impl Engine {
                 // it gets every write, and one it fails is not acknowledged
                 // — until this activation ends.
                 match self.tracker.in_sync().await {
-                    Ok(now) if now.contains(id) => {
+                    Ok(now) if now.contains(&id) => {
                         let mut state = self.lock();
-                        state.rebuilding.remove(id);
+                        state.rebuilding.remove(&id);
                         state.in_sync = now;
                     }
                     _ => {
-                        if let Some(rebuild) = self.lock().rebuilding.get_mut(id) {
+                        if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
                             rebuild.failed = true;
                         }
                     }
@@ -761,7 +759,7 @@ impl Engine {
         };
         let failed_meanwhile = {
             let mut state = self.lock();
-            let rebuild = state.rebuilding.remove(id).unwrap_or_default();
+            let rebuild = state.rebuilding.remove(&id).unwrap_or_default();
             state.in_sync = committed;
             // The copies are durable on it now (flushed above), and equal on
             // every member: their marks can be retired like a write's.
@@ -773,7 +771,7 @@ impl Engine {
             // again before it serves as a full copy.
             let committed = self.tracker.remove(term, &ids).await?;
             self.lock().in_sync = committed;
-            return Err(RebuildError::WriteFailed(id.to_string()));
+            return Err(RebuildError::WriteFailed(id));
         }
         // Its marks. Those of older terms are stale: the rebuild compared
         // every extent with an in-sync copy, and those copies converged at
@@ -807,9 +805,8 @@ impl Engine {
     }
 
     /// The replica `id`, as the target of a rebuild step.
-    fn target(&self, id: &str) -> Result<Arc<dyn Replica>, RebuildError> {
-        self.replica(id)
-            .ok_or_else(|| RebuildError::Unknown(id.to_string()))
+    fn target(&self, id: NodeId) -> Result<Arc<dyn Replica>, RebuildError> {
+        self.replica(id).ok_or(RebuildError::Unknown(id))
     }
 
     /// Counts a write to `[offset, offset+len)` as in flight until the
@@ -887,7 +884,7 @@ impl Engine {
                     .members()
                     .iter()
                     .filter(|r| {
-                        state.in_sync.contains(r.id()) || state.rebuilding.contains_key(r.id())
+                        state.in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id())
                     })
                     .cloned()
                     .collect();
@@ -912,7 +909,7 @@ impl Engine {
                 if let Err(err) = outcome {
                     // Only a mark too many; a member's is tried again.
                     tracing::debug!(replica = %id, %err, "could not retire marks");
-                    kept |= self.lock().in_sync.contains(id);
+                    kept |= self.lock().in_sync.contains(&id);
                 }
             }
             if kept {
@@ -934,7 +931,7 @@ impl Engine {
             self.replicas
                 .members()
                 .iter()
-                .filter(|r| state.in_sync.contains(r.id()))
+                .filter(|r| state.in_sync.contains(&r.id()))
                 .cloned()
                 .collect()
         };
@@ -1045,12 +1042,12 @@ impl Engine {
     }
 
     /// Stops rebuilding `id` (it stays out of the in-sync set).
-    pub fn abort_rebuild(&self, id: &str) {
+    pub fn abort_rebuild(&self, id: NodeId) {
         let mut state = self.lock();
-        if let Some(rebuild) = state.rebuilding.remove(id) {
+        if let Some(rebuild) = state.rebuilding.remove(&id) {
             state
                 .orphan_copies
-                .entry(id.to_string())
+                .entry(id)
                 .or_default()
                 .extend(rebuild.copied);
         }
@@ -1058,12 +1055,12 @@ impl Engine {
 
     /// Whether a write to `id` failed since its rebuild began (or it is no
     /// longer being rebuilt).
-    pub fn rebuild_failed(&self, id: &str) -> bool {
-        self.lock().rebuilding.get(id).is_none_or(|r| r.failed)
+    pub fn rebuild_failed(&self, id: NodeId) -> bool {
+        self.lock().rebuilding.get(&id).is_none_or(|r| r.failed)
     }
 
     /// The committed in-sync set as this engine last learned it.
-    pub fn in_sync(&self) -> BTreeSet<String> {
+    pub fn in_sync(&self) -> BTreeSet<NodeId> {
         self.lock().in_sync.clone()
     }
 
@@ -1072,7 +1069,7 @@ impl Engine {
         self.extent_size
     }
 
-    fn replica(&self, id: &str) -> Option<Arc<dyn Replica>> {
+    fn replica(&self, id: NodeId) -> Option<Arc<dyn Replica>> {
         self.replicas.get(id)
     }
 
@@ -1085,26 +1082,26 @@ impl Engine {
     async fn settle(&self, term: u64, outcomes: &Outcomes) -> Result<Settled, DeviceError> {
         let _serialized = self.shrink.lock().await;
         let current = self.lock().in_sync.clone();
-        let succeeded: BTreeMap<String, bool> = outcomes
+        let succeeded: BTreeMap<NodeId, bool> = outcomes
             .iter()
-            .map(|(id, outcome)| (id.clone(), outcome.is_ok()))
+            .map(|(id, outcome)| (*id, outcome.is_ok()))
             .collect();
         let need = self.config.volume.min_in_sync;
-        let errors = |ids: &BTreeSet<String>| -> BTreeMap<String, String> {
+        let errors = |ids: &BTreeSet<NodeId>| -> BTreeMap<NodeId, String> {
             ids.iter()
                 .map(|id| {
                     let why = match outcomes.get(id) {
                         Some(Err(err)) => err.to_string(),
                         _ => "no longer in the replica set".to_string(),
                     };
-                    (id.clone(), why)
+                    (*id, why)
                 })
                 .collect()
         };
         let to_remove = match quorum::judge(&current, &self.replicas.ids(), &succeeded, need) {
             Verdict::Acknowledge => return Ok(Settled::Acknowledged),
             Verdict::SendTo(ids) => {
-                let missing = ids.iter().filter_map(|id| self.replica(id)).collect();
+                let missing = ids.iter().filter_map(|id| self.replica(*id)).collect();
                 return Ok(Settled::Missing(missing));
             }
             Verdict::TooFew { have, need, failed } => {
@@ -1142,12 +1139,12 @@ impl Engine {
     /// The replicas to read from, in order: the local one first if in sync.
     fn read_order(&self) -> Vec<Arc<dyn Replica>> {
         let state = self.lock();
-        let local = &self.config.local_id;
+        let local = self.config.local_id;
         let mut order: Vec<Arc<dyn Replica>> = self
             .replicas
             .members()
             .iter()
-            .filter(|r| state.in_sync.contains(r.id()))
+            .filter(|r| state.in_sync.contains(&r.id()))
             .cloned()
             .collect();
         order.sort_by_key(|r| r.id() != local);
@@ -1243,17 +1240,17 @@ impl WriterEngine for Engine {
             .iter()
             .map(|r| {
                 let id = r.id();
-                let state = if state.degraded.contains(id) {
+                let state = if state.degraded.contains(&id) {
                     ReplicaState::Degraded
-                } else if state.rebuilding.contains_key(id) {
+                } else if state.rebuilding.contains_key(&id) {
                     ReplicaState::Rebuilding
-                } else if state.in_sync.contains(id) {
+                } else if state.in_sync.contains(&id) {
                     ReplicaState::InSync
                 } else {
                     ReplicaState::Offline
                 };
                 ReplicaStatus {
-                    id: id.to_string(),
+                    id,
                     state,
                     local: id == self.config.local_id,
                 }

@@ -50,11 +50,12 @@ use super::quorum;
 use super::set::ReplicaSet;
 use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
+use crate::ids::NodeId;
 use crate::volume::VolumeSpec;
 
 /// The stamp the fencer uses for replica `id` (generation 0 if unknown).
-fn stamp_of(stamps: &BTreeMap<String, Stamp>, id: &str) -> Stamp {
-    stamps.get(id).copied().unwrap_or_default()
+fn stamp_of(stamps: &BTreeMap<NodeId, Stamp>, id: NodeId) -> Stamp {
+    stamps.get(&id).copied().unwrap_or_default()
 }
 
 /// How many marked extents one convergence step copies before it makes them
@@ -80,7 +81,7 @@ pub struct TokenFencer {
 /// The members of the replica set when a fence began.
 type Members = [Arc<dyn Replica>];
 
-fn find<'a>(members: &'a Members, id: &str) -> Option<&'a Arc<dyn Replica>> {
+fn find(members: &Members, id: NodeId) -> Option<&Arc<dyn Replica>> {
     members.iter().find(|r| r.id() == id)
 }
 
@@ -115,7 +116,7 @@ impl TokenFencer {
         &self,
         term: u64,
         members: &Members,
-    ) -> Result<BTreeMap<String, FenceReply>, FenceError> {
+    ) -> Result<BTreeMap<NodeId, FenceReply>, FenceError> {
         let replies = self
             .replicas
             .fan_out(members, self.timeout, |replica| replica.fence(term))
@@ -125,7 +126,7 @@ impl TokenFencer {
             match reply {
                 Ok(reply) if reply.floor == term => {
                     self.floors.note(
-                        &id,
+                        id,
                         Stamp {
                             term,
                             generation: reply.generation,
@@ -149,7 +150,7 @@ impl TokenFencer {
     /// Copies one extent from `source` to every target, written with `term`.
     async fn copy_to_all(
         &self,
-        stamps: &BTreeMap<String, Stamp>,
+        stamps: &BTreeMap<NodeId, Stamp>,
         source: &Arc<dyn Replica>,
         targets: &[&Arc<dyn Replica>],
         extent: u64,
@@ -220,7 +221,7 @@ impl TokenFencer {
             .await;
         outcomes
             .into_iter()
-            .try_for_each(|(id, outcome)| outcome.map_err(|e| FenceError::replica(step, &id, e)))
+            .try_for_each(|(id, outcome)| outcome.map_err(|e| FenceError::replica(step, id, e)))
     }
 
     /// Makes the converged `extents` durable on every member, then drops
@@ -230,7 +231,7 @@ impl TokenFencer {
         &self,
         term: u64,
         all: &[&Arc<dyn Replica>],
-        stamps: &BTreeMap<String, Stamp>,
+        stamps: &BTreeMap<NodeId, Stamp>,
         extents: &[u64],
         report: &mut Convergence,
     ) -> Result<(), FenceError> {
@@ -278,18 +279,18 @@ impl TokenFencer {
     async fn converge(
         &self,
         term: u64,
-        members: &BTreeSet<String>,
-        fenced: &BTreeMap<String, FenceReply>,
+        members: &BTreeSet<NodeId>,
+        fenced: &BTreeMap<NodeId, FenceReply>,
         replicas: &Members,
     ) -> Result<Convergence, FenceError> {
         let mut report = Convergence::default();
         let local = self.replicas.local_id();
-        let source_id = if members.contains(local) {
-            local.to_string()
+        let source_id = if members.contains(&local) {
+            local
         } else {
             members.iter().next().cloned().ok_or(FenceError::NoSource)?
         };
-        let source = find(replicas, &source_id).ok_or(FenceError::NoSource)?;
+        let source = find(replicas, source_id).ok_or(FenceError::NoSource)?;
         let mut extents = BTreeSet::new();
         let mut extent_size = 0;
         for id in members {
@@ -297,7 +298,7 @@ impl TokenFencer {
                 if reply.extent_size == 0 || (extent_size != 0 && reply.extent_size != extent_size)
                 {
                     return Err(FenceError::ExtentSize {
-                        replica: id.clone(),
+                        replica: *id,
                         reported: reply.extent_size,
                         expected: extent_size,
                     });
@@ -315,21 +316,23 @@ impl TokenFencer {
         let targets: Vec<&Arc<dyn Replica>> = members
             .iter()
             .filter(|id| **id != source_id)
-            .filter_map(|id| find(replicas, id))
+            .filter_map(|id| find(replicas, *id))
             .collect();
-        let all: Vec<&Arc<dyn Replica>> =
-            members.iter().filter_map(|id| find(replicas, id)).collect();
+        let all: Vec<&Arc<dyn Replica>> = members
+            .iter()
+            .filter_map(|id| find(replicas, *id))
+            .collect();
         // Each member's floor may be a later generation of this term (a
         // stint of this node's own at the term, or a rebuild): stamp what
         // the fencer sends it with that generation, so it is admitted.
-        let stamps: BTreeMap<String, Stamp> = fenced
+        let stamps: BTreeMap<NodeId, Stamp> = fenced
             .iter()
             .map(|(id, reply)| {
                 let stamp = Stamp {
                     term,
                     generation: reply.generation,
                 };
-                (id.clone(), stamp)
+                (*id, stamp)
             })
             .collect();
         let extents: Vec<u64> = extents
@@ -423,7 +426,7 @@ impl Fencer for TokenFencer {
         // (unfenced, since it was not sent the fence).
         let absent = committed
             .iter()
-            .filter(|id| find(&replicas, id).is_none())
+            .filter(|id| find(&replicas, **id).is_none())
             .count();
         let n = replicas.len() + absent;
         let need = quorum::fence_quorum(n, self.min_in_sync);
@@ -438,7 +441,7 @@ impl Fencer for TokenFencer {
         if !fenced.keys().any(|id| committed.contains(id)) {
             return Err(FenceError::NoInSyncFenced { in_sync: committed });
         }
-        let unreached: BTreeSet<String> = committed
+        let unreached: BTreeSet<NodeId> = committed
             .iter()
             .filter(|id| !fenced.contains_key(*id))
             .cloned()

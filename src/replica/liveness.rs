@@ -29,6 +29,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::ids::NodeId;
+
 use super::ReplicaError;
 
 /// How many timeouts one request may wait while its replica goes on
@@ -44,14 +46,14 @@ pub fn longest_wait(timeout: Duration) -> Duration {
 /// When each replica last answered.
 #[derive(Debug, Default)]
 pub struct Liveness {
-    heard: Mutex<HashMap<String, Instant>>,
+    heard: Mutex<HashMap<NodeId, Instant>>,
 }
 
 impl Liveness {
     /// Runs `call` to replica `id`, giving up as the module docs say.
     pub async fn bounded<T>(
         &self,
-        id: &str,
+        id: NodeId,
         timeout: Duration,
         call: impl Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
@@ -90,24 +92,24 @@ impl Liveness {
 
     /// Forgets replica `id` (it left the set; a later copy under the same
     /// id starts afresh).
-    pub fn forget(&self, id: &str) {
+    pub fn forget(&self, id: NodeId) {
         let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
-        heard.remove(id);
+        heard.remove(&id);
     }
 
-    fn heard_from(&self, id: &str) {
+    fn heard_from(&self, id: NodeId) {
         let mut heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
-        match heard.get_mut(id) {
+        match heard.get_mut(&id) {
             Some(at) => *at = Instant::now(),
             None => {
-                heard.insert(id.to_string(), Instant::now());
+                heard.insert(id, Instant::now());
             }
         }
     }
 
-    fn last_heard(&self, id: &str) -> Option<Instant> {
+    fn last_heard(&self, id: NodeId) -> Option<Instant> {
         let heard = self.heard.lock().unwrap_or_else(|p| p.into_inner());
-        heard.get(id).copied()
+        heard.get(&id).copied()
     }
 }
 
@@ -127,7 +129,7 @@ mod tests {
     /// in the background.
     fn answering_others(
         liveness: &Arc<Liveness>,
-        id: &'static str,
+        id: NodeId,
         count: u32,
     ) -> tokio::task::JoinHandle<()> {
         let liveness = Arc::clone(liveness);
@@ -146,7 +148,7 @@ mod tests {
         let liveness = Liveness::default();
         let started = Instant::now();
         let result = liveness
-            .bounded("r", TIMEOUT, std::future::pending::<Result<(), _>>())
+            .bounded(NodeId(7), TIMEOUT, std::future::pending::<Result<(), _>>())
             .await;
         assert!(matches!(result, Err(ReplicaError::Unavailable(_))));
         assert_eq!(Instant::now() - started, TIMEOUT);
@@ -157,8 +159,8 @@ mod tests {
         let liveness = Arc::new(Liveness::default());
         // Others are answered every half timeout while one request waits
         // five timeouts in the queue.
-        let others = answering_others(&liveness, "r", 12);
-        let slow = liveness.bounded("r", TIMEOUT, answer_after(TIMEOUT * 5));
+        let others = answering_others(&liveness, NodeId(7), 12);
+        let slow = liveness.bounded(NodeId(7), TIMEOUT, answer_after(TIMEOUT * 5));
         assert!(slow.await.is_ok());
         others.await.unwrap();
     }
@@ -166,10 +168,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_request_the_replica_lost_fails_even_while_others_are_answered() {
         let liveness = Arc::new(Liveness::default());
-        let others = answering_others(&liveness, "r", STUCK_AFTER * 3);
+        let others = answering_others(&liveness, NodeId(7), STUCK_AFTER * 3);
         let started = Instant::now();
         let lost = liveness
-            .bounded("r", TIMEOUT, std::future::pending::<Result<(), _>>())
+            .bounded(NodeId(7), TIMEOUT, std::future::pending::<Result<(), _>>())
             .await;
         assert!(matches!(lost, Err(ReplicaError::Unavailable(_))));
         assert_eq!(Instant::now() - started, longest_wait(TIMEOUT));
@@ -179,10 +181,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn answers_from_one_replica_do_not_keep_another_alive() {
         let liveness = Arc::new(Liveness::default());
-        let others = answering_others(&liveness, "a", 20);
+        let others = answering_others(&liveness, NodeId(1), 20);
         let started = Instant::now();
         let silent = liveness
-            .bounded("b", TIMEOUT, std::future::pending::<Result<(), _>>())
+            .bounded(NodeId(2), TIMEOUT, std::future::pending::<Result<(), _>>())
             .await;
         assert!(silent.is_err());
         assert_eq!(Instant::now() - started, TIMEOUT);
@@ -193,11 +195,11 @@ mod tests {
     async fn a_lost_connection_is_no_sign_of_life() {
         let liveness = Liveness::default();
         let broken = liveness
-            .bounded("r", TIMEOUT, async {
+            .bounded(NodeId(7), TIMEOUT, async {
                 Err::<(), _>(ReplicaError::Unavailable("connection reset".into()))
             })
             .await;
         assert!(broken.is_err());
-        assert_eq!(liveness.last_heard("r"), None);
+        assert_eq!(liveness.last_heard(NodeId(7)), None);
     }
 }

@@ -37,6 +37,7 @@ pub use engine::{Engine, EngineConfig, MembershipError, RebuildError};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
+use crate::ids::NodeId;
 use crate::volume::RangeError;
 
 /// What a write or flush is stamped with: the writer's term, the fencing
@@ -92,22 +93,22 @@ impl std::fmt::Display for Stamp {
 ///   `Engine::retire_marks`).
 #[derive(Debug, Default)]
 pub struct FloorBook {
-    floors: Mutex<std::collections::BTreeMap<String, Stamp>>,
+    floors: Mutex<std::collections::BTreeMap<NodeId, Stamp>>,
     copied: Mutex<(u64, std::collections::BTreeSet<u64>)>,
 }
 
 impl FloorBook {
     /// Records that replica `id`'s floor is `floor`.
-    pub fn note(&self, id: &str, floor: Stamp) {
-        lock(&self.floors).insert(id.to_string(), floor);
+    pub fn note(&self, id: NodeId, floor: Stamp) {
+        lock(&self.floors).insert(id, floor);
     }
 
     /// The recorded floors of `term`.
-    pub fn of_term(&self, term: u64) -> Vec<(String, Stamp)> {
+    pub fn of_term(&self, term: u64) -> Vec<(NodeId, Stamp)> {
         lock(&self.floors)
             .iter()
             .filter(|(_, stamp)| stamp.term == term)
-            .map(|(id, stamp)| (id.clone(), *stamp))
+            .map(|(id, stamp)| (*id, *stamp))
             .collect()
     }
 
@@ -222,7 +223,7 @@ impl From<sled::Error> for ReplicaError {
 #[async_trait]
 pub trait Replica: Send + Sync {
     /// The id of the node that holds this copy.
-    fn id(&self) -> &str;
+    fn id(&self) -> NodeId;
     /// Writes `data` at `offset` on behalf of the writer of `stamp`.
     async fn write(
         &self,
@@ -258,17 +259,14 @@ pub trait Replica: Send + Sync {
 
 /// A replica in this process: the store without a network hop.
 pub struct LocalReplica {
-    id: String,
+    id: NodeId,
     store: Arc<ReplicaStore>,
 }
 
 impl LocalReplica {
     /// Wraps `store`, held by node `id`.
-    pub fn new(id: impl Into<String>, store: Arc<ReplicaStore>) -> Self {
-        Self {
-            id: id.into(),
-            store,
-        }
+    pub fn new(id: NodeId, store: Arc<ReplicaStore>) -> Self {
+        Self { id, store }
     }
 
     /// The store behind this replica.
@@ -279,8 +277,8 @@ impl LocalReplica {
 
 #[async_trait]
 impl Replica for LocalReplica {
-    fn id(&self) -> &str {
-        &self.id
+    fn id(&self) -> NodeId {
+        self.id
     }
     async fn write(
         &self,

@@ -13,6 +13,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::ids::NodeId;
+
 /// How many of `replicas` must take a new term before no older writer can
 /// acknowledge a write (see the module docs).
 pub fn fence_quorum(replicas: usize, min_in_sync: usize) -> usize {
@@ -27,29 +29,29 @@ pub enum Verdict {
     /// These in-sync members are in the replica set but were not sent the
     /// request (they joined after it was sent): send it to them, then
     /// judge again.
-    SendTo(BTreeSet<String>),
+    SendTo(BTreeSet<NodeId>),
     /// These in-sync members failed it, or left the replica set, and
     /// enough would remain without them: commit their removal, then
     /// acknowledge only if [`all_succeeded`] on the committed set.
-    Remove(BTreeSet<String>),
+    Remove(BTreeSet<NodeId>),
     /// Without the failed members fewer than `need` would remain: the
     /// request is not acknowledged, and nothing is removed.
     TooFew {
         have: usize,
         need: usize,
-        failed: BTreeSet<String>,
+        failed: BTreeSet<NodeId>,
     },
 }
 
 /// Judges one request. `outcomes` holds, for each replica it was sent to,
 /// whether that replica succeeded; `members` is the replica set now.
 pub fn judge(
-    in_sync: &BTreeSet<String>,
-    members: &BTreeSet<String>,
-    outcomes: &BTreeMap<String, bool>,
+    in_sync: &BTreeSet<NodeId>,
+    members: &BTreeSet<NodeId>,
+    outcomes: &BTreeMap<NodeId, bool>,
     min_in_sync: usize,
 ) -> Verdict {
-    let unsent: BTreeSet<String> = in_sync
+    let unsent: BTreeSet<NodeId> = in_sync
         .iter()
         .filter(|id| members.contains(*id) && !outcomes.contains_key(*id))
         .cloned()
@@ -57,7 +59,7 @@ pub fn judge(
     if !unsent.is_empty() {
         return Verdict::SendTo(unsent);
     }
-    let failed: BTreeSet<String> = in_sync
+    let failed: BTreeSet<NodeId> = in_sync
         .iter()
         .filter(|id| outcomes.get(*id) != Some(&true))
         .cloned()
@@ -79,8 +81,8 @@ pub fn judge(
 /// After a removal was committed: Ok when every member of `committed`
 /// succeeded and there are at least `min_in_sync`; otherwise how many did.
 pub fn all_succeeded(
-    committed: &BTreeSet<String>,
-    outcomes: &BTreeMap<String, bool>,
+    committed: &BTreeSet<NodeId>,
+    outcomes: &BTreeMap<NodeId, bool>,
     min_in_sync: usize,
 ) -> Result<(), usize> {
     let succeeded = committed
@@ -98,18 +100,24 @@ pub fn all_succeeded(
 mod tests {
     use super::*;
 
-    fn ids(list: &str) -> BTreeSet<String> {
-        list.split_whitespace().map(str::to_string).collect()
+    /// Node `a` is `NodeId(1)`, `b` is 2, and so on.
+    fn id(letter: &str) -> NodeId {
+        let byte = letter.as_bytes()[0];
+        NodeId(u64::from(byte - b'a') + 1)
+    }
+
+    fn ids(list: &str) -> BTreeSet<NodeId> {
+        list.split_whitespace().map(id).collect()
     }
 
     /// `"a+ b- c"`: a succeeded, b failed, c got nothing.
-    fn outcomes(list: &str) -> BTreeMap<String, bool> {
+    fn outcomes(list: &str) -> BTreeMap<NodeId, bool> {
         list.split_whitespace()
             .filter_map(|o| {
                 let (id, sign) = o.split_at(o.len() - 1);
                 match sign {
-                    "+" => Some((id.to_string(), true)),
-                    "-" => Some((id.to_string(), false)),
+                    "+" => Some((self::id(id), true)),
+                    "-" => Some((self::id(id), false)),
                     _ => None,
                 }
             })

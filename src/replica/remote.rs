@@ -16,6 +16,7 @@ use tonic::transport::Channel;
 
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
+use crate::ids::NodeId;
 use crate::net::{Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
@@ -23,7 +24,7 @@ use crate::volume::MAX_REQUEST;
 
 /// A replica on another node.
 pub struct RemoteReplica {
-    id: String,
+    id: NodeId,
     client: ReplicaClient<Channel>,
     volume: pb::VolumeRef,
     timeout: Duration,
@@ -34,7 +35,7 @@ impl RemoteReplica {
     /// `transport`, for `cluster_id`'s `volume`, whose calls time out after
     /// `timeout`.
     pub fn new(
-        id: impl Into<String>,
+        id: NodeId,
         transport: &Transport,
         addr: &str,
         cluster_id: &str,
@@ -43,7 +44,7 @@ impl RemoteReplica {
     ) -> Result<Self, TransportError> {
         let client = transport.client(addr, ReplicaClient::new)?;
         Ok(Self {
-            id: id.into(),
+            id,
             client,
             volume: pb::VolumeRef {
                 cluster_id: cluster_id.to_string(),
@@ -66,8 +67,8 @@ impl RemoteReplica {
 
 #[async_trait]
 impl Replica for RemoteReplica {
-    fn id(&self) -> &str {
-        &self.id
+    fn id(&self) -> NodeId {
+        self.id
     }
 
     async fn write(

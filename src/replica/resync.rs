@@ -34,6 +34,7 @@ use tokio::time::Instant;
 
 use super::engine::RebuildError;
 use super::{Engine, Replica};
+use crate::ids::NodeId;
 use crate::volume::Device;
 
 /// How many extents one digest request covers.
@@ -82,7 +83,7 @@ pub struct Progress {
 pub struct Resyncer {
     engine: Arc<Engine>,
     config: ResyncConfig,
-    progress: Mutex<BTreeMap<String, Progress>>,
+    progress: Mutex<BTreeMap<NodeId, Progress>>,
 }
 
 impl Resyncer {
@@ -96,11 +97,11 @@ impl Resyncer {
     }
 
     /// Each replica's latest rebuild.
-    pub fn progress(&self) -> BTreeMap<String, Progress> {
+    pub fn progress(&self) -> BTreeMap<NodeId, Progress> {
         self.lock().clone()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Progress>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeId, Progress>> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -114,7 +115,7 @@ impl Resyncer {
             let in_sync = self.engine.in_sync();
             for replica in self.engine.replica_set().members().iter() {
                 let id = replica.id();
-                if in_sync.contains(id) || replica.info().await.is_err() {
+                if in_sync.contains(&id) || replica.info().await.is_err() {
                     continue;
                 }
                 match self.rebuild(replica).await {
@@ -127,14 +128,14 @@ impl Resyncer {
 
     /// Rebuilds one replica; returns the bytes copied.
     pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
-        let id = target.id().to_string();
-        let term = self.engine.begin_rebuild(&id).await?;
+        let id = target.id();
+        let term = self.engine.begin_rebuild(id).await?;
         tracing::info!(term, replica = %id, "resync started");
-        let outcome = self.copy_differences(&id, term).await;
+        let outcome = self.copy_differences(id, term).await;
         let outcome = match outcome {
-            Ok(copied) => self.engine.finish_rebuild(&id).await.map(|()| copied),
+            Ok(copied) => self.engine.finish_rebuild(id).await.map(|()| copied),
             Err(err) => {
-                self.engine.abort_rebuild(&id);
+                self.engine.abort_rebuild(id);
                 Err(err)
             }
         };
@@ -145,7 +146,7 @@ impl Resyncer {
     }
 
     /// The digest pass: compares every extent and copies those that differ.
-    async fn copy_differences(&self, id: &str, term: u64) -> Result<u64, RebuildError> {
+    async fn copy_differences(&self, id: NodeId, term: u64) -> Result<u64, RebuildError> {
         let total = self.engine.size();
         let extent = self.engine.extent_size();
         let started = Instant::now();
@@ -155,7 +156,7 @@ impl Resyncer {
         let target = self.replica(id)?;
         while offset < total {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
-                return Err(RebuildError::Abandoned(id.to_string()));
+                return Err(RebuildError::Abandoned(id));
             }
             let len = (EXTENTS_PER_PASS * extent).min(total - offset);
             let source = self.source()?;
@@ -197,7 +198,7 @@ impl Resyncer {
         }
     }
 
-    fn report(&self, id: &str, done: u64, total: u64, copied: u64, started: Instant) {
+    fn report(&self, id: NodeId, done: u64, total: u64, copied: u64, started: Instant) {
         let seconds = started.elapsed().as_secs_f64().max(1e-3);
         let rate = done as f64 / seconds;
         let eta = if rate > 0.0 {
@@ -206,7 +207,7 @@ impl Resyncer {
             0.0
         };
         self.lock().insert(
-            id.to_string(),
+            id,
             Progress {
                 done,
                 total,
@@ -218,11 +219,11 @@ impl Resyncer {
         );
     }
 
-    fn replica(&self, id: &str) -> Result<Arc<dyn Replica>, RebuildError> {
+    fn replica(&self, id: NodeId) -> Result<Arc<dyn Replica>, RebuildError> {
         self.engine
             .replica_set()
             .get(id)
-            .ok_or_else(|| RebuildError::Unknown(id.to_string()))
+            .ok_or(RebuildError::Unknown(id))
     }
 
     /// An in-sync replica to compare against.
@@ -232,7 +233,7 @@ impl Resyncer {
             .replica_set()
             .members()
             .iter()
-            .find(|r| in_sync.contains(r.id()))
+            .find(|r| in_sync.contains(&r.id()))
             .cloned()
             .ok_or(RebuildError::NoSource)
     }

@@ -22,8 +22,8 @@
 //!   acknowledged without it; the engine counts it as failed until its
 //!   removal from the in-sync set is committed (see [`super::quorum`]),
 //!   and the fencer counts it among the replicas an old writer may reach.
-//!   Ids are compared as strings: a new copy under an old id is told apart
-//!   only by the engine's checks above.
+//!   A replica's id is its node's [`NodeId`]: a new copy under an old id
+//!   is told apart only by the engine's checks above.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -32,12 +32,14 @@ use std::time::Duration;
 
 use futures::future::join_all;
 
+use crate::ids::NodeId;
+
 use super::liveness::Liveness;
 use super::{Replica, ReplicaError};
 
 /// See the module docs.
 pub struct ReplicaSet {
-    local: String,
+    local: NodeId,
     /// This node's replica first, then the others in the order added.
     members: RwLock<Arc<Vec<Arc<dyn Replica>>>>,
     liveness: Liveness,
@@ -48,44 +50,44 @@ pub struct ReplicaSet {
 pub enum SetError {
     /// Another member already has this id.
     #[error("replica {0} is a member already")]
-    Duplicate(String),
+    Duplicate(NodeId),
     /// No member has this id.
     #[error("replica {0} is not a member")]
-    Unknown(String),
+    Unknown(NodeId),
     /// This node's own replica is always a member.
     #[error("replica {0} is this node's own and cannot be removed")]
-    Local(String),
+    Local(NodeId),
     /// The list given to [`ReplicaSet::new`] lacks this node's replica.
-    #[error("the local replica {0:?} is not among the replicas")]
-    NoLocal(String),
+    #[error("the local replica {0} is not among the replicas")]
+    NoLocal(NodeId),
 }
 
 impl ReplicaSet {
     /// A set of `replicas`, among them this node's own, `local`.
-    pub fn new(local: &str, replicas: Vec<Arc<dyn Replica>>) -> Result<Self, SetError> {
+    pub fn new(local: NodeId, replicas: Vec<Arc<dyn Replica>>) -> Result<Self, SetError> {
         let mut ordered: Vec<Arc<dyn Replica>> = Vec::with_capacity(replicas.len());
         for replica in replicas {
             if ordered.iter().any(|r| r.id() == replica.id()) {
-                return Err(SetError::Duplicate(replica.id().to_string()));
+                return Err(SetError::Duplicate(replica.id()));
             }
             ordered.push(replica);
         }
         let at = ordered
             .iter()
             .position(|r| r.id() == local)
-            .ok_or_else(|| SetError::NoLocal(local.to_string()))?;
+            .ok_or(SetError::NoLocal(local))?;
         let own = ordered.remove(at);
         ordered.insert(0, own);
         Ok(Self {
-            local: local.to_string(),
+            local,
             members: RwLock::new(Arc::new(ordered)),
             liveness: Liveness::default(),
         })
     }
 
     /// This node's id.
-    pub fn local_id(&self) -> &str {
-        &self.local
+    pub fn local_id(&self) -> NodeId {
+        self.local
     }
 
     /// The members now, this node's first.
@@ -100,13 +102,13 @@ impl ReplicaSet {
     }
 
     /// The member with this id.
-    pub fn get(&self, id: &str) -> Option<Arc<dyn Replica>> {
+    pub fn get(&self, id: NodeId) -> Option<Arc<dyn Replica>> {
         self.members().iter().find(|r| r.id() == id).cloned()
     }
 
     /// The members' ids.
-    pub fn ids(&self) -> BTreeSet<String> {
-        self.members().iter().map(|r| r.id().to_string()).collect()
+    pub fn ids(&self) -> BTreeSet<NodeId> {
+        self.members().iter().map(|r| r.id()).collect()
     }
 
     /// How many members there are.
@@ -124,7 +126,7 @@ impl ReplicaSet {
     pub fn add(&self, replica: Arc<dyn Replica>) -> Result<(), SetError> {
         self.edit(|members| {
             if members.iter().any(|r| r.id() == replica.id()) {
-                return Err(SetError::Duplicate(replica.id().to_string()));
+                return Err(SetError::Duplicate(replica.id()));
             }
             members.push(replica);
             Ok(())
@@ -133,15 +135,15 @@ impl ReplicaSet {
 
     /// Removes the member `id` and returns it. Requests already started
     /// still go to it.
-    pub fn remove(&self, id: &str) -> Result<Arc<dyn Replica>, SetError> {
+    pub fn remove(&self, id: NodeId) -> Result<Arc<dyn Replica>, SetError> {
         if id == self.local {
-            return Err(SetError::Local(id.to_string()));
+            return Err(SetError::Local(id));
         }
         self.edit(|members| {
             let at = members
                 .iter()
                 .position(|r| r.id() == id)
-                .ok_or_else(|| SetError::Unknown(id.to_string()))?;
+                .ok_or(SetError::Unknown(id))?;
             Ok(members.remove(at))
         })
         .inspect(|_| self.liveness.forget(id))
@@ -162,7 +164,7 @@ impl ReplicaSet {
     /// `timeout` (see [`super::liveness`]).
     pub async fn bounded<T>(
         &self,
-        id: &str,
+        id: NodeId,
         timeout: Duration,
         call: impl Future<Output = Result<T, ReplicaError>>,
     ) -> Result<T, ReplicaError> {
@@ -176,7 +178,7 @@ impl ReplicaSet {
         replicas: impl IntoIterator<Item = &'a Arc<dyn Replica>>,
         timeout: Duration,
         call: F,
-    ) -> Vec<(String, Result<T, ReplicaError>)>
+    ) -> Vec<(NodeId, Result<T, ReplicaError>)>
     where
         F: Fn(&'a Arc<dyn Replica>) -> Fut,
         Fut: Future<Output = Result<T, ReplicaError>>,
@@ -185,7 +187,7 @@ impl ReplicaSet {
             let call = call(replica);
             async move {
                 let outcome = self.bounded(replica.id(), timeout, call).await;
-                (replica.id().to_string(), outcome)
+                (replica.id(), outcome)
             }
         }))
         .await
@@ -197,9 +199,9 @@ mod tests {
     use super::*;
     use crate::replica::{LocalReplica, ReplicaStore, StoreIdentity};
 
-    async fn replica(dir: &std::path::Path, id: &str) -> Arc<dyn Replica> {
+    async fn replica(dir: &std::path::Path, id: NodeId) -> Arc<dyn Replica> {
         let store = ReplicaStore::open(
-            &dir.join(id),
+            &dir.join(id.to_string()),
             StoreIdentity::new("set-test", "vol0", 1 << 20),
         )
         .await
@@ -211,42 +213,48 @@ mod tests {
     async fn the_local_replica_comes_first_and_stays() {
         let dir = tempfile::tempdir().unwrap();
         let list = vec![
-            replica(dir.path(), "a").await,
-            replica(dir.path(), "b").await,
+            replica(dir.path(), NodeId(1)).await,
+            replica(dir.path(), NodeId(2)).await,
         ];
-        let set = ReplicaSet::new("b", list).unwrap();
-        assert_eq!(set.members()[0].id(), "b");
-        assert_eq!(set.remove("b").err(), Some(SetError::Local("b".into())));
+        let set = ReplicaSet::new(NodeId(2), list).unwrap();
+        assert_eq!(set.members()[0].id(), NodeId(2));
+        assert_eq!(
+            set.remove(NodeId(2)).err(),
+            Some(SetError::Local(NodeId(2)))
+        );
         assert_eq!(set.len(), 2);
     }
 
     #[tokio::test]
     async fn ids_are_unique_and_the_local_one_is_required() {
         let dir = tempfile::tempdir().unwrap();
-        let a = replica(dir.path(), "a").await;
+        let a = replica(dir.path(), NodeId(1)).await;
         assert_eq!(
-            ReplicaSet::new("a", vec![Arc::clone(&a), Arc::clone(&a)]).err(),
-            Some(SetError::Duplicate("a".into()))
+            ReplicaSet::new(NodeId(1), vec![Arc::clone(&a), Arc::clone(&a)]).err(),
+            Some(SetError::Duplicate(NodeId(1)))
         );
         assert_eq!(
-            ReplicaSet::new("z", vec![Arc::clone(&a)]).err(),
-            Some(SetError::NoLocal("z".into()))
+            ReplicaSet::new(NodeId(26), vec![Arc::clone(&a)]).err(),
+            Some(SetError::NoLocal(NodeId(26)))
         );
-        let set = ReplicaSet::new("a", vec![Arc::clone(&a)]).unwrap();
-        assert_eq!(set.add(a).err(), Some(SetError::Duplicate("a".into())));
-        assert_eq!(set.remove("q").err(), Some(SetError::Unknown("q".into())));
+        let set = ReplicaSet::new(NodeId(1), vec![Arc::clone(&a)]).unwrap();
+        assert_eq!(set.add(a).err(), Some(SetError::Duplicate(NodeId(1))));
+        assert_eq!(
+            set.remove(NodeId(17)).err(),
+            Some(SetError::Unknown(NodeId(17)))
+        );
     }
 
     #[tokio::test]
     async fn a_snapshot_taken_before_a_change_keeps_its_members() {
         let dir = tempfile::tempdir().unwrap();
-        let set = ReplicaSet::new("a", vec![replica(dir.path(), "a").await]).unwrap();
+        let set = ReplicaSet::new(NodeId(1), vec![replica(dir.path(), NodeId(1)).await]).unwrap();
         let before = set.members();
-        set.add(replica(dir.path(), "b").await).unwrap();
+        set.add(replica(dir.path(), NodeId(2)).await).unwrap();
         assert_eq!(before.len(), 1);
-        assert_eq!(set.ids(), ["a".to_string(), "b".to_string()].into());
-        let removed = set.remove("b").unwrap();
-        assert_eq!(removed.id(), "b");
-        assert_eq!(set.ids(), ["a".to_string()].into());
+        assert_eq!(set.ids(), [NodeId(1), NodeId(2)].into());
+        let removed = set.remove(NodeId(2)).unwrap();
+        assert_eq!(removed.id(), NodeId(2));
+        assert_eq!(set.ids(), [NodeId(1)].into());
     }
 }

@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
+use replica_ha::ids::NodeId;
 use replica_ha::replica::{
     FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
     StoreIdentity,
@@ -55,7 +56,7 @@ pub struct FaultyReplica {
 }
 
 impl FaultyReplica {
-    pub fn new(id: &str, store: Arc<ReplicaStore>) -> Arc<Self> {
+    pub fn new(id: NodeId, store: Arc<ReplicaStore>) -> Arc<Self> {
         Arc::new(Self {
             inner: LocalReplica::new(id, store),
             fault: Mutex::new(Fault::None),
@@ -136,7 +137,7 @@ impl FaultyReplica {
 
 #[async_trait]
 impl Replica for FaultyReplica {
-    fn id(&self) -> &str {
+    fn id(&self) -> NodeId {
         self.inner.id()
     }
     async fn write(
@@ -213,7 +214,7 @@ pub struct LoggingTracker {
 }
 
 impl LoggingTracker {
-    pub fn new(members: &[&str], events: Arc<Mutex<Vec<String>>>) -> Arc<Self> {
+    pub fn new(members: &[NodeId], events: Arc<Mutex<Vec<String>>>) -> Arc<Self> {
         Arc::new(Self {
             inner: MemoryInSync::new(members.iter().copied()),
             events,
@@ -232,17 +233,17 @@ impl LoggingTracker {
 
 #[async_trait]
 impl InSyncTracker for LoggingTracker {
-    async fn in_sync(&self) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
+    async fn in_sync(&self) -> Result<BTreeSet<NodeId>, replica_ha::ha::InSyncError> {
         self.inner.in_sync().await
     }
     async fn remove(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, replica_ha::ha::InSyncError> {
         let result = self.inner.remove(term, replicas).await;
         if result.is_ok() {
-            let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
+            let ids: Vec<String> = replicas.iter().map(|id| format!("n{id}")).collect();
             self.events
                 .lock()
                 .unwrap()
@@ -253,15 +254,15 @@ impl InSyncTracker for LoggingTracker {
     async fn add(
         &self,
         term: u64,
-        replicas: &BTreeSet<String>,
-    ) -> Result<BTreeSet<String>, replica_ha::ha::InSyncError> {
+        replicas: &BTreeSet<NodeId>,
+    ) -> Result<BTreeSet<NodeId>, replica_ha::ha::InSyncError> {
         let hold = self.hold_adds.lock().unwrap().clone();
         if let Some(hold) = hold {
             hold.acquire().await.expect("never closed").forget();
         }
         let result = self.inner.add(term, replicas).await;
         if result.is_ok() {
-            let ids: Vec<&str> = replicas.iter().map(String::as_str).collect();
+            let ids: Vec<String> = replicas.iter().map(|id| format!("n{id}")).collect();
             self.events
                 .lock()
                 .unwrap()
@@ -274,11 +275,14 @@ impl InSyncTracker for LoggingTracker {
 pub const SIZE: u64 = 16 * 1024 * 1024;
 
 /// Opens a store for node `id` under `dir`.
-pub async fn store(dir: &std::path::Path, id: &str) -> Arc<ReplicaStore> {
+pub async fn store(dir: &std::path::Path, id: NodeId) -> Arc<ReplicaStore> {
     Arc::new(
-        ReplicaStore::open(dir.join(id), StoreIdentity::new("test", "vol0", SIZE))
-            .await
-            .expect("open store"),
+        ReplicaStore::open(
+            dir.join(id.to_string()),
+            StoreIdentity::new("test", "vol0", SIZE),
+        )
+        .await
+        .expect("open store"),
     )
 }
 

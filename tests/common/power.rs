@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use replica_ha::ids::NodeId;
 use replica_ha::replica::{
     FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
 };
@@ -34,7 +35,7 @@ struct Durability {
 
 impl PowerCutReplica {
     /// Wraps `store`, whose current content counts as durable.
-    pub async fn new(id: &str, store: Arc<ReplicaStore>) -> Arc<Self> {
+    pub async fn new(id: NodeId, store: Arc<ReplicaStore>) -> Arc<Self> {
         let size = store.size();
         let mut image = Vec::with_capacity(size as usize);
         let chunk = 4 << 20;
@@ -104,7 +105,7 @@ fn apply(image: &mut [u8], offset: u64, data: &[u8]) {
 
 #[async_trait]
 impl Replica for PowerCutReplica {
-    fn id(&self) -> &str {
+    fn id(&self) -> NodeId {
         self.inner.id()
     }
     async fn write(
