@@ -38,6 +38,7 @@ impl FromStr for NodeId {
     }
 }
 
+/// openraft's storage test suite builds its node ids from numbers.
 impl From<u64> for NodeId {
     fn from(id: u64) -> Self {
         NodeId(id)

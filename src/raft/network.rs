@@ -659,3 +659,38 @@ impl raft_server::Raft for RaftService {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers() -> Arc<Peers> {
+        let addresses = [(NodeId(1), "127.0.0.1:1"), (NodeId(2), "127.0.0.1:2")]
+            .into_iter()
+            .map(|(id, addr)| (id, addr.to_string()))
+            .collect();
+        Peers::new(
+            "c".into(),
+            NodeId(1),
+            addresses,
+            Transport::default(),
+            Duration::from_millis(300),
+        )
+    }
+
+    #[test]
+    fn only_a_member_of_this_cluster_is_admitted_and_only_it_is_heard() {
+        let peers = peers();
+        let since = Instant::now();
+        let other_cluster = peers.admit("d", 2).unwrap_err();
+        assert_eq!(other_cluster.code(), tonic::Code::FailedPrecondition);
+        let stranger = peers.admit("c", 9).unwrap_err();
+        assert_eq!(stranger.code(), tonic::Code::PermissionDenied);
+        assert!(
+            peers.heard_since(since).is_empty(),
+            "a refused sender is not heard"
+        );
+        assert_eq!(peers.admit("c", 2).unwrap(), NodeId(2));
+        assert_eq!(peers.heard_since(since), vec![NodeId(2)]);
+    }
+}
