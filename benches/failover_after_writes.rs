@@ -117,6 +117,8 @@ async fn main() {
                         .lines()
                         .filter(|l| {
                             [
+                                "campaigning",
+                                "pre-vote refused",
                                 "won leadership",
                                 "fenced and reconciled",
                                 "promoted: gate open",
@@ -125,7 +127,7 @@ async fn main() {
                             .any(|k| l.contains(k))
                         })
                         .collect();
-                    for line in steps.iter().rev().take(3).rev() {
+                    for line in steps.iter().rev().take(5).rev() {
                         println!("    node {id}: {line}");
                     }
                 }

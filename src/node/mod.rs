@@ -462,6 +462,15 @@ fn spawn_background(
         crate::raft::detector::run(raft_handle, peers, timing).await;
     });
     tasks.spawn(
+        "predigest",
+        predigest_when_leader_silent(
+            Arc::clone(&volume.store),
+            raft.raft.clone(),
+            Arc::clone(&raft.peers),
+            config.timing,
+        ),
+    );
+    tasks.spawn(
         "volume config",
         fix_volume_spec(
             Arc::clone(&raft.coordinator),
@@ -470,6 +479,38 @@ fn spawn_background(
         ),
     );
 }
+
+/// While no leader has been heard for [`PREDIGEST_AFTER_HEARTBEATS`]
+/// heartbeat intervals, keeps the digests of this node's marked extents
+/// hashed ahead (see [`crate::replica::predigest`]): a failover is likely
+/// coming, and its convergence then reads them instead of hashing. The
+/// failure detector waits `election_max` before it campaigns, so this runs
+/// in that wait, off the failover's path.
+async fn predigest_when_leader_silent(
+    store: Arc<crate::replica::ReplicaStore>,
+    raft: Raft,
+    peers: Arc<Peers>,
+    timing: crate::raft::RaftTiming,
+) {
+    let silent_for = timing.heartbeat * PREDIGEST_AFTER_HEARTBEATS;
+    let metrics = raft.metrics();
+    loop {
+        tokio::time::sleep(timing.heartbeat / 2).await;
+        let leads = metrics.borrow().state == openraft::ServerState::Leader;
+        if leads || peers.last_leader_contact().elapsed() < silent_for {
+            continue;
+        }
+        match store.predigest().await {
+            Ok(0) => {}
+            Ok(hashed) => tracing::debug!(hashed, "leader silent: hashed the marked extents ahead"),
+            Err(err) => tracing::warn!(%err, "hashing the marked extents ahead"),
+        }
+    }
+}
+
+/// How many heartbeat intervals without a leader make a node hash its
+/// marked extents ahead of a failover.
+const PREDIGEST_AFTER_HEARTBEATS: u32 = 3;
 
 async fn bind(
     what: &str,

@@ -21,6 +21,7 @@ pub mod engine;
 pub mod fencer;
 pub mod liveness;
 pub mod meta;
+pub mod predigest;
 pub mod quorum;
 pub mod remote;
 pub mod resync;

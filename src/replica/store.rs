@@ -50,6 +50,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 
+use super::predigest::{Digest, DigestCache};
 use super::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::volume::check_request;
 
@@ -57,6 +58,10 @@ pub use crate::volume::DEFAULT_EXTENT_SIZE;
 
 /// The most extents one digest request may cover (256 MiB at 1 MiB).
 pub const MAX_DIGEST_EXTENTS: u64 = 256;
+
+/// The most marked extents [`ReplicaStore::predigest`] hashes (1 GiB at
+/// 1 MiB): a bound on the work a quiet replica does ahead of a failover.
+pub const MAX_PREDIGEST_EXTENTS: usize = 1024;
 
 /// The most extents one mark retirement may name.
 pub const MAX_RETIRE_EXTENTS: u64 = 4096;
@@ -142,6 +147,9 @@ pub struct ReplicaStore {
     marked: Mutex<HashSet<DirtyExtent>>,
     /// Requests admitted with a term below the floor (see the module docs).
     stale_accepts: AtomicU64,
+    /// Every change to the data file is counted here, and the digests of
+    /// the marked extents hashed ahead of a failover are kept here.
+    predigests: Arc<DigestCache>,
     /// Tests slow the data I/O down to hold requests in flight.
     #[cfg(test)]
     io_delay: Mutex<std::time::Duration>,
@@ -245,6 +253,7 @@ impl ReplicaStore {
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
             stale_accepts: AtomicU64::new(stale_accepts),
+            predigests: Arc::default(),
             #[cfg(test)]
             io_delay: Mutex::default(),
         })
@@ -292,10 +301,12 @@ impl ReplicaStore {
         let file = Arc::clone(&self.file);
         #[cfg(test)]
         let delay = *self.io_delay.lock().unwrap_or_else(|p| p.into_inner());
+        let touch = self.predigests.touch();
         run_io(move || {
             // The guard lives until the I/O is done, even if our caller is
-            // cancelled: a fence cannot overtake this write (S3).
-            let _admitted = admitted;
+            // cancelled: a fence cannot overtake this write (S3). So does
+            // the touch: no predigest is taken or served meanwhile.
+            let (_admitted, _touch) = (admitted, touch);
             #[cfg(test)]
             std::thread::sleep(delay);
             file.write_all_at(&data, offset)?;
@@ -384,11 +395,46 @@ impl ReplicaStore {
         } else {
             (offset + len - 1) / size
         };
-        let volume = self.size();
+        if let Some(digests) = self.predigests.lookup(first, last) {
+            return Ok((first, digests));
+        }
+        let digests = run_io(self.hasher(first..=last)).await?;
+        Ok((first, digests))
+    }
+
+    /// Hashes every marked extent (at most [`MAX_PREDIGEST_EXTENTS`]) while
+    /// nothing writes, so that a promotion's comparison need not: see
+    /// [`super::predigest`]. Does nothing while a write is in flight or
+    /// when the digests are current. Returns how many extents it hashed.
+    pub async fn predigest(&self) -> Result<usize, ReplicaError> {
+        let Some(epoch) = self.predigests.quiet() else {
+            return Ok(0);
+        };
+        let mut extents: Vec<u64> = self.dirty_extents()?.iter().map(|m| m.extent).collect();
+        extents.sort_unstable();
+        extents.dedup();
+        extents.truncate(MAX_PREDIGEST_EXTENTS);
+        let count = extents.len();
+        let hash = self.hasher(extents.clone());
+        let digests = run_io(move || Ok(extents.into_iter().zip(hash()?).collect())).await?;
+        if self.predigests.keep(epoch, digests) {
+            Ok(count)
+        } else {
+            Ok(0)
+        }
+    }
+
+    /// A blocking task that returns the BLAKE3 digests of `extents`.
+    fn hasher(
+        &self,
+        extents: impl IntoIterator<Item = u64> + Send + 'static,
+    ) -> impl FnOnce() -> std::io::Result<Vec<Digest>> + Send + 'static {
+        let (size, volume) = (self.identity.extent_size, self.size());
         let file = Arc::clone(&self.file);
-        let digests = run_io(move || {
+        move || {
             let mut buf = vec![0u8; size as usize];
-            (first..=last)
+            extents
+                .into_iter()
                 .map(|extent| {
                     let start = extent * size;
                     let end = (start + size).min(volume);
@@ -396,10 +442,8 @@ impl ReplicaStore {
                     file.read_exact_at(chunk, start)?;
                     Ok(*blake3::hash(chunk).as_bytes())
                 })
-                .collect::<std::io::Result<Vec<_>>>()
-        })
-        .await?;
-        Ok((first, digests))
+                .collect()
+        }
     }
 
     /// The fence floor, the number of dirty marks and the audit counter.
@@ -1109,6 +1153,74 @@ mod tests {
             store.digests(0, (MAX_DIGEST_EXTENTS + 1) * mib).await,
             Err(ReplicaError::Range(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn predigests_serve_until_the_next_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        let mib = DEFAULT_EXTENT_SIZE;
+        store.write(1, mib, block(1, 4096), false).await.unwrap();
+        store
+            .write(1, 3 * mib, block(3, 4096), false)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.predigest().await.unwrap(),
+            2,
+            "the two marked extents"
+        );
+        assert_eq!(store.predigest().await.unwrap(), 0, "already current");
+        let (_, fresh) = store.digests(mib, mib).await.unwrap();
+
+        // Change the file behind the store's back: the digest served is the
+        // one hashed ahead, which shows it is served from there.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(DATA_FILE))
+            .unwrap()
+            .write_all_at(&[0xee; 16], mib)
+            .unwrap();
+        assert_eq!(store.digests(mib, mib).await.unwrap().1, fresh);
+        // An unmarked extent is hashed on the spot.
+        let (_, zero) = store.digests(2 * mib, mib).await.unwrap();
+        assert_eq!(zero[0], *blake3::hash(&vec![0u8; mib as usize]).as_bytes());
+
+        // Any write through the store ends the snapshot, even to another
+        // extent: the changed bytes are hashed again.
+        store
+            .write(1, 3 * mib, block(4, 4096), false)
+            .await
+            .unwrap();
+        assert_ne!(store.digests(mib, mib).await.unwrap().1, fresh);
+    }
+
+    #[tokio::test]
+    async fn no_predigest_is_taken_while_a_write_is_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        store.write(1, 0, block(1, 4096), false).await.unwrap();
+        *store.io_delay.lock().unwrap() = Duration::from_millis(300);
+        let writing = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move { store.write(1, 0, block(2, 4096), false).await }
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while store.predigests.quiet().is_some() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the write never began"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(store.predigest().await.unwrap(), 0);
+        writing.await.unwrap().unwrap();
+        *store.io_delay.lock().unwrap() = Duration::ZERO;
+        assert_eq!(store.predigest().await.unwrap(), 1);
+        let (_, now) = store.digests(0, 1).await.unwrap();
+        let mut expected = vec![0u8; DEFAULT_EXTENT_SIZE as usize];
+        expected[..4096].fill(2);
+        assert_eq!(now[0], *blake3::hash(&expected).as_bytes());
     }
 
     #[tokio::test]
