@@ -53,10 +53,7 @@ async fn copied(cluster: &Cluster, writer: u64, id: u64) -> u64 {
 
 /// One digest pass over the whole volume on `id`, as the resync makes it.
 async fn digest_pass(cluster: &Cluster, id: u64) -> Duration {
-    let channel = replica_ha::net::Transport::default()
-        .channel(&cluster.addrs[&id].to_string())
-        .unwrap();
-    let mut client = ReplicaClient::new(channel);
+    let mut client = ReplicaClient::new(cluster.peer_channel(id));
     let started = Instant::now();
     for chunk in 0..SIZE / (64 * MIB) {
         client

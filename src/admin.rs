@@ -7,6 +7,11 @@
 //! leads (or fails with the reason). `Write` and `Read` go through the
 //! node's gated device exactly as NBD requests do — never around the gate —
 //! so a passive node refuses writes here too.
+//!
+//! Who may call what (S9; the transport's guard has already admitted only
+//! certificates of this cluster): `Status`, `Members` and `Read` any
+//! client or node certificate; `TransferLeader` and `Write` change the
+//! cluster or the volume and need a client certificate with role `admin`.
 
 use std::sync::Arc;
 
@@ -15,6 +20,7 @@ use tonic::{Request, Response, Status};
 
 use crate::ha::HaError;
 use crate::ids::NodeId;
+use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus, StatusReply,
@@ -108,6 +114,7 @@ impl Admin for AdminService {
             nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
             reads_served: status.reads_refused.is_none(),
             reads_refused: status.reads_refused.clone().unwrap_or_default(),
+            security: facts.security().to_string(),
         }))
     }
 
@@ -128,6 +135,7 @@ impl Admin for AdminService {
     }
 
     async fn write(&self, request: Request<WriteRequest>) -> Result<Response<WriteReply>, Status> {
+        Caller::of(&request).require_admin("write to the volume")?;
         let request = request.into_inner();
         self.view
             .device()
@@ -152,6 +160,7 @@ impl Admin for AdminService {
         &self,
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
+        Caller::of(&request).require_admin("transfer leadership")?;
         let to = NodeId(request.into_inner().to);
         if !self.view.facts().peers.contains_key(&to) {
             return Err(Status::invalid_argument(format!(

@@ -85,6 +85,12 @@ pub fn render(status: &NodeStatus) -> String {
         text.sample("replica_ha_role", &[("node", &node), ("role", role)], value);
     }
     text.single(
+        "replica_ha_insecure",
+        "gauge",
+        "1 while this node runs without TLS (insecure = true): nothing is authenticated.",
+        u8::from(!status.facts.tls),
+    )
+    .single(
         "replica_ha_term",
         "gauge",
         "The current Raft term (the fencing token).",

@@ -20,7 +20,9 @@
 //! - [`volume`]: the [`volume::Device`] seam that the NBD server, the gates
 //!   and the engine all speak;
 //! - [`ids`]: the [`ids::NodeId`] type every layer names a node by;
-//! - [`net`]: the one `Transport` every gRPC server and channel is made by;
+//! - [`net`]: the one `Transport` every gRPC server and channel is made by,
+//!   and where every connection is authenticated (mutual TLS, S9);
+//! - [`certs`]: the cluster CA and the node and client certificates;
 //! - [`sled_ops`]: how sled is used without its deadlocks;
 //! - [`proto`]: the generated gRPC types.
 
@@ -31,6 +33,7 @@ compile_error!(
 );
 
 pub mod admin;
+pub mod certs;
 pub mod ha;
 pub mod http;
 pub mod ids;

@@ -41,6 +41,15 @@ pub struct NodeFacts {
     pub nbd: Option<SocketAddr>,
     /// Every node of the cluster, this one included, by id.
     pub peers: BTreeMap<NodeId, String>,
+    /// Whether connections are mutual TLS; false in the insecure mode.
+    pub tls: bool,
+}
+
+impl NodeFacts {
+    /// How this node's connections are secured, in words.
+    pub fn security(&self) -> &'static str {
+        if self.tls { "mutual TLS" } else { "insecure" }
+    }
 }
 
 /// The parts of a running node that status reads, and the two actions the

@@ -24,11 +24,7 @@ fn block(tag: u64) -> Bytes {
 }
 
 fn replica_client(cluster: &Cluster, id: u64) -> ReplicaClient<tonic::transport::Channel> {
-    ReplicaClient::new(
-        replica_ha::net::Transport::default()
-            .channel(&cluster.addrs[&id].to_string())
-            .unwrap(),
-    )
+    ReplicaClient::new(cluster.peer_channel(id))
 }
 
 fn volume() -> Option<pb::VolumeRef> {
@@ -145,11 +141,8 @@ async fn acknowledged_writes_survive_a_sigkill_of_the_writer() {
     }
     // Kill it while writes are in flight.
     let in_flight = {
-        let addr = cluster.addrs[&old].to_string();
+        let channel = cluster.channel(old);
         tokio::spawn(async move {
-            let channel = replica_ha::net::Transport::default()
-                .channel(&addr)
-                .unwrap();
             let mut client = replica_ha::proto::admin::admin_client::AdminClient::new(channel);
             let mut acked = Vec::new();
             for i in 40..400u64 {
@@ -230,11 +223,8 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     cluster.proxies[&(old, followers[1])].set_blocked(true);
     let mut writers = Vec::new();
     for worker in 0..4u64 {
-        let addr = cluster.addrs[&old].to_string();
+        let channel = cluster.channel(old);
         writers.push(tokio::spawn(async move {
-            let channel = replica_ha::net::Transport::default()
-                .channel(&addr)
-                .unwrap();
             let mut client = replica_ha::proto::admin::admin_client::AdminClient::new(channel);
             for i in 0..2000u64 {
                 // Overlapping: every worker cycles over the same 64 blocks.

@@ -252,7 +252,10 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
         let mut leaders = Vec::new();
         for id in &cluster.ids {
             let addr = cluster.addrs[id].to_string();
-            let out = run_ok(common::cluster::BIN, &["status", "--addr", &addr, "--json"]).await;
+            let tls = cluster.cli_tls("viewer");
+            let mut args = vec!["status", "--addr", &addr, "--json"];
+            args.extend(tls.iter().map(String::as_str));
+            let out = run_ok(common::cluster::BIN, &args).await;
             let status: serde_json::Value = serde_json::from_str(&out).unwrap();
             assert_eq!(status["replicas"].as_array().unwrap().len(), 3, "{status}");
             if status["active"] == true {
@@ -310,10 +313,7 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     for id in &cluster.ids {
-        let channel = replica_ha::net::Transport::default()
-            .channel(&cluster.addrs[id].to_string())
-            .unwrap();
-        let mut health = HealthClient::new(channel);
+        let mut health = HealthClient::new(cluster.channel(*id));
         let check = |service: &str| HealthCheckRequest {
             service: service.into(),
         };
@@ -337,10 +337,7 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    let channel = replica_ha::net::Transport::default()
-        .channel(&cluster.addrs[&writer].to_string())
-        .unwrap();
-    let mut reflection = ServerReflectionClient::new(channel);
+    let mut reflection = ServerReflectionClient::new(cluster.channel(writer));
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
@@ -415,7 +412,10 @@ async fn garbage_on_the_nbd_port_never_panics_a_node() {
 /// `replica-ha status --json` of node `id`, if it answers.
 async fn status_json(cluster: &Cluster, id: u64) -> Option<serde_json::Value> {
     let addr = cluster.addrs[&id].to_string();
-    let output = run(common::cluster::BIN, &["status", "--addr", &addr, "--json"]).await;
+    let tls = cluster.cli_tls("viewer");
+    let mut args = vec!["status", "--addr", &addr, "--json"];
+    args.extend(tls.iter().map(String::as_str));
+    let output = run(common::cluster::BIN, &args).await;
     if !output.status.success() {
         return None;
     }
@@ -481,11 +481,11 @@ async fn a_follower_out_of_the_in_sync_set_refuses_reads_until_it_is_rebuilt() {
     })
     .await;
     assert_eq!(status["reads_refused"], "replica not in sync", "{status}");
-    let table = run_ok(
-        common::cluster::BIN,
-        &["status", "--addr", &cluster.addrs[&follower].to_string()],
-    )
-    .await;
+    let addr = cluster.addrs[&follower].to_string();
+    let tls = cluster.cli_tls("viewer");
+    let mut args = vec!["status", "--addr", &addr];
+    args.extend(tls.iter().map(String::as_str));
+    let table = run_ok(common::cluster::BIN, &args).await;
     assert!(
         table.contains("reads          refused (replica not in sync)"),
         "{table}"

@@ -134,6 +134,7 @@ async fn leadership_transfers_to_a_named_node() {
             "--to",
             &target.to_string(),
         ])
+        .args(cluster.cli_tls("admin"))
         .output()
         .unwrap();
     assert!(
@@ -155,6 +156,7 @@ async fn leadership_transfers_to_a_named_node() {
             "--to",
             &follower.to_string(),
         ])
+        .args(cluster.cli_tls("admin"))
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -390,12 +392,9 @@ async fn a_frozen_leader_wakes_without_a_lease_and_its_gate_never_overlaps_the_n
     let stop = Arc::new(AtomicBool::new(false));
     let mut clients = Vec::new();
     for n in 0..4u64 {
-        let addr = cluster.addrs[&old].to_string();
+        let channel = cluster.channel(old);
         let stop = Arc::clone(&stop);
         clients.push(tokio::spawn(async move {
-            let channel = replica_ha::net::Transport::default()
-                .channel(&addr)
-                .unwrap();
             let mut client = AdminClient::new(channel);
             while !stop.load(Ordering::SeqCst) {
                 let mut request = tonic::Request::new(WriteRequest {

@@ -120,7 +120,7 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
     let addr = serve(Arc::clone(&local)).await;
     let mut client = ReplicaClient::new(
         replica_ha::net::Transport::default()
-            .channel(&addr.to_string())
+            .channel(&addr.to_string(), replica_ha::net::Expect::AnyNode)
             .unwrap(),
     )
     .max_encoding_message_size(replica_ha::net::Limits::default().max_message);

@@ -22,10 +22,7 @@ const MIB: u64 = 1 << 20;
 
 /// The BLAKE3 extent digests of node `id`'s whole replica.
 async fn digests(cluster: &Cluster, id: u64) -> Vec<Bytes> {
-    let channel = replica_ha::net::Transport::default()
-        .channel(&cluster.addrs[&id].to_string())
-        .unwrap();
-    let mut client = ReplicaClient::new(channel);
+    let mut client = ReplicaClient::new(cluster.peer_channel(id));
     let reply = client
         .digest(pb::DigestRequest {
             volume: Some(pb::VolumeRef {

@@ -1,3 +1,4 @@
+#![recursion_limit = "256"]
 //! The `replica-ha` command line: run a node, ask a node for its status,
 //! hand leadership over, inspect a replica offline.
 //!
@@ -9,9 +10,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use replica_ha::certs::{self, CertsCommand, TlsFiles};
 use replica_ha::ids::NodeId;
-use replica_ha::net::{Limits, Transport};
-use replica_ha::node::{self, NodeConfig, Overrides};
+use replica_ha::net::tls::Party;
+use replica_ha::net::{Expect, Limits, Tls, Transport};
+use replica_ha::node::{self, NodeConfig, Overrides, TlsFile};
 use replica_ha::proto::admin::admin_client::AdminClient;
 use replica_ha::proto::admin::{StatusReply, StatusRequest, TransferRequest};
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
@@ -32,7 +35,11 @@ enum Command {
     /// Run a node. All nodes of a cluster start with the same peer list; the
     /// cluster forms by itself (no init step). Flags override the config
     /// file. SIGTERM resigns leadership and stops cleanly.
-    Node(NodeArgs),
+    Node(Box<NodeArgs>),
+    /// Make the cluster's certificate authority and issue node and client
+    /// certificates for mutual TLS (see README, Security).
+    #[command(subcommand)]
+    Certs(CertsCommand),
     /// Show a node's view: its role (follower, fence_pending, leader) and
     /// whether its write gate is open, Raft state, term, leader, lease, live
     /// members, the last promoted writer, the in-sync set, whether this node
@@ -48,6 +55,8 @@ enum Command {
         /// are those of the table, plus `replicas` as a list).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        tls: ClientTls,
     },
     /// Hand leadership to another node (graceful switchover). Ask the current
     /// leader; the command returns once the named node leads.
@@ -58,6 +67,8 @@ enum Command {
         /// The node id to hand leadership to.
         #[arg(long)]
         to: u64,
+        #[command(flatten)]
+        tls: ClientTls,
     },
     /// Show a replica data directory offline: identity, fence floor and the
     /// extents each writer's term may have left dirty. The node that owns
@@ -76,6 +87,67 @@ enum Command {
         #[arg(long)]
         size: u64,
     },
+}
+
+/// How the CLI authenticates to a node: a client certificate of the
+/// cluster CA (role `viewer` to read, `admin` to change). `cluster/up`
+/// prints the exact flags (or the environment) to use.
+#[derive(Args)]
+struct ClientTls {
+    /// The certificate directory: DIR/ca.crt and, with --as NAME,
+    /// DIR/NAME.crt and DIR/NAME.key.
+    #[arg(long, value_name = "DIR", env = "REPLICA_HA_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// The client certificate's name in --tls-dir.
+    #[arg(long = "as", value_name = "NAME", env = "REPLICA_HA_AS")]
+    name: Option<String>,
+    /// The cluster CA certificate (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    ca: Option<PathBuf>,
+    /// The client certificate (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    cert: Option<PathBuf>,
+    /// The client certificate's key (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    key: Option<PathBuf>,
+    /// Connect without TLS, to a node that runs with `insecure = true`.
+    #[arg(long, env = "REPLICA_HA_INSECURE")]
+    insecure: bool,
+}
+
+impl ClientTls {
+    /// The transport these flags describe; an error says what is missing.
+    fn transport(&self) -> Result<Transport, String> {
+        if self.insecure {
+            return Ok(Transport::plain(Limits::default()));
+        }
+        let default = match (&self.tls_dir, &self.name) {
+            (Some(dir), Some(name)) => Some(TlsFiles::for_client(dir, name)),
+            (Some(dir), None) if self.cert.is_some() && self.key.is_some() => {
+                Some(TlsFiles::for_client(dir, "unnamed"))
+            }
+            (Some(_), None) => {
+                return Err("--tls-dir needs --as NAME (the client certificate's name)".into());
+            }
+            (None, _) => None,
+        };
+        let files = TlsFiles::with_overrides(
+            default,
+            self.ca.clone(),
+            self.cert.clone(),
+            self.key.clone(),
+        )
+        .ok_or(
+            "no client certificate: pass --tls-dir DIR --as NAME (or --ca, --cert and --key), \
+             or --insecure for a node without TLS",
+        )?;
+        let ca_pem = std::fs::read(files.ca())
+            .map_err(|e| format!("reading {}: {e}", files.ca().display()))?;
+        let cluster = certs::cluster_id_of_ca(&ca_pem)
+            .map_err(|e| format!("{}: {e}", files.ca().display()))?;
+        let tls = Tls::load(files, &cluster, Party::Client).map_err(|e| e.to_string())?;
+        Ok(Transport::secured(Limits::default(), tls))
+    }
 }
 
 #[derive(Args)]
@@ -119,6 +191,31 @@ struct NodeArgs {
     /// record of when this node could write (used by cluster/chaos).
     #[arg(long, value_name = "FILE")]
     gate_journal: Option<PathBuf>,
+    /// The certificate directory: DIR/ca.crt, DIR/node-ID.crt and
+    /// DIR/node-ID.key (see `replica-ha certs`).
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
+    /// The cluster CA certificate (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+    /// This node's certificate (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// This node's private key (instead of --tls-dir's).
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// Run without TLS: nothing is authenticated, and anyone who can reach
+    /// the node's ports can write to its replica. For a trusted network
+    /// only; the node warns at start, and status and /metrics say so.
+    #[arg(long)]
+    insecure: bool,
+    /// TLS on the NBD export: off (the default, as qemu-nbd and nbdkit),
+    /// optional, or require (recommended beyond one machine).
+    #[arg(long, value_name = "MODE", value_parser = ["off", "optional", "require"])]
+    nbd_tls: Option<String>,
+    /// NBD clients must present a certificate from the cluster CA.
+    #[arg(long)]
+    nbd_client_auth: bool,
 }
 
 fn main() -> ExitCode {
@@ -138,9 +235,19 @@ fn main() -> ExitCode {
 
 async fn dispatch(cli: Cli) -> ExitCode {
     match cli.command {
-        Command::Node(args) => run_node(args).await,
-        Command::Status { addr, json } => status(&addr, json).await,
-        Command::Transfer { addr, to } => transfer(&addr, to).await,
+        Command::Node(args) => run_node(*args).await,
+        Command::Certs(command) => match certs::run(command) {
+            Ok(report) => {
+                println!("{report}");
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("replica-ha: {err}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Status { addr, json, tls } => status(&addr, json, &tls).await,
+        Command::Transfer { addr, to, tls } => transfer(&addr, to, &tls).await,
         Command::Inspect {
             data_dir,
             cluster_id,
@@ -203,6 +310,15 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         min_in_sync: args.min_in_sync,
         resync_rate: args.resync_rate,
         gate_journal: args.gate_journal,
+        insecure: args.insecure,
+        tls: TlsFile {
+            dir: args.tls_dir,
+            ca: args.tls_ca,
+            cert: args.tls_cert,
+            key: args.tls_key,
+        },
+        nbd_tls: args.nbd_tls,
+        nbd_client_auth: args.nbd_client_auth,
     };
     let config = match NodeConfig::load(args.config.as_deref(), overrides) {
         Ok(config) => config,
@@ -220,23 +336,40 @@ async fn run_node(args: NodeArgs) -> ExitCode {
     }
 }
 
-async fn admin_client(addr: &str) -> Result<AdminClient<tonic::transport::Channel>, String> {
-    let transport = Transport::plain(Limits::default());
-    transport
-        .client(addr, AdminClient::new)
+fn admin_client(
+    addr: &str,
+    tls: &ClientTls,
+) -> Result<AdminClient<tonic::transport::Channel>, String> {
+    tls.transport()?
+        .client(addr, Expect::AnyNode, AdminClient::new)
         .map_err(|e| e.to_string())
 }
 
-async fn status(addr: &str, json: bool) -> ExitCode {
+/// One line saying why a call failed: the server's reason, or the
+/// transport's (a refused certificate shows up there).
+fn describe(status: &tonic::Status) -> String {
+    let mut line = status.message().to_string();
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line = format!("{line}: {text}");
+        }
+        source = cause.source();
+    }
+    line
+}
+
+async fn status(addr: &str, json: bool, tls: &ClientTls) -> ExitCode {
     let reply = async {
-        let mut client = admin_client(addr).await?;
+        let mut client = admin_client(addr, tls)?;
         let mut request = tonic::Request::new(StatusRequest {});
         request.set_timeout(Duration::from_secs(3));
         client
             .status(request)
             .await
             .map(|r| r.into_inner())
-            .map_err(|s| s.message().to_string())
+            .map_err(|s| describe(&s))
     }
     .await;
     match reply {
@@ -285,6 +418,7 @@ fn status_json(reply: &StatusReply) -> String {
         "promotions": reply.promotions,
         "volume": reply.volume,
         "nbd_address": reply.nbd_address,
+        "security": reply.security,
         "reads": if reply.reads_served { "served" } else { "refused" },
         "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
         "replicas": reply.replicas.iter().map(|r| serde_json::json!({
@@ -329,6 +463,7 @@ fn print_status_table(reply: &StatusReply) {
     let rows = [
         ("node", reply.node_id.to_string()),
         ("cluster", reply.cluster_id.clone()),
+        ("security", reply.security.clone()),
         ("role", reply.role.clone()),
         ("gate open", reply.gate_open.to_string()),
         ("raft state", reply.raft_state.clone()),
@@ -407,15 +542,15 @@ fn print_status_table(reply: &StatusReply) {
     }
 }
 
-async fn transfer(addr: &str, to: u64) -> ExitCode {
+async fn transfer(addr: &str, to: u64, tls: &ClientTls) -> ExitCode {
     let outcome = async {
-        let mut client = admin_client(addr).await?;
+        let mut client = admin_client(addr, tls)?;
         let mut request = tonic::Request::new(TransferRequest { to });
         request.set_timeout(Duration::from_secs(10));
         client
             .transfer_leader(request)
             .await
-            .map_err(|s| s.message().to_string())
+            .map_err(|s| describe(&s))
     }
     .await;
     match outcome {

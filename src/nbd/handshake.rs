@@ -2,11 +2,20 @@
 //! haggling until the client picks the export (`GO` or `EXPORT_NAME`) or
 //! gives up (`ABORT`, or closing the socket).
 //!
-//! Options served: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`. Every other
-//! option gets `NBD_REP_ERR_UNSUP`, so clients fall back to simple replies
-//! and no TLS. Malformed option data gets `NBD_REP_ERR_INVALID`; a bad magic,
-//! unknown client flags or an option longer than [`MAX_OPTION_LEN`] end the
-//! connection, since the stream can no longer be trusted.
+//! Options served: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`, and
+//! `STARTTLS` when the export has TLS. Every other option gets
+//! `NBD_REP_ERR_UNSUP`, so clients fall back to simple replies. Malformed
+//! option data gets `NBD_REP_ERR_INVALID`; a bad magic, unknown client
+//! flags or an option longer than [`MAX_OPTION_LEN`] end the connection,
+//! since the stream can no longer be trusted.
+//!
+//! **TLS** (`nbd_tls`), as the NBD protocol has it: `STARTTLS` is answered
+//! with `NBD_REP_ACK`, the TLS handshake follows on the same connection,
+//! and option haggling starts again inside it (a second `STARTTLS` is
+//! invalid). Where TLS is required, every option before it but `STARTTLS`
+//! and `ABORT` gets `NBD_REP_ERR_TLS_REQD`, and `EXPORT_NAME`, which has no
+//! error reply, closes the connection: nothing about the export, not even
+//! its name, is told in plaintext.
 //!
 //! The export is offered as the device grants it at that moment
 //! ([`crate::volume::Access`]): read-write under the gate's term, which the
@@ -53,27 +62,56 @@ impl Session {
     }
 }
 
-/// Runs the handshake. `Ok(None)` means the client aborted.
-pub async fn negotiate<R, W>(
-    reader: &mut R,
-    writer: &mut W,
+/// Where a handshake stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// A new connection: greet, read the client's flags.
+    Fresh,
+    /// Inside TLS after `STARTTLS`: options again, with the flags the
+    /// client sent before.
+    Secured { no_zeroes: bool },
+}
+
+/// How one round of option haggling ended.
+#[derive(Debug)]
+pub enum Step {
+    /// The client picked the export.
+    Session(Session),
+    /// The client gave up (`ABORT`).
+    Aborted,
+    /// The client asked for TLS and was told yes: do the TLS handshake as
+    /// the server, then negotiate again in [`Phase::Secured`].
+    StartTls { no_zeroes: bool },
+}
+
+/// Runs the handshake over `stream` up to a session, an abort, or an
+/// upgrade to TLS.
+pub async fn negotiate<S>(
+    stream: &mut S,
     export: &Export,
-) -> Result<Option<Session>, ConnectionError>
+    phase: Phase,
+) -> Result<Step, ConnectionError>
 where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
 {
-    writer.write_all(&wire::greeting()).await?;
-    writer.flush().await?;
-    let client_flags = reader.read_u32().await?;
-    let known = wire::CLIENT_FIXED_NEWSTYLE | wire::CLIENT_NO_ZEROES;
-    if client_flags & !known != 0 || client_flags & wire::CLIENT_FIXED_NEWSTYLE == 0 {
-        return Err(ConnectionError::ClientFlags(client_flags));
-    }
-    let no_zeroes = client_flags & wire::CLIENT_NO_ZEROES != 0;
+    let no_zeroes = match phase {
+        Phase::Secured { no_zeroes } => no_zeroes,
+        Phase::Fresh => {
+            stream.write_all(&wire::greeting()).await?;
+            stream.flush().await?;
+            let client_flags = stream.read_u32().await?;
+            let known = wire::CLIENT_FIXED_NEWSTYLE | wire::CLIENT_NO_ZEROES;
+            if client_flags & !known != 0 || client_flags & wire::CLIENT_FIXED_NEWSTYLE == 0 {
+                return Err(ConnectionError::ClientFlags(client_flags));
+            }
+            client_flags & wire::CLIENT_NO_ZEROES != 0
+        }
+    };
+    let secured = matches!(phase, Phase::Secured { .. });
+    let tls_required = export.tls_required() && !secured;
     loop {
         let mut header = [0u8; 16];
-        reader.read_exact(&mut header).await?;
+        stream.read_exact(&mut header).await?;
         let header = wire::parse_option_header(&header)?;
         if header.len > MAX_OPTION_LEN {
             return Err(WireError::Malformed {
@@ -82,75 +120,108 @@ where
             .into());
         }
         let mut data = vec![0; header.len as usize];
-        reader.read_exact(&mut data).await?;
+        stream.read_exact(&mut data).await?;
         let option = header.option;
-        let offer = export.offer();
         let reply = |kind, data: &[u8]| wire::option_reply(option, kind, data);
+        if tls_required && !matches!(option, wire::OPT_STARTTLS | wire::OPT_ABORT) {
+            if option == wire::OPT_EXPORT_NAME {
+                return Err(ConnectionError::TlsRequired);
+            }
+            let why = b"TLS is required: send NBD_OPT_STARTTLS first";
+            stream
+                .write_all(&reply(wire::REP_ERR_TLS_REQD, why))
+                .await?;
+            stream.flush().await?;
+            continue;
+        }
+        let offer = export.offer();
         match option {
+            wire::OPT_STARTTLS => {
+                let refusal: Option<(u32, &[u8])> = if !export.has_tls() {
+                    Some((
+                        wire::REP_ERR_UNSUP,
+                        b"this server has no TLS (nbd_tls = off)",
+                    ))
+                } else if secured {
+                    Some((wire::REP_ERR_INVALID, b"TLS is already on"))
+                } else if !data.is_empty() {
+                    Some((wire::REP_ERR_INVALID, b"NBD_OPT_STARTTLS takes no data"))
+                } else {
+                    None
+                };
+                match refusal {
+                    Some((kind, why)) => stream.write_all(&reply(kind, why)).await?,
+                    None => {
+                        stream.write_all(&reply(wire::REP_ACK, &[])).await?;
+                        stream.flush().await?;
+                        return Ok(Step::StartTls { no_zeroes });
+                    }
+                }
+            }
             wire::OPT_EXPORT_NAME => {
                 if !export.answers_to(&data) {
                     return Err(ConnectionError::UnknownExport(lossy(&data)));
                 }
                 let session = offer.map_err(|err| ConnectionError::Unavailable(err.to_string()))?;
                 let size = export.device.size();
-                writer
+                stream
                     .write_all(&wire::export_name_reply(size, session.flags, no_zeroes))
                     .await?;
-                writer.flush().await?;
-                return Ok(Some(session));
+                stream.flush().await?;
+                return Ok(Step::Session(session));
             }
             wire::OPT_ABORT => {
                 // The client may already be gone; the ACK is a courtesy.
-                let _ = writer.write_all(&reply(wire::REP_ACK, &[])).await;
-                let _ = writer.flush().await;
-                return Ok(None);
+                let _ = stream.write_all(&reply(wire::REP_ACK, &[])).await;
+                let _ = stream.flush().await;
+                return Ok(Step::Aborted);
             }
             wire::OPT_LIST if !data.is_empty() => {
                 let why = b"NBD_OPT_LIST takes no data";
-                writer.write_all(&reply(wire::REP_ERR_INVALID, why)).await?;
+                stream.write_all(&reply(wire::REP_ERR_INVALID, why)).await?;
             }
             wire::OPT_LIST => {
                 let entry = wire::server_entry(&export.name);
-                writer.write_all(&reply(wire::REP_SERVER, &entry)).await?;
-                writer.write_all(&reply(wire::REP_ACK, &[])).await?;
+                stream.write_all(&reply(wire::REP_SERVER, &entry)).await?;
+                stream.write_all(&reply(wire::REP_ACK, &[])).await?;
             }
             wire::OPT_INFO | wire::OPT_GO => match (wire::parse_info_request(&data), offer) {
                 (Err(err), _) => {
                     let why = err.to_string();
-                    writer
+                    stream
                         .write_all(&reply(wire::REP_ERR_INVALID, why.as_bytes()))
                         .await?;
                 }
                 (Ok(request), _) if !export.answers_to(&request.name) => {
                     let why = format!("no export named {:?}", lossy(&request.name));
-                    writer
+                    stream
                         .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
                         .await?;
                 }
                 (Ok(_), Err(refused)) => {
                     let why = refused.to_string();
                     tracing::info!(%why, "NBD export refused");
-                    writer
+                    stream
                         .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
                         .await?;
                 }
                 (Ok(request), Ok(session)) => {
                     for info in export_infos(export, session.flags, &request.infos) {
-                        writer.write_all(&reply(wire::REP_INFO, &info)).await?;
+                        stream.write_all(&reply(wire::REP_INFO, &info)).await?;
                     }
-                    writer.write_all(&reply(wire::REP_ACK, &[])).await?;
+                    stream.write_all(&reply(wire::REP_ACK, &[])).await?;
                     if option == wire::OPT_GO {
-                        writer.flush().await?;
-                        return Ok(Some(session));
+                        stream.flush().await?;
+                        return Ok(Step::Session(session));
                     }
                 }
             },
             _ => {
                 let why = b"option not supported by replica-ha";
-                writer.write_all(&reply(wire::REP_ERR_UNSUP, why)).await?;
+                stream.write_all(&reply(wire::REP_ERR_UNSUP, why)).await?;
             }
         }
-        writer.flush().await?;
+        stream.flush().await?;
     }
 }
 

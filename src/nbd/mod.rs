@@ -51,6 +51,8 @@ use tokio::task::JoinSet;
 
 pub use transmission::errno;
 
+use crate::net::Tls;
+use crate::net::tls::NbdClientAuth;
 use crate::volume::{Access, Device, DeviceError, MAX_REQUEST};
 
 /// The largest read or write one request may carry.
@@ -77,6 +79,20 @@ pub struct Export {
     pub device: Arc<dyn Device>,
     /// Shared by every connection; see [`DEVICE_BUDGET_BYTES`].
     executing: Semaphore,
+    /// TLS (`nbd_tls`), when on.
+    tls: Option<ExportTls>,
+}
+
+/// How an export speaks TLS.
+#[derive(Debug, Clone)]
+pub struct ExportTls {
+    /// The node's credentials (reloaded on SIGHUP: each handshake takes
+    /// the current ones).
+    pub credentials: Arc<Tls>,
+    /// Whether a client must upgrade before anything else.
+    pub required: bool,
+    /// Whether a client must present a certificate from the cluster CA.
+    pub client_auth: NbdClientAuth,
 }
 
 impl Export {
@@ -91,7 +107,22 @@ impl Export {
             description: description.into(),
             device,
             executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
+            tls: None,
         }
+    }
+
+    /// The same export, offering TLS as `tls` says.
+    pub fn with_tls(mut self, tls: ExportTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    fn has_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    fn tls_required(&self) -> bool {
+        self.tls.as_ref().is_some_and(|tls| tls.required)
     }
 
     /// Whether a client asking for `name` means this export ("" is the
@@ -144,6 +175,12 @@ pub enum ConnectionError {
     /// now (its copy may not be read); that option has no error reply.
     #[error("export not available: {0}")]
     Unavailable(String),
+    /// `NBD_OPT_EXPORT_NAME` before `STARTTLS` where TLS is required.
+    #[error("the client chose the export without TLS, which is required")]
+    TlsRequired,
+    /// The TLS handshake after `STARTTLS` failed.
+    #[error("TLS handshake: {0}")]
+    Tls(String),
 }
 
 /// Counters of the NBD server, for metrics.
@@ -208,18 +245,20 @@ pub async fn serve(
     connections.shutdown().await;
 }
 
-/// Serves one client on `stream`: the handshake, then requests.
+/// A client's connection, plain or upgraded to TLS.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// Serves one client on `stream`: the handshake (upgraded to TLS on
+/// `STARTTLS`), then requests.
 pub async fn handle<S>(stream: S, export: Arc<Export>) -> Result<(), ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut reader, mut writer) = tokio::io::split(stream);
-    let negotiated = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake::negotiate(&mut reader, &mut writer, &export),
-    )
-    .await
-    .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    let (stream, negotiated) = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
+        .await
+        .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    let (reader, writer) = tokio::io::split(stream);
     match negotiated {
         Some(session) => {
             let mode = if session.writable() {
@@ -231,6 +270,51 @@ where
             transmission::run(reader, writer, export, session).await
         }
         None => Ok(()),
+    }
+}
+
+/// The handshake: option haggling, and the TLS handshake when the client
+/// asks for it. Returns the stream to serve on and the session, if any.
+async fn negotiate<S>(
+    stream: S,
+    export: &Export,
+) -> Result<(Box<dyn Io>, Option<handshake::Session>), ConnectionError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut stream: Box<dyn Io> = Box::new(stream);
+    let mut phase = handshake::Phase::Fresh;
+    loop {
+        match handshake::negotiate(&mut stream, export, phase).await? {
+            handshake::Step::Session(session) => return Ok((stream, Some(session))),
+            handshake::Step::Aborted => return Ok((stream, None)),
+            handshake::Step::StartTls { no_zeroes } => {
+                let tls = export.tls.as_ref().ok_or(ConnectionError::TlsRequired)?;
+                let config = tls
+                    .credentials
+                    .nbd_server(tls.client_auth)
+                    .map_err(|err| ConnectionError::Tls(err.to_string()))?;
+                let secured = tokio_rustls::TlsAcceptor::from(config)
+                    .accept(stream)
+                    .await
+                    .map_err(|err| ConnectionError::Tls(err.to_string()))?;
+                if let Some(client) = secured
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                {
+                    match crate::certs::identity_of(client) {
+                        Ok(identity) => tracing::info!(%identity, "NBD client authenticated"),
+                        Err(err) => {
+                            tracing::info!(%err, "NBD client presented a certificate of the CA")
+                        }
+                    }
+                }
+                stream = Box::new(secured);
+                phase = handshake::Phase::Secured { no_zeroes };
+            }
+        }
     }
 }
 

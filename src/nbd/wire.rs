@@ -30,6 +30,7 @@ pub const CLIENT_NO_ZEROES: u32 = 1 << 1;
 pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 pub const OPT_LIST: u32 = 3;
+pub const OPT_STARTTLS: u32 = 5;
 pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
 
@@ -41,6 +42,7 @@ const REP_ERROR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_ERROR | 1;
 pub const REP_ERR_INVALID: u32 = REP_ERROR | 3;
 pub const REP_ERR_UNKNOWN: u32 = REP_ERROR | 6;
+pub const REP_ERR_TLS_REQD: u32 = REP_ERROR | 5;
 
 /// Information types in `NBD_REP_INFO`.
 pub const INFO_EXPORT: u16 = 0;

@@ -8,14 +8,19 @@
 //! peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002", "3=127.0.0.1:7003"]
 //! size = "1GiB"
 //! min_in_sync = 2
+//!
+//! [tls]
+//! dir = "cluster/data/certs"   # ca.crt, node-1.crt, node-1.key
 //! ```
 //!
 //! Every node of a cluster starts with the same peer list (its own entry
 //! included). Validation refuses, with one line naming the problem: a
 //! duplicate id, an id missing from the peers, `min_in_sync` of 0 or larger
 //! than the cluster, an address that does not parse, a size that is not a
-//! positive multiple of 512. The data dir of another cluster is refused when
-//! the node opens it.
+//! positive multiple of 512, no certificates without `insecure = true`.
+//! The data dir of another cluster is refused when the node opens it, and
+//! a certificate that is missing, unreadable, expired or not this node's
+//! of this cluster when the node loads it (all exit code 2).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -24,6 +29,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::certs::TlsFiles;
 use crate::raft::{NodeId, RaftTiming};
 
 /// A configuration error: the node refuses to start (exit code 2).
@@ -65,6 +71,25 @@ pub struct ConfigFile {
     pub gate_journal: Option<PathBuf>,
     /// Raft timing, in milliseconds.
     pub raft: Option<RaftFile>,
+    /// Run without TLS: no authentication on any connection.
+    pub insecure: Option<bool>,
+    /// The node's certificate files.
+    pub tls: Option<TlsFile>,
+    /// TLS on the NBD export: "off", "optional" or "require".
+    pub nbd_tls: Option<String>,
+    /// Whether NBD clients must present a certificate from the cluster CA.
+    pub nbd_client_auth: Option<bool>,
+}
+
+/// The `[tls]` table as written: `dir` (holding `ca.crt` and
+/// `node-<id>.crt/.key`) and/or the three paths one by one.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFile {
+    pub dir: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
 }
 
 /// Raft timing as written.
@@ -97,6 +122,26 @@ pub struct Overrides {
     /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for none.
     pub resync_rate: Option<String>,
     pub gate_journal: Option<PathBuf>,
+    /// `--insecure`: no TLS.
+    pub insecure: bool,
+    /// `--tls-dir`, `--tls-ca`, `--tls-cert`, `--tls-key`.
+    pub tls: TlsFile,
+    /// `--nbd-tls off|optional|require`.
+    pub nbd_tls: Option<String>,
+    /// `--nbd-client-auth`.
+    pub nbd_client_auth: bool,
+}
+
+/// Whether the NBD export speaks TLS (`NBD_OPT_STARTTLS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NbdTls {
+    /// Plaintext only, as qemu-nbd and nbdkit by default.
+    #[default]
+    Off,
+    /// A client may upgrade to TLS.
+    Optional,
+    /// A client must upgrade before anything else (`NBD_REP_ERR_TLS_REQD`).
+    Require,
 }
 
 /// A validated node configuration.
@@ -118,6 +163,13 @@ pub struct NodeConfig {
     /// Where the gate journal goes, if anywhere.
     pub gate_journal: Option<PathBuf>,
     pub timing: RaftTiming,
+    /// The node's certificate files, when configured.
+    pub tls: Option<TlsFiles>,
+    /// No TLS between nodes and on the admin API (`insecure = true`).
+    pub insecure: bool,
+    pub nbd_tls: NbdTls,
+    /// NBD clients must present a certificate from the cluster CA.
+    pub nbd_client_auth: bool,
 }
 
 /// The default resync copy limit: 128 MiB/s, well under a disk's speed so
@@ -257,6 +309,33 @@ impl NodeConfig {
             .raft_config(&cluster_id)
             .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
 
+        let tls = tls_files(id, file.tls.unwrap_or_default(), flags.tls)?;
+        let insecure = flags.insecure || file.insecure.unwrap_or(false);
+        if !insecure && tls.is_none() {
+            return fail(
+                "TLS is on by default and no certificates are configured: set [tls] dir (or ca, \
+                 cert and key) or pass --tls-dir DIR (make them with `replica-ha certs`), or \
+                 pass --insecure to run without authentication",
+            );
+        }
+        let nbd_tls = match flags.nbd_tls.or(file.nbd_tls).as_deref() {
+            None | Some("off") => NbdTls::Off,
+            Some("optional") => NbdTls::Optional,
+            Some("require") => NbdTls::Require,
+            Some(other) => {
+                return fail(format!(
+                    "nbd_tls {other:?} is not one of off, optional, require"
+                ));
+            }
+        };
+        if nbd_tls != NbdTls::Off && tls.is_none() {
+            return fail("nbd_tls needs the node's certificates: set [tls] or pass --tls-dir");
+        }
+        let nbd_client_auth = flags.nbd_client_auth || file.nbd_client_auth.unwrap_or(false);
+        if nbd_client_auth && nbd_tls == NbdTls::Off {
+            return fail("nbd_client_auth needs nbd_tls = \"optional\" or \"require\"");
+        }
+
         Ok(NodeConfig {
             id,
             cluster_id,
@@ -271,8 +350,31 @@ impl NodeConfig {
             resync_rate,
             gate_journal: flags.gate_journal.or(file.gate_journal),
             timing,
+            tls,
+            insecure,
+            nbd_tls,
+            nbd_client_auth,
         })
     }
+}
+
+/// The node's certificate files from the file's `[tls]` and the flags
+/// (which win): `dir` gives `ca.crt` and `node-<id>.crt/.key`, and `ca`,
+/// `cert`, `key` replace any of them; without a `dir`, all three are
+/// needed.
+fn tls_files(id: NodeId, file: TlsFile, flags: TlsFile) -> Result<Option<TlsFiles>, ConfigError> {
+    let dir = flags.dir.or(file.dir);
+    let (ca, cert, key) = (
+        flags.ca.or(file.ca),
+        flags.cert.or(file.cert),
+        flags.key.or(file.key),
+    );
+    let named = [ca.is_some(), cert.is_some(), key.is_some()];
+    if dir.is_none() && named.contains(&true) && named.contains(&false) {
+        return fail("[tls] needs all of ca, cert and key (or a dir)");
+    }
+    let default = dir.map(|dir| TlsFiles::for_node(&dir, id));
+    Ok(TlsFiles::with_overrides(default, ca, cert, key))
 }
 
 fn parse_addr(what: &str, text: &str) -> Result<SocketAddr, ConfigError> {
@@ -343,6 +445,10 @@ mod tests {
             listen: Some("127.0.0.1:7001".into()),
             data_dir: Some("/tmp/x".into()),
             peers: three(),
+            tls: TlsFile {
+                dir: Some("/tmp/certs".into()),
+                ..TlsFile::default()
+            },
             ..Default::default()
         }
     }
@@ -364,6 +470,8 @@ mod tests {
             size = "64MiB"
             [raft]
             heartbeat_ms = 20
+            [tls]
+            dir = "certs"
             "#,
         )
         .unwrap();
@@ -374,6 +482,81 @@ mod tests {
         assert_eq!(config.peers.len(), 3);
         assert_eq!(config.timing.heartbeat, Duration::from_millis(20));
         assert_eq!(config.volume, "vol0");
+        let tls = config.tls.expect("tls files");
+        assert_eq!(tls.cert(), Path::new("certs/node-2.crt"));
+        assert_eq!(tls.ca(), Path::new("certs/ca.crt"));
+        assert!(!config.insecure);
+        assert_eq!(config.nbd_tls, NbdTls::Off);
+    }
+
+    #[test]
+    fn tls_is_required_unless_insecure_and_files_can_be_named_one_by_one() {
+        let no_tls = Overrides {
+            tls: TlsFile::default(),
+            ..flags(1)
+        };
+        assert!(error("", no_tls.clone()).contains("--insecure"));
+        let insecure = Overrides {
+            insecure: true,
+            ..no_tls.clone()
+        };
+        let file = || toml::from_str::<ConfigFile>("").unwrap();
+        let config = NodeConfig::build(file(), insecure.clone()).unwrap();
+        assert!(config.insecure && config.tls.is_none());
+        let in_file: ConfigFile = toml::from_str("insecure = true").unwrap();
+        assert!(NodeConfig::build(in_file, no_tls.clone()).unwrap().insecure);
+
+        let named = Overrides {
+            tls: TlsFile {
+                ca: Some("a/ca.pem".into()),
+                cert: Some("b/n1.pem".into()),
+                key: Some("c/n1.key".into()),
+                dir: None,
+            },
+            ..no_tls.clone()
+        };
+        let tls = NodeConfig::build(file(), named).unwrap().tls.unwrap();
+        assert_eq!(
+            (tls.ca(), tls.cert(), tls.key()),
+            (
+                Path::new("a/ca.pem"),
+                Path::new("b/n1.pem"),
+                Path::new("c/n1.key")
+            )
+        );
+        let partial = Overrides {
+            tls: TlsFile {
+                ca: Some("a/ca.pem".into()),
+                ..TlsFile::default()
+            },
+            ..no_tls.clone()
+        };
+        assert!(error("", partial).contains("all of ca, cert and key"));
+        let key_elsewhere = Overrides {
+            tls: TlsFile {
+                dir: Some("d".into()),
+                key: Some("vault/n1.key".into()),
+                ..TlsFile::default()
+            },
+            ..no_tls.clone()
+        };
+        let tls = NodeConfig::build(file(), key_elsewhere)
+            .unwrap()
+            .tls
+            .unwrap();
+        assert_eq!(tls.cert(), Path::new("d/node-1.crt"));
+        assert_eq!(tls.key(), Path::new("vault/n1.key"));
+
+        assert!(error("nbd_tls = \"maybe\"", flags(1)).contains("nbd_tls"));
+        assert!(error("nbd_tls = \"require\"", insecure).contains("certificates"));
+        assert!(error("nbd_client_auth = true", flags(1)).contains("nbd_tls"));
+        let nbd: ConfigFile =
+            toml::from_str("nbd_tls = \"require\"\nnbd_client_auth = true").unwrap();
+        let config = NodeConfig::build(nbd, flags(1)).unwrap();
+        assert_eq!(
+            (config.nbd_tls, config.nbd_client_auth),
+            (NbdTls::Require, true)
+        );
     }
 
     #[test]
@@ -385,6 +568,7 @@ mod tests {
             data_dir = "d"
             peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002"]
             size = 4096
+            insecure = true
             "#,
         )
         .unwrap();

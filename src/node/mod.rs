@@ -3,6 +3,10 @@
 //! Start-up, in order:
 //! 1. Open the data dir. Its Raft Db records the cluster id and node id on
 //!    first use; a data dir of another cluster or node is refused (exit 2).
+//!    Then load the certificates and check them ([`crate::net::tls`]): a
+//!    missing, unreadable, expired or foreign one stops the node (exit 2).
+//!    Without TLS (`insecure = true`) the node warns that nothing is
+//!    authenticated.
 //! 2. Start Raft's own runtime ([`crate::raft::runtime`]) and, on it,
 //!    openraft over the sled stores, the coordinator's lease clock and the
 //!    failure detector; then the gRPC server (Raft, replica and admin
@@ -20,6 +24,9 @@
 //! The volume's own parts (store, replica set, engine, fencer, controller,
 //! resync, data path) are assembled by [`volume::Volume`]; what status
 //! reports is computed by [`crate::status`].
+//!
+//! SIGHUP reloads the certificates: new connections use them, established
+//! ones keep working; a reload that fails keeps the old ones and says why.
 //!
 //! Shutdown on SIGTERM or SIGINT: close the gate and resign (hand
 //! leadership to a caught-up peer), send the one stop signal and wait for
@@ -40,13 +47,14 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-pub use config::{ConfigError, NodeConfig, Overrides};
+pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
 use crate::admin::AdminService;
 use crate::ha::{Controller, Coordinator};
 use crate::ids::NodeId;
-use crate::nbd::Export;
-use crate::net::{Audience, Limits, Transport};
+use crate::nbd::{Export, ExportTls};
+use crate::net::tls::{NbdClientAuth, Party};
+use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine};
@@ -87,6 +95,8 @@ const STOP_DEADLINE: Duration = Duration::from_secs(2);
 /// A running node.
 pub struct Node {
     config: NodeConfig,
+    /// The node's certificates, reloaded on SIGHUP.
+    tls: Option<Arc<Tls>>,
     db: sled::Db,
     raft: RaftParts,
     controller: Arc<Controller>,
@@ -115,7 +125,18 @@ impl Node {
     /// Starts a node; see the module docs for the steps.
     pub async fn start(config: NodeConfig) -> Result<Self, NodeError> {
         let db = open_data_dir(&config)?;
-        let transport = Transport::plain(Limits::default());
+        let tls = load_tls(&config)?;
+        let transport = match (&tls, config.insecure) {
+            (Some(tls), false) => Transport::secured(Limits::default(), Arc::clone(tls)),
+            _ => {
+                tracing::warn!(
+                    "running INSECURE (insecure = true): no connection is authenticated; \
+                     anyone who can reach this node's ports can write to its replica, raise its \
+                     fence floor or move leadership"
+                );
+                Transport::plain(Limits::default())
+            }
+        };
         let raft = start_raft(&config, &db, &transport).await?;
         let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
         let view = Arc::new(NodeView::new(NodeParts {
@@ -142,7 +163,9 @@ impl Node {
             &raft,
             &volume,
             &view,
-            listeners.nbd,
+            listeners
+                .nbd
+                .map(|listener| (listener, nbd_tls(&config, tls.as_ref()))),
             listeners.http,
         );
         tracing::info!(
@@ -154,6 +177,7 @@ impl Node {
         );
         Ok(Self {
             config,
+            tls,
             db,
             raft,
             controller: volume.controller,
@@ -170,14 +194,43 @@ impl Node {
     }
 
     /// Runs until SIGTERM/SIGINT (Ok) or until the cluster's volume config
-    /// turns out to differ from this node's (a config error).
+    /// turns out to differ from this node's (a config error). SIGHUP
+    /// reloads the certificates.
     pub async fn run_until_signal(&self) -> Result<(), NodeError> {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())
             .map_err(|e| failed(format!("cannot watch SIGTERM: {e}")))?;
-        tokio::select! {
-            _ = term.recv() => Ok(()),
-            _ = tokio::signal::ctrl_c() => Ok(()),
-            conflict = self.volume_conflict() => Err(NodeError::Config(conflict)),
+        let mut hangup = signal(SignalKind::hangup())
+            .map_err(|e| failed(format!("cannot watch SIGHUP: {e}")))?;
+        let conflict = self.volume_conflict();
+        tokio::pin!(conflict);
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok(()),
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+                conflict = &mut conflict => return Err(NodeError::Config(conflict)),
+                _ = hangup.recv() => self.reload_certificates(),
+            }
+        }
+    }
+
+    /// SIGHUP: new connections use the certificates on disk from now on;
+    /// established ones keep theirs. A reload that fails keeps the old
+    /// credentials.
+    fn reload_certificates(&self) {
+        let Some(tls) = &self.tls else {
+            tracing::info!("SIGHUP: no certificates configured, nothing to reload");
+            return;
+        };
+        match tls.reload() {
+            Ok(identity) => tracing::info!(
+                cert = %tls.cert_path().display(),
+                %identity,
+                "SIGHUP: reloaded the certificates; new connections use them"
+            ),
+            Err(err) => {
+                tracing::error!(%err, "SIGHUP: reload failed; keeping the old certificates")
+            }
         }
     }
 
@@ -248,6 +301,40 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
     let outcome = node.run_until_signal().await;
     node.shutdown().await;
     outcome
+}
+
+/// How the NBD export speaks TLS, from `nbd_tls` and `nbd_client_auth`
+/// (the configuration made sure the credentials are there when needed).
+fn nbd_tls(config: &NodeConfig, tls: Option<&Arc<Tls>>) -> Option<ExportTls> {
+    let required = match config.nbd_tls {
+        NbdTls::Off => return None,
+        NbdTls::Optional => false,
+        NbdTls::Require => true,
+    };
+    let client_auth = if config.nbd_client_auth {
+        NbdClientAuth::Required
+    } else {
+        NbdClientAuth::Optional
+    };
+    tls.map(|credentials| ExportTls {
+        credentials: Arc::clone(credentials),
+        required,
+        client_auth,
+    })
+}
+
+/// Step 1, second half: loads and checks the node's certificates, when it uses them (a
+/// bad one is a configuration error, exit code 2).
+fn load_tls(config: &NodeConfig) -> Result<Option<Arc<Tls>>, NodeError> {
+    let needed = !config.insecure || config.nbd_tls != NbdTls::Off;
+    match &config.tls {
+        Some(files) if needed => {
+            Tls::load(files.clone(), &config.cluster_id, Party::Node(config.id))
+                .map(Some)
+                .map_err(|err| NodeError::Config(ConfigError(err.to_string())))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Step 1: opens the data dir and its Raft Db, and refuses one of another
@@ -416,7 +503,7 @@ fn spawn_background(
     raft: &RaftParts,
     volume: &Volume,
     view: &Arc<NodeView>,
-    nbd: Option<tokio::net::TcpListener>,
+    nbd: Option<(tokio::net::TcpListener, Option<ExportTls>)>,
     http: Option<tokio::net::TcpListener>,
 ) {
     tasks.spawn("resync", Arc::clone(&volume.resync).run());
@@ -424,16 +511,16 @@ fn spawn_background(
         "mark retirement",
         Arc::clone(&volume.engine).run_mark_retirement(MARK_RETIREMENT),
     );
-    if let Some(listener) = nbd {
+    if let Some((listener, tls)) = nbd {
         let description = format!(
             "replica-ha volume {} of cluster {}",
             config.volume, config.cluster_id
         );
-        let export = Arc::new(Export::new(
-            &config.volume,
-            description,
-            Arc::clone(view.device()),
-        ));
+        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()));
+        if let Some(tls) = tls {
+            export = export.with_tls(tls);
+        }
+        let export = Arc::new(export);
         let stats = Arc::clone(view.nbd_stats());
         let stop = tasks.stop_signal();
         tasks.spawn_draining(
@@ -569,6 +656,7 @@ fn facts(config: &NodeConfig) -> NodeFacts {
             .iter()
             .map(|(id, addr)| (*id, addr.to_string()))
             .collect(),
+        tls: !config.insecure,
     }
 }
 

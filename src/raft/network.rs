@@ -66,7 +66,7 @@ use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
 use super::{NodeId, Raft, TypeConfig};
-use crate::net::{Transport, TransportError};
+use crate::net::{Caller, Expect, Transport, TransportError};
 use crate::proto::raft::raft_client::RaftClient;
 use crate::proto::raft::raft_server;
 use crate::proto::raft::{
@@ -192,7 +192,7 @@ impl Peers {
                 let addr = self.addresses.get(&peer).ok_or(PeerError::Unknown(peer))?;
                 // The channel spawns its connection task where it is built.
                 let _on_raft = self.runtime.get().map(Handle::enter);
-                let channel = self.transport.channel(addr)?;
+                let channel = self.transport.channel(addr, Expect::Node(peer))?;
                 channels.insert(peer, channel.clone());
                 channel
             }
@@ -323,8 +323,9 @@ impl Peers {
     }
 
     /// Checks the envelope of an incoming message (its cluster, and the
-    /// node it says it comes from), records its sender and returns it.
-    fn admit(&self, cluster_id: &str, from: u64) -> Result<NodeId, Status> {
+    /// node it says it comes from, which must be the node whose certificate
+    /// `caller` presented: S9), records its sender and returns it.
+    fn admit(&self, caller: &Caller, cluster_id: &str, from: u64) -> Result<NodeId, Status> {
         if cluster_id != self.cluster_id {
             return Err(Status::failed_precondition(format!(
                 "message of cluster {cluster_id:?}, this node belongs to {:?}",
@@ -332,6 +333,7 @@ impl Peers {
             )));
         }
         let from = NodeId(from);
+        caller.check_claim(from)?;
         if !self.addresses.contains_key(&from) {
             return Err(Status::permission_denied(format!(
                 "node {from} is not a member of this cluster"
@@ -556,9 +558,10 @@ impl raft_server::Raft for RaftService {
         &self,
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&message.cluster_id, message.from)?;
+            peers.admit(&caller, &message.cluster_id, message.from)?;
             let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
             let result = raft.append_entries(rpc).await;
             if result.as_ref().is_ok_and(accepts_leader) {
@@ -573,9 +576,10 @@ impl raft_server::Raft for RaftService {
         &self,
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&message.cluster_id, message.from)?;
+            let from = peers.admit(&caller, &message.cluster_id, message.from)?;
             let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
             if let Some(why) = peers.refuse_vote(from) {
                 return Err(Status::unavailable(why));
@@ -593,9 +597,10 @@ impl raft_server::Raft for RaftService {
         &self,
         request: GrpcRequest<RaftMessage>,
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
+        let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&message.cluster_id, message.from)?;
+            peers.admit(&caller, &message.cluster_id, message.from)?;
             let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
             reply(&peers, &raft.install_snapshot(rpc).await)
         })
@@ -606,9 +611,10 @@ impl raft_server::Raft for RaftService {
         &self,
         request: GrpcRequest<PreVoteRequest>,
     ) -> Result<GrpcResponse<PreVoteReply>, Status> {
+        let caller = Caller::of(&request);
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&request.cluster_id, request.from)?;
+            let from = peers.admit(&caller, &request.cluster_id, request.from)?;
             let refusal = peers.refuse_pre_vote(from, request.next_index, &raft);
             Ok(GrpcResponse::new(PreVoteReply {
                 granted: refusal.is_none(),
@@ -622,9 +628,10 @@ impl raft_server::Raft for RaftService {
         &self,
         request: GrpcRequest<TransferRequest>,
     ) -> Result<GrpcResponse<TransferReply>, Status> {
+        let caller = Caller::of(&request);
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&request.cluster_id, request.from)?;
+            let from = peers.admit(&caller, &request.cluster_id, request.from)?;
             let target = NodeId(request.target);
             let metrics = raft.metrics().borrow().clone();
             if metrics.current_leader != Some(from) || metrics.current_term != request.term {
@@ -682,15 +689,41 @@ mod tests {
     fn only_a_member_of_this_cluster_is_admitted_and_only_it_is_heard() {
         let peers = peers();
         let since = Instant::now();
-        let other_cluster = peers.admit("d", 2).unwrap_err();
+        let anyone = Caller::Unauthenticated;
+        let other_cluster = peers.admit(&anyone, "d", 2).unwrap_err();
         assert_eq!(other_cluster.code(), tonic::Code::FailedPrecondition);
-        let stranger = peers.admit("c", 9).unwrap_err();
+        let stranger = peers.admit(&anyone, "c", 9).unwrap_err();
         assert_eq!(stranger.code(), tonic::Code::PermissionDenied);
         assert!(
             peers.heard_since(since).is_empty(),
             "a refused sender is not heard"
         );
-        assert_eq!(peers.admit("c", 2).unwrap(), NodeId(2));
+        assert_eq!(peers.admit(&anyone, "c", 2).unwrap(), NodeId(2));
         assert_eq!(peers.heard_since(since), vec![NodeId(2)]);
+    }
+
+    #[test]
+    fn a_message_is_admitted_only_from_the_node_whose_certificate_sent_it() {
+        let peers = peers();
+        let since = Instant::now();
+        let impostor = peers.admit(&Caller::Node(NodeId(3)), "c", 2).unwrap_err();
+        assert_eq!(impostor.code(), tonic::Code::PermissionDenied);
+        assert!(impostor.message().contains("claims node 2"), "{impostor:?}");
+        let tool = Caller::Client {
+            name: "ops".into(),
+            role: crate::certs::Role::Admin,
+        };
+        assert_eq!(
+            peers.admit(&tool, "c", 2).unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        assert!(
+            peers.heard_since(since).is_empty(),
+            "a refused sender is not heard"
+        );
+        assert_eq!(
+            peers.admit(&Caller::Node(NodeId(2)), "c", 2).unwrap(),
+            NodeId(2)
+        );
     }
 }

@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::ids::NodeId;
-use crate::net::{Transport, TransportError};
+use crate::net::{Expect, Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::volume::MAX_REQUEST;
@@ -42,7 +42,7 @@ impl RemoteReplica {
         volume: &str,
         timeout: Duration,
     ) -> Result<Self, TransportError> {
-        let client = transport.client(addr, ReplicaClient::new)?;
+        let client = transport.client(addr, Expect::Node(id), ReplicaClient::new)?;
         Ok(Self {
             id,
             client,

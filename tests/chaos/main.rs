@@ -644,9 +644,7 @@ fn fill_image() -> std::path::PathBuf {
 async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {
     use replica_ha::proto::admin::TransferRequest;
     use replica_ha::proto::admin::admin_client::AdminClient;
-    let channel = replica_ha::net::Transport::default()
-        .channel(&cluster.addrs[&from].to_string())
-        .map_err(|e| e.to_string())?;
+    let channel = cluster.channel(from);
     let mut request = tonic::Request::new(TransferRequest { to });
     request.set_timeout(Duration::from_secs(2));
     AdminClient::new(channel)

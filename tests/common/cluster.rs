@@ -1,6 +1,11 @@
 //! A cluster of real `replica-ha node` processes on loopback, for
 //! integration tests. Every node logs to `<dir>/nodeN.log`; on drop every
 //! process is killed.
+//!
+//! Every cluster runs with mutual TLS, as a deployment does by default:
+//! `<dir>/certs` holds its CA, a certificate per node, and the client
+//! certificates `admin` (role admin) and `viewer` (role viewer). The
+//! test's own calls ([`Cluster::channel`]) present `admin`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -67,6 +72,10 @@ pub struct Cluster {
     /// Extra environment for every node process (the fault campaign's
     /// fsync shim); `{dir}` in a value becomes the node's data dir.
     pub env: Vec<(String, String)>,
+    /// The certificate directory (see the module docs).
+    pub certs: PathBuf,
+    /// The test's own client: the `admin` certificate.
+    admin: replica_ha::net::Transport,
 }
 
 impl Cluster {
@@ -120,18 +129,70 @@ impl Cluster {
                 .collect::<BTreeMap<_, _>>()
         };
         let (addrs, nbd_addrs, http_addrs) = (ports(), ports(), ports());
+        let dir = tempfile::tempdir().unwrap();
+        let cluster_id = "test-cluster".to_string();
+        let certs = make_certs(dir.path(), &cluster_id, &ids);
+        let admin = client_transport(&certs, "admin");
         Cluster {
-            dir: tempfile::tempdir().unwrap(),
+            dir,
             ids,
             addrs,
             nbd_addrs,
             http_addrs,
             proxies: BTreeMap::new(),
             children: BTreeMap::new(),
-            cluster_id: "test-cluster".into(),
+            cluster_id,
             extra_args: vec!["--size".into(), "16MiB".into()],
             env: Vec::new(),
+            certs,
+            admin,
         }
+    }
+
+    /// A channel to node `id` that presents the `admin` certificate and
+    /// checks that the server is node `id`.
+    pub fn channel(&self, id: u64) -> tonic::transport::Channel {
+        self.admin
+            .channel(
+                &self.addrs[&id].to_string(),
+                replica_ha::net::Expect::Node(replica_ha::ids::NodeId(id)),
+            )
+            .expect("a loopback address")
+    }
+
+    /// The CLI's flags to authenticate as client `name` (`admin` or
+    /// `viewer`).
+    pub fn cli_tls(&self, name: &str) -> Vec<String> {
+        vec![
+            "--tls-dir".into(),
+            self.certs.display().to_string(),
+            "--as".into(),
+            name.into(),
+        ]
+    }
+
+    /// A channel to node `id` that presents `id`'s own node certificate, for
+    /// the node-to-node services (replica, Raft), which refuse a client's.
+    pub fn peer_channel(&self, id: u64) -> tonic::transport::Channel {
+        let node = replica_ha::ids::NodeId(id);
+        let files = replica_ha::certs::TlsFiles::for_node(&self.certs, node);
+        let tls = replica_ha::net::Tls::load(
+            files,
+            &self.cluster_id,
+            replica_ha::net::tls::Party::Node(node),
+        )
+        .expect("node credentials");
+        replica_ha::net::Transport::secured(replica_ha::net::Limits::default(), tls)
+            .channel(
+                &self.addrs[&id].to_string(),
+                replica_ha::net::Expect::Node(node),
+            )
+            .expect("a loopback address")
+    }
+
+    /// An admin client of node `id` (see [`Cluster::channel`]).
+    pub fn admin(&self, id: u64) -> AdminClient<tonic::transport::Channel> {
+        AdminClient::new(self.channel(id))
     }
 
     pub fn data_dir(&self, id: u64) -> PathBuf {
@@ -189,6 +250,8 @@ impl Cluster {
             self.http_addrs[&id].to_string(),
             "--gate-journal".into(),
             self.journal_path(id).display().to_string(),
+            "--tls-dir".into(),
+            self.certs.display().to_string(),
         ];
         for peer in &self.ids {
             let addr = match self.proxies.get(&(id, *peer)) {
@@ -224,7 +287,7 @@ impl Cluster {
         self.children.insert(id, child);
     }
 
-    fn signal(&self, id: u64, signal: &str) {
+    pub fn signal(&self, id: u64, signal: &str) {
         if let Some(child) = self.children.get(&id) {
             let status = Command::new("kill")
                 .args([signal, &child.id().to_string()])
@@ -287,10 +350,7 @@ impl Cluster {
 
     /// Node `id`'s status, if it answers within 500 ms.
     pub async fn status(&self, id: u64) -> Option<StatusReply> {
-        let channel = replica_ha::net::Transport::default()
-            .channel(&self.addrs[&id].to_string())
-            .ok()?;
-        let mut client = AdminClient::new(channel);
+        let mut client = self.admin(id);
         let mut request = tonic::Request::new(StatusRequest {});
         request.set_timeout(Duration::from_millis(500));
         let call = client.status(request);
@@ -307,10 +367,7 @@ impl Cluster {
         offset: u64,
         data: bytes::Bytes,
     ) -> Result<(), tonic::Status> {
-        let channel = replica_ha::net::Transport::default()
-            .channel(&self.addrs[&id].to_string())
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut client = AdminClient::new(channel);
+        let mut client = self.admin(id);
         let mut request = tonic::Request::new(WriteRequest {
             offset,
             data,
@@ -327,10 +384,7 @@ impl Cluster {
         offset: u64,
         length: u32,
     ) -> Result<bytes::Bytes, tonic::Status> {
-        let channel = replica_ha::net::Transport::default()
-            .channel(&self.addrs[&id].to_string())
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut client = AdminClient::new(channel);
+        let mut client = self.admin(id);
         let mut request = tonic::Request::new(ReadRequest { offset, length });
         request.set_timeout(Duration::from_secs(5));
         client.read(request).await.map(|r| r.into_inner().data)
@@ -407,4 +461,30 @@ impl Drop for Cluster {
             let _ = child.wait();
         }
     }
+}
+
+/// Makes a cluster's certificates in `<dir>/certs`: the CA, one per node of
+/// `ids`, and the clients `admin` and `viewer`.
+pub fn make_certs(dir: &std::path::Path, cluster_id: &str, ids: &[u64]) -> PathBuf {
+    use replica_ha::certs::{self, Role};
+    let certs = dir.join("certs");
+    certs::init(&certs, cluster_id, 60, false).expect("a CA");
+    for id in ids {
+        certs::issue_node(&certs, replica_ha::ids::NodeId(*id), &[], 30)
+            .expect("a node certificate");
+    }
+    certs::issue_client(&certs, "admin", Role::Admin, 30).expect("the admin certificate");
+    certs::issue_client(&certs, "viewer", Role::Viewer, 30).expect("the viewer certificate");
+    certs
+}
+
+/// A client transport that presents client `name`'s certificate from
+/// `certs`.
+pub fn client_transport(certs: &std::path::Path, name: &str) -> replica_ha::net::Transport {
+    let files = replica_ha::certs::TlsFiles::for_client(certs, name);
+    let ca = std::fs::read(files.ca()).expect("ca.crt");
+    let cluster = replica_ha::certs::cluster_id_of_ca(&ca).expect("a CA certificate");
+    let tls = replica_ha::net::Tls::load(files, &cluster, replica_ha::net::tls::Party::Client)
+        .expect("client credentials");
+    replica_ha::net::Transport::secured(replica_ha::net::Limits::default(), tls)
 }
