@@ -17,7 +17,7 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use replica_ha::ha::WriterEngine;
 use replica_ha::ha::fake::MemoryInSync;
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::replica::{
     Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
 };
@@ -48,7 +48,7 @@ async fn three_replica_engine(dir: &std::path::Path) -> Engine {
         volume: replica_ha::volume::VolumeSpec::new("test", "vol0", VOLUME, 2),
     };
     let engine = Engine::new(config, replicas, Arc::new(MemoryInSync::new(ids))).expect("engine");
-    engine.activate(1).await.expect("activate");
+    engine.activate(Term(1)).await.expect("activate");
     engine
 }
 

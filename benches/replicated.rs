@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use replica_ha::ha::WriterEngine;
 use replica_ha::ha::fake::MemoryInSync;
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::replica::remote::RemoteReplica;
 use replica_ha::replica::service::ReplicaService;
 use replica_ha::replica::{
@@ -108,7 +108,7 @@ async fn main() {
         Arc::new(MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)])),
     )
     .expect("engine");
-    engine.activate(1).await.expect("activate");
+    engine.activate(Term(1)).await.expect("activate");
     let plain = Arc::new(File::create(dir.path().join("plain.img")).expect("file"));
     plain.set_len(VOLUME).expect("size");
 

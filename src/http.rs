@@ -94,7 +94,7 @@ pub fn render(status: &NodeStatus) -> String {
         "replica_ha_term",
         "gauge",
         "The current Raft term (the fencing token).",
-        status.term as f64,
+        status.term.0 as f64,
     )
     .single(
         "replica_ha_gate_open",
@@ -221,7 +221,7 @@ pub fn render(status: &NodeStatus) -> String {
         (
             "replica_ha_replica_fence_floor",
             "Each reachable replica's durable fence floor.",
-            |i| i.floor,
+            |i| i.floor.0,
         ),
         (
             "replica_ha_replica_dirty_extents",

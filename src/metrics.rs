@@ -239,6 +239,7 @@ mod tests {
     use super::*;
     use crate::ha::WriterEngine;
     use crate::ha::fake::MemoryEngine;
+    use crate::ids::Term;
 
     #[test]
     fn histograms_are_cumulative_and_end_with_inf() {
@@ -284,7 +285,7 @@ mod tests {
                 .await
                 .is_err()
         );
-        engine.activate(1).await.unwrap();
+        engine.activate(Term(1)).await.unwrap();
         assert!(device.is_writable());
         device
             .write_at(0, Bytes::from_static(b"abcd"), true)

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::ha::{Controller, HaError, ReplicaState, Role};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::metrics::DeviceMetrics;
 use crate::nbd::NbdStats;
 use crate::raft::coordinator::LogProgress;
@@ -113,7 +113,7 @@ pub struct NodeStatus {
     pub facts: NodeFacts,
     /// openraft's server state, lower case (`leader`, `follower`, …).
     pub raft_state: String,
-    pub term: u64,
+    pub term: Term,
     pub leader: Option<NodeId>,
     /// Where the Raft log stands (openraft's figures, for metrics).
     pub log: LogProgress,

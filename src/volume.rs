@@ -24,6 +24,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use crate::ids::Term;
+
 /// The largest single read or write, in bytes (32 MiB). NBD clients split
 /// larger transfers; a bigger request is refused with [`RangeError::TooLarge`].
 pub const MAX_REQUEST: u64 = 32 * 1024 * 1024;
@@ -107,7 +109,7 @@ pub trait Device: Send + Sync {
     /// [`Device::is_writable`]; an ungated device grants writes under term 0.
     fn access(&self) -> Access {
         if self.is_writable() {
-            Access::ReadWrite { term: 0 }
+            Access::ReadWrite { term: Term::ZERO }
         } else {
             Access::ReadOnly
         }
@@ -119,7 +121,7 @@ pub trait Device: Send + Sync {
 pub enum Access {
     /// Reads and writes; writes pass the gate under `term`. A session opened
     /// so is valid only while the device still grants exactly this.
-    ReadWrite { term: u64 },
+    ReadWrite { term: Term },
     /// Reads only: this node is passive and its copy may be read.
     ReadOnly,
     /// Neither: reads are refused, for this reason.
@@ -166,7 +168,7 @@ pub enum DeviceError {
     Range(#[from] RangeError),
     /// A replica has seen a newer writer: this writer is fenced (S2).
     #[error("stale term {term}: a replica's fence floor is {floor}")]
-    StaleTerm { term: u64, floor: u64 },
+    StaleTerm { term: Term, floor: Term },
     /// Too few replicas acknowledged to meet `min_in_sync` (S5).
     #[error("only {have} in-sync replicas acknowledged, at least {need} are required")]
     InsufficientReplicas { have: usize, need: usize },

@@ -3,6 +3,7 @@
 use std::process::Command;
 
 use bytes::Bytes;
+use replica_ha::ids::Term;
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
 const SIZE: u64 = 4 * 1024 * 1024;
@@ -22,10 +23,10 @@ async fn inspect_shows_identity_floor_and_dirty_extents() {
             .await
             .unwrap();
         store
-            .write(3, 1 << 20, Bytes::from_static(b"x"), false)
+            .write(Term(3), 1 << 20, Bytes::from_static(b"x"), false)
             .await
             .unwrap();
-        store.fence(4).await.unwrap();
+        store.fence(Term(4)).await.unwrap();
     }
     let path = dir.path().to_str().unwrap();
     let size = SIZE.to_string();

@@ -12,7 +12,7 @@ use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
 use replica_ha::ha::{Controller, ControllerConfig, Coordinator, HaError, Role, Writer};
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::volume::{Device, DeviceError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -219,7 +219,7 @@ async fn leadership_lost_during_a_slow_fence_never_opens_the_gate() {
         script
             .log()
             .iter()
-            .all(|r| r.node != NodeId(1) || r.term != 1)
+            .all(|r| r.node != NodeId(1) || r.term != Term(1))
     );
     cluster.elect(NodeId(2)).unwrap();
     until("b leads", || b.role() == Role::Leader).await;
@@ -646,7 +646,7 @@ async fn a_step_down_notice_for_a_newer_term_closes_the_gate() {
         Role::Leader,
         "its own term is no reason to step down"
     );
-    a.controller.step_down(term + 1);
+    a.controller.step_down(term.next());
     assert_eq!(a.role(), Role::Follower);
     assert!(!a.controller.status().active);
     assert_eq!(a.write().await, Err(DeviceError::NotLeader));

@@ -27,7 +27,7 @@ use bytes::Bytes;
 use common::{Fault, FaultyReplica, LoggingTracker, SHORT, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::{ReplicaState, WriterEngine};
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::replica::{Engine, EngineConfig, Replica};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
@@ -103,13 +103,13 @@ async fn writes_reach_every_replica_with_the_active_term() {
         Err(DeviceError::Inactive)
     );
     assert_eq!(rig.engine.flush().await, Err(DeviceError::Inactive));
-    rig.engine.activate(7).await.unwrap();
-    assert_eq!(rig.engine.term(), Some(7));
+    rig.engine.activate(Term(7)).await.unwrap();
+    assert_eq!(rig.engine.term(), Some(Term(7)));
     rig.engine.write_at(4096, block(9), true).await.unwrap();
     rig.engine.flush().await.unwrap();
     for i in 0..3 {
         assert_eq!(rig.on(i, 4096, 4096).await, block(9));
-        assert_eq!(rig.replicas[i].store().floor().await, 7);
+        assert_eq!(rig.replicas[i].store().floor().await, Term(7));
     }
     assert_eq!(rig.engine.read_at(4096, 4096).await.unwrap(), block(9));
     assert_eq!(rig.states(), vec![ReplicaState::InSync; 3]);
@@ -125,7 +125,7 @@ async fn writes_reach_every_replica_with_the_active_term() {
 #[tokio::test]
 async fn a_failed_replica_is_dropped_by_a_commit_before_the_write_is_acknowledged() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.replicas[1].set(Fault::Fail);
     rig.engine.write_at(0, block(5), false).await.unwrap();
     rig.events.lock().unwrap().push("ack".into());
@@ -150,7 +150,7 @@ async fn a_failed_replica_is_dropped_by_a_commit_before_the_write_is_acknowledge
 #[tokio::test]
 async fn a_replica_that_does_not_answer_counts_as_failed() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.replicas[2].set(Fault::Hang);
     rig.engine.write_at(0, block(5), false).await.unwrap();
     assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
@@ -159,7 +159,7 @@ async fn a_replica_that_does_not_answer_counts_as_failed() {
 #[tokio::test]
 async fn too_few_replicas_fail_the_write_and_commit_nothing() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.replicas[1].set(Fault::Fail);
     rig.replicas[2].set(Fault::Hang);
     assert_eq!(
@@ -195,7 +195,7 @@ async fn too_few_replicas_fail_the_write_and_commit_nothing() {
 #[tokio::test]
 async fn a_refused_in_sync_commit_fails_the_write() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.tracker.inner.fail_removals(true);
     rig.replicas[1].set(Fault::Fail);
     assert!(matches!(
@@ -208,11 +208,14 @@ async fn a_refused_in_sync_commit_fails_the_write() {
 #[tokio::test]
 async fn a_stale_term_deactivates_the_engine_and_shrinks_nothing() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(3).await.unwrap();
-    rig.replicas[2].store().fence(5).await.unwrap();
+    rig.engine.activate(Term(3)).await.unwrap();
+    rig.replicas[2].store().fence(Term(5)).await.unwrap();
     assert_eq!(
         rig.engine.write_at(0, block(5), false).await,
-        Err(DeviceError::StaleTerm { term: 3, floor: 5 })
+        Err(DeviceError::StaleTerm {
+            term: Term(3),
+            floor: Term(5)
+        })
     );
     assert_eq!(rig.engine.term(), None);
     assert!(rig.events.lock().unwrap().is_empty());
@@ -223,7 +226,7 @@ async fn a_stale_term_deactivates_the_engine_and_shrinks_nothing() {
 #[tokio::test]
 async fn concurrent_failures_cannot_both_be_acknowledged() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.replicas[1].set(Fault::FailWritesAt(0));
     rig.replicas[2].set(Fault::FailWritesAt(4096));
     let (a, b) = tokio::join!(
@@ -255,10 +258,10 @@ async fn a_committed_set_below_min_in_sync_acknowledges_nothing() {
     let rig = Rig::new(2).await;
     rig.tracker
         .inner
-        .remove(1, &set(&[NodeId(2), NodeId(3)]))
+        .remove(Term(1), &set(&[NodeId(2), NodeId(3)]))
         .await
         .unwrap();
-    rig.engine.activate(2).await.unwrap();
+    rig.engine.activate(Term(2)).await.unwrap();
     assert_eq!(
         rig.engine.write_at(0, block(1), false).await,
         Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
@@ -268,7 +271,7 @@ async fn a_committed_set_below_min_in_sync_acknowledges_nothing() {
 #[tokio::test]
 async fn reads_prefer_the_local_replica_and_fall_back_to_in_sync_peers() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     rig.engine.write_at(0, block(3), false).await.unwrap();
     // Drop the local replica from the in-sync set.
     rig.replicas[0].set(Fault::Fail);
@@ -289,7 +292,7 @@ async fn reads_prefer_the_local_replica_and_fall_back_to_in_sync_peers() {
 #[tokio::test]
 async fn bad_requests_are_refused_before_any_replica_is_touched() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(1).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
     assert!(matches!(
         rig.engine.write_at(SIZE - 512, block(1), false).await,
         Err(DeviceError::Range(RangeError::OutOfRange { .. }))
@@ -349,7 +352,7 @@ async fn invalid_configurations_are_refused() {
 
 /// Drops n3 from the in-sync set through a failed write, then heals it.
 async fn with_n3_out(rig: &Rig) {
-    rig.engine.activate(5).await.unwrap();
+    rig.engine.activate(Term(5)).await.unwrap();
     rig.replicas[2].set(Fault::Fail);
     rig.engine.write_at(0, block(1), false).await.unwrap();
     assert!(!rig.committed().await.contains(&NodeId(3)));
@@ -362,7 +365,7 @@ async fn a_rebuild_copies_differences_receives_new_writes_and_rejoins() {
     with_n3_out(&rig).await;
     rig.engine.write_at(8192, block(2), false).await.unwrap();
     let term = rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
-    assert_eq!(term, 5);
+    assert_eq!(term, Term(5));
     let states = rig.engine.replicas();
     assert_eq!(states[2].state, ReplicaState::Rebuilding);
     // A write during the rebuild reaches the rebuilding replica too.
@@ -409,7 +412,7 @@ async fn a_rebuild_does_not_survive_a_new_term() {
     with_n3_out(&rig).await;
     rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     rig.engine.deactivate();
-    rig.engine.activate(6).await.unwrap();
+    rig.engine.activate(Term(6)).await.unwrap();
     assert!(
         rig.engine.rebuild_failed(NodeId(3)),
         "the old term's rebuild is gone"
@@ -493,7 +496,7 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
         )
         .unwrap(),
     );
-    engine.activate(3).await.unwrap();
+    engine.activate(Term(3)).await.unwrap();
     let data = |i: u64| Bytes::from(vec![0x10 + i as u8; 64 << 10]);
     for i in 0..4u64 {
         engine.write_at(i << 20, data(i), false).await.unwrap();
@@ -522,7 +525,7 @@ async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
 #[tokio::test]
 async fn a_write_the_engine_gave_up_on_never_lands_over_a_later_acknowledged_one() {
     let rig = Rig::new(3).await;
-    rig.engine.activate(4).await.unwrap();
+    rig.engine.activate(Term(4)).await.unwrap();
     rig.replicas[2].set(Fault::HoldWrites { pass: true });
     let w1 = rig.engine.write_at(0, block(0x01), false).await;
     assert!(w1.is_err(), "n3 cannot be dropped below min_in_sync 3");
@@ -546,7 +549,7 @@ async fn a_write_the_engine_gave_up_on_never_lands_over_a_later_acknowledged_one
 async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
     let rig = Rig::new(2).await;
-    rig.engine.activate(4).await.unwrap();
+    rig.engine.activate(Term(4)).await.unwrap();
     rig.replicas[2].set(Fault::HoldWrites { pass: true });
     rig.engine.write_at(0, block(0x01), false).await.unwrap();
     assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
@@ -575,7 +578,7 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
 #[tokio::test]
 async fn marks_of_acknowledged_durable_writes_are_retired_during_the_term() {
     let rig = Rig::new(3).await;
-    rig.engine.activate(3).await.unwrap();
+    rig.engine.activate(Term(3)).await.unwrap();
     for extent in 0..8u64 {
         rig.engine
             .write_at(extent << 20, block(extent as u8 + 1), false)
@@ -635,7 +638,7 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
         Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
     )
     .unwrap();
-    engine.activate(2).await.unwrap();
+    engine.activate(Term(2)).await.unwrap();
     let (fua, flushed, loose) = (0, 1 << 20, 2 << 20);
     engine.write_at(flushed, block(0xf2), false).await.unwrap();
     engine.flush().await.unwrap();
@@ -695,7 +698,7 @@ async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
         )
         .unwrap(),
     );
-    engine.activate(2).await.unwrap();
+    engine.activate(Term(2)).await.unwrap();
 
     // A client writes block after block until told to stop; every write
     // must be acknowledged.
@@ -804,7 +807,7 @@ async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
 #[tokio::test]
 async fn an_in_sync_replica_that_left_the_set_is_removed_before_the_next_ack() {
     let rig = Rig::new(2).await;
-    rig.engine.activate(2).await.unwrap();
+    rig.engine.activate(Term(2)).await.unwrap();
     rig.engine.write_at(0, block(0x01), false).await.unwrap();
     rig.engine.replica_set().remove(NodeId(3)).unwrap();
     rig.engine.write_at(0, block(0x02), false).await.unwrap();
@@ -850,7 +853,7 @@ async fn the_engine_counts_extents_in_the_volumes_extent_size() {
         .unwrap(),
     );
     assert_eq!(engine.extent_size(), spec.extent_size);
-    engine.activate(2).await.unwrap();
+    engine.activate(Term(2)).await.unwrap();
     // Writes n3 misses: one in the fifth 256 KiB extent, one in the ninth.
     let offsets = [5 * (256 << 10) + 4096, 9 * (256 << 10)];
     for offset in offsets {

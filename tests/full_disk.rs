@@ -10,6 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
+use replica_ha::ids::Term;
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 use tokio::time::Instant;
 
@@ -60,15 +61,19 @@ async fn a_store_whose_disk_filled_up_works_again_once_there_is_room() {
     )
     .await
     .expect("open the store");
-    store.fence(3).await.unwrap();
-    store.write(3, 0, block(1), false).await.unwrap();
+    store.fence(Term(3)).await.unwrap();
+    store.write(Term(3), 0, block(1), false).await.unwrap();
     let filler = fs.path().join("filler");
     common::fill_file_system(&filler);
 
     // Writes into new extents need new marks: with no room, some fail.
     let mut refused = 0;
     for extent in 1..2048u64 {
-        if store.write(3, extent << 20, block(2), false).await.is_err() {
+        if store
+            .write(Term(3), extent << 20, block(2), false)
+            .await
+            .is_err()
+        {
             refused += 1;
         }
     }
@@ -77,7 +82,7 @@ async fn a_store_whose_disk_filled_up_works_again_once_there_is_room() {
     std::fs::remove_file(filler).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let retried = store.write(3, 4000 << 20, block(4), false).await;
+        let retried = store.write(Term(3), 4000 << 20, block(4), false).await;
         if retried.is_ok() {
             break;
         }
@@ -87,16 +92,16 @@ async fn a_store_whose_disk_filled_up_works_again_once_there_is_room() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    store.flush(3).await.unwrap();
-    assert_eq!(store.floor().await, 3, "the floor survived");
+    store.flush(Term(3)).await.unwrap();
+    assert_eq!(store.floor().await, Term(3), "the floor survived");
     let marks = store.dirty_extents().unwrap();
     assert!(
-        marks.iter().any(|m| m.term == 3 && m.extent == 0),
+        marks.iter().any(|m| m.term == Term(3) && m.extent == 0),
         "the mark made before the disk filled survived: {marks:?}"
     );
     assert!(marks.iter().any(|m| m.extent == 4000));
     store
-        .fence(4)
+        .fence(Term(4))
         .await
         .expect("a fence after the disk had room");
     assert_eq!(store.read(0, 4096).await.unwrap(), block(1));

@@ -17,7 +17,7 @@ use openraft::{Entry, LogId, StorageError, Vote};
 use replica_ha::ha::Coordinator;
 use replica_ha::raft::network::{Network, Peers, RaftService};
 use replica_ha::raft::{
-    LogStore, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, TypeConfig,
+    LogStore, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, Term, TypeConfig,
 };
 use tokio::time::Instant;
 
@@ -180,7 +180,7 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
 }
 
 /// The node that holds a lease now, with its term.
-fn lease_holder(nodes: &BTreeMap<NodeId, TestNode>) -> Option<(NodeId, u64)> {
+fn lease_holder(nodes: &BTreeMap<NodeId, TestNode>) -> Option<(NodeId, Term)> {
     let now = Instant::now();
     let holders: Vec<_> = nodes
         .iter()

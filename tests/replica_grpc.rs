@@ -18,7 +18,7 @@ use common::{Fault, FaultyReplica, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ha::{Fencer, WriterEngine};
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
 use replica_ha::replica::fencer::TokenFencer;
@@ -68,8 +68,8 @@ async fn a_fence_tells_the_node_its_new_floor() {
         Arc::new(move |floor| seen.lock().unwrap().push(floor))
     });
     let addr = common::serve_replica(service).await;
-    remote(addr, NodeId(1)).fence(4).await.unwrap();
-    assert_eq!(*seen.lock().unwrap(), vec![4]);
+    remote(addr, NodeId(1)).fence(Term(4)).await.unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![Term(4)]);
 }
 
 #[tokio::test]
@@ -78,37 +78,47 @@ async fn the_fence_floor_holds_over_grpc() {
     let local = store(dir.path(), NodeId(1)).await;
     let replica = remote(serve(Arc::clone(&local)).await, NodeId(1));
     replica
-        .write(Stamp::from(1), 0, block(1), false)
+        .write(Stamp::from(Term(1)), 0, block(1), false)
         .await
         .unwrap();
-    let reply = replica.fence(3).await.unwrap();
-    assert_eq!(reply.floor, 3);
+    let reply = replica.fence(Term(3)).await.unwrap();
+    assert_eq!(reply.floor, Term(3));
     assert_eq!(reply.dirty.len(), 1);
     assert_eq!(
-        replica.write(Stamp::from(2), 0, block(2), false).await,
-        Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
+        replica
+            .write(Stamp::from(Term(2)), 0, block(2), false)
+            .await,
+        Err(ReplicaError::StaleTerm {
+            term: Term(2),
+            floor: Term(3)
+        })
     );
     assert_eq!(
-        replica.flush(Stamp::from(2)).await,
-        Err(ReplicaError::StaleTerm { term: 2, floor: 3 })
+        replica.flush(Stamp::from(Term(2))).await,
+        Err(ReplicaError::StaleTerm {
+            term: Term(2),
+            floor: Term(3)
+        })
     );
     assert_eq!(replica.read(0, 4096).await.unwrap(), block(1));
     // A newer generation of the floor's term raises it; the older one is
     // then refused, and the refusal keeps its kind over the wire.
     let newer = Stamp {
-        term: 3,
+        term: Term(3),
         generation: 1,
     };
     replica.flush(newer).await.unwrap();
     assert_eq!(
-        replica.write(Stamp::from(3), 0, block(2), false).await,
+        replica
+            .write(Stamp::from(Term(3)), 0, block(2), false)
+            .await,
         Err(ReplicaError::StaleGeneration {
-            stamp: Stamp::from(3),
+            stamp: Stamp::from(Term(3)),
             floor: newer
         })
     );
     replica.write(newer, 0, block(3), true).await.unwrap();
-    replica.clear_dirty_below(3).await.unwrap();
+    replica.clear_dirty_below(Term(3)).await.unwrap();
     assert_eq!(local.dirty_extents().unwrap().len(), 1);
     assert_eq!(local.read(0, 4096).await.unwrap(), block(3));
 }
@@ -124,7 +134,7 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
             .unwrap(),
     )
     .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
-    local.write(5, 0, block(5), false).await.unwrap();
+    local.write(Term(5), 0, block(5), false).await.unwrap();
 
     let write =
         |volume: Option<pb::VolumeRef>, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
@@ -192,7 +202,7 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
         local.read(SIZE - 4096, 4096).await.unwrap(),
         Bytes::from(vec![0u8; 4096])
     );
-    assert_eq!(local.floor().await, 5);
+    assert_eq!(local.floor().await, Term(5));
     assert_eq!(local.dirty_extents().unwrap().len(), 1);
     let status = client
         .status(pb::StatusRequest {
@@ -228,11 +238,13 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
     )
     .unwrap();
     assert!(matches!(
-        replica.write(Stamp::from(1), 0, block(1), false).await,
+        replica
+            .write(Stamp::from(Term(1)), 0, block(1), false)
+            .await,
         Err(ReplicaError::Unavailable(_))
     ));
     assert!(matches!(
-        replica.fence(1).await,
+        replica.fence(Term(1)).await,
         Err(ReplicaError::Unavailable(_))
     ));
 }
@@ -261,18 +273,21 @@ async fn the_engine_mirrors_through_remote_replicas() {
         tracker,
     )
     .unwrap();
-    engine.activate(4).await.unwrap();
+    engine.activate(Term(4)).await.unwrap();
     engine.write_at(8192, block(7), true).await.unwrap();
     engine.flush().await.unwrap();
     for store in &stores {
         assert_eq!(store.read(8192, 4096).await.unwrap(), block(7));
-        assert_eq!(store.floor().await, 4);
+        assert_eq!(store.floor().await, Term(4));
     }
     // A newer writer fences one remote replica: the old engine is refused.
-    stores[2].fence(5).await.unwrap();
+    stores[2].fence(Term(5)).await.unwrap();
     assert_eq!(
         engine.write_at(0, block(8), false).await,
-        Err(DeviceError::StaleTerm { term: 4, floor: 5 })
+        Err(DeviceError::StaleTerm {
+            term: Term(4),
+            floor: Term(5)
+        })
     );
 }
 
@@ -289,7 +304,7 @@ impl FenceRig {
     /// Promotes n1's engine at `term` after a fence, and runs one of its
     /// mark-retirement passes: what a convergence leaves for the writer
     /// (making it durable, dropping the older marks) is done then.
-    async fn write_at(&self, term: u64) {
+    async fn write_at(&self, term: Term) {
         self.engine.activate(term).await.unwrap();
         self.engine.retire_marks().await.unwrap();
     }
@@ -357,14 +372,17 @@ fn set(ids: &[NodeId]) -> BTreeSet<NodeId> {
 async fn fencing_raises_every_reachable_floor_and_shuts_the_old_writer_out() {
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     for r in &rig.replicas {
-        r.store().write(1, 0, block(1), false).await.unwrap();
+        r.store().write(Term(1), 0, block(1), false).await.unwrap();
     }
-    rig.fencer.fence(None, 2).await.unwrap();
+    rig.fencer.fence(None, Term(2)).await.unwrap();
     for r in &rig.replicas {
-        assert_eq!(r.store().floor().await, 2);
+        assert_eq!(r.store().floor().await, Term(2));
         assert_eq!(
-            r.store().write(1, 0, block(9), false).await,
-            Err(ReplicaError::StaleTerm { term: 1, floor: 2 })
+            r.store().write(Term(1), 0, block(9), false).await,
+            Err(ReplicaError::StaleTerm {
+                term: Term(1),
+                floor: Term(2)
+            })
         );
     }
     assert_eq!(
@@ -377,7 +395,7 @@ async fn fencing_raises_every_reachable_floor_and_shuts_the_old_writer_out() {
 async fn an_unreached_in_sync_replica_is_dropped_by_a_commit() {
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     rig.replicas[2].set(Fault::Hang);
-    rig.fencer.fence(None, 2).await.unwrap();
+    rig.fencer.fence(None, Term(2)).await.unwrap();
     assert_eq!(
         rig.tracker.in_sync().await.unwrap(),
         set(&[NodeId(1), NodeId(2)])
@@ -389,7 +407,7 @@ async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     rig.replicas[1].set(Fault::Fail);
     rig.replicas[2].set(Fault::Hang);
-    let err = rig.fencer.fence(None, 2).await.unwrap_err();
+    let err = rig.fencer.fence(None, Term(2)).await.unwrap_err();
     assert!(err.to_string().contains("only 1 of 3"), "{err}");
     assert_eq!(
         rig.tracker.in_sync().await.unwrap(),
@@ -401,7 +419,7 @@ async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
 async fn a_fence_without_an_in_sync_member_fails() {
     let rig = fence_rig(&[NodeId(3)]).await;
     rig.replicas[2].set(Fault::Fail);
-    let err = rig.fencer.fence(None, 2).await.unwrap_err();
+    let err = rig.fencer.fence(None, Term(2)).await.unwrap_err();
     assert!(err.to_string().contains("in-sync"), "{err}");
     assert_eq!(rig.tracker.in_sync().await.unwrap(), set(&[NodeId(3)]));
 }
@@ -409,8 +427,8 @@ async fn a_fence_without_an_in_sync_member_fails() {
 #[tokio::test]
 async fn a_replica_that_saw_a_newer_term_fails_the_fence() {
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
-    rig.replicas[1].store().fence(7).await.unwrap();
-    let err = rig.fencer.fence(None, 5).await.unwrap_err();
+    rig.replicas[1].store().fence(Term(7)).await.unwrap();
+    let err = rig.fencer.fence(None, Term(5)).await.unwrap_err();
     assert!(err.to_string().contains("newer writer"), "{err}");
 }
 
@@ -424,16 +442,16 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
     let extent = 3 * (1 << 20);
     rig.replicas[1]
         .store()
-        .write(1, extent, block(0xd1), false)
+        .write(Term(1), extent, block(0xd1), false)
         .await
         .unwrap();
     rig.replicas[2]
         .store()
-        .write(1, extent + 8192, block(0xd2), false)
+        .write(Term(1), extent + 8192, block(0xd2), false)
         .await
         .unwrap();
-    rig.fencer.fence(None, 2).await.unwrap();
-    rig.write_at(2).await;
+    rig.fencer.fence(None, Term(2)).await.unwrap();
+    rig.write_at(Term(2)).await;
     let expected = rig.replicas[0].store().read(extent, 1 << 20).await.unwrap();
     for r in &rig.replicas {
         assert_eq!(r.store().read(extent, 1 << 20).await.unwrap(), expected);
@@ -442,7 +460,7 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
                 .dirty_extents()
                 .unwrap()
                 .iter()
-                .all(|m| m.term >= 2)
+                .all(|m| m.term >= Term(2))
         );
     }
 }
@@ -464,24 +482,24 @@ async fn an_interrupted_convergence_resumes_where_it_was() {
     for extent in 0..128u64 {
         replicas[0]
             .store()
-            .write(1, extent << 20, block(0xa1), false)
+            .write(Term(1), extent << 20, block(0xa1), false)
             .await
             .unwrap();
         replicas[1]
             .store()
-            .write(1, extent << 20, block(0xb2), false)
+            .write(Term(1), extent << 20, block(0xb2), false)
             .await
             .unwrap();
     }
     replicas[2].set(Fault::FailWritesAt(100 << 20));
-    assert!(fencer.fence(None, 2).await.is_err());
+    assert!(fencer.fence(None, Term(2)).await.is_err());
     let older = |i: usize| -> usize {
         replicas[i]
             .store()
             .dirty_extents()
             .unwrap()
             .iter()
-            .filter(|m| m.term < 2)
+            .filter(|m| m.term < Term(2))
             .count()
     };
     assert!(
@@ -491,8 +509,8 @@ async fn an_interrupted_convergence_resumes_where_it_was() {
     );
     assert_eq!(older(1), older(0));
     replicas[2].set(Fault::None);
-    fencer.fence(None, 2).await.unwrap();
-    rig.write_at(2).await;
+    fencer.fence(None, Term(2)).await.unwrap();
+    rig.write_at(Term(2)).await;
     for (i, r) in replicas.iter().enumerate() {
         assert_eq!(older(i), 0);
         for extent in [0u64, 99, 100, 127] {
@@ -516,7 +534,7 @@ async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer(
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
     for (i, r) in rig.replicas.iter().enumerate() {
         r.store()
-            .write(1, 5 << 20, block(0xc0 + i as u8), false)
+            .write(Term(1), 5 << 20, block(0xc0 + i as u8), false)
             .await
             .unwrap();
     }
@@ -525,10 +543,10 @@ async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer(
             .dirty_extents()
             .unwrap()
             .iter()
-            .filter(|m| m.term < 2)
+            .filter(|m| m.term < Term(2))
             .count()
     };
-    rig.fencer.fence(None, 2).await.unwrap();
+    rig.fencer.fence(None, Term(2)).await.unwrap();
     let expected = rig.replicas[0]
         .store()
         .read(5 << 20, 1 << 20)
@@ -538,7 +556,7 @@ async fn a_short_convergence_leaves_the_flush_and_the_older_marks_to_the_writer(
         assert_eq!(r.store().read(5 << 20, 1 << 20).await.unwrap(), expected);
         assert_eq!(older(r), 1, "{} keeps its older mark until a flush", r.id());
     }
-    rig.write_at(2).await;
+    rig.write_at(Term(2)).await;
     for r in &rig.replicas {
         assert!(
             r.store().dirty_extents().unwrap().is_empty(),
@@ -576,10 +594,10 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
     // Term 1's writer left a write on n2 only, durable there (FUA).
     let extent = 2u64 << 20;
     nodes[1]
-        .write(Stamp::from(1), extent, block(0xe7), true)
+        .write(Stamp::from(Term(1)), extent, block(0xe7), true)
         .await
         .unwrap();
-    fencer.fence(None, 2).await.unwrap();
+    fencer.fence(None, Term(2)).await.unwrap();
     let n1 = nodes[0].store().read(extent, 4096).await.unwrap();
     assert_eq!(nodes[1].store().read(extent, 4096).await.unwrap(), n1);
 
@@ -596,10 +614,10 @@ async fn a_power_cut_before_the_writers_first_pass_leaves_the_marks_to_converge_
             .dirty_extents()
             .unwrap()
             .iter()
-            .any(|m| m.term == 1 && m.extent == 2),
+            .any(|m| m.term == Term(1) && m.extent == 2),
         "term 1's mark outlived the fence that did not flush"
     );
-    fencer.fence(None, 3).await.unwrap();
+    fencer.fence(None, Term(3)).await.unwrap();
     for node in &nodes {
         assert_eq!(node.store().read(extent, 4096).await.unwrap(), n1);
     }
@@ -626,7 +644,7 @@ async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
         &replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
         Duration::from_secs(1),
     );
-    let err = fencer.fence(None, 2).await.unwrap_err();
+    let err = fencer.fence(None, Term(2)).await.unwrap_err();
     assert!(
         matches!(
             err,

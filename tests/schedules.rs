@@ -36,7 +36,7 @@ use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
 use replica_ha::ha::{Controller, ControllerConfig, Coordinator, GateJournal};
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::volume::Device;
 use tokio::time::Instant;
 
@@ -79,14 +79,14 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// Records every term a gate was opened for, in order.
 #[derive(Default)]
-struct Openings(std::sync::Mutex<Vec<u64>>);
+struct Openings(std::sync::Mutex<Vec<Term>>);
 
 impl GateJournal for Openings {
-    fn opened(&self, term: u64, _deadline: Option<Instant>) {
+    fn opened(&self, term: Term, _deadline: Option<Instant>) {
         self.0.lock().unwrap().push(term);
     }
-    fn admitted(&self, _term: u64, _deadline: Instant) {}
-    fn closed(&self, _term: u64) {}
+    fn admitted(&self, _term: Term, _deadline: Instant) {}
+    fn closed(&self, _term: Term) {}
 }
 
 struct World {
@@ -97,7 +97,7 @@ struct World {
     engines: Vec<Arc<MemoryEngine>>,
     openings: Vec<Arc<Openings>>,
     /// (node, term) of every write a gate let through, in time order.
-    accepted: Vec<(usize, u64)>,
+    accepted: Vec<(usize, Term)>,
 }
 
 impl World {
@@ -229,7 +229,11 @@ impl World {
                         &vec![i],
                         "a write passed a gate that was not the one writable gate"
                     );
-                    let term = self.engines[i].writes().last().map(|w| w.0).unwrap_or(0);
+                    let term = self.engines[i]
+                        .writes()
+                        .last()
+                        .map(|w| w.0)
+                        .unwrap_or(Term::ZERO);
                     if let Some(&(_, last)) = self.accepted.last() {
                         prop_assert!(term >= last, "term {term} accepted after term {last}");
                     }
@@ -296,7 +300,7 @@ fn a_plain_failover_schedule_accepts_writes_of_two_terms() {
         for op in ops {
             world.apply(op).await.unwrap();
         }
-        assert_eq!(world.accepted, vec![(0, 1), (1, 2)]);
+        assert_eq!(world.accepted, vec![(0, Term(1)), (1, Term(2))]);
     });
 }
 
@@ -336,7 +340,7 @@ mod engine_world {
     use replica_ha::ha::InSyncTracker;
     use replica_ha::ha::WriterEngine;
     use replica_ha::ha::fake::MemoryInSync;
-    use replica_ha::ids::NodeId;
+    use replica_ha::ids::{NodeId, Term};
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::{Engine, EngineConfig, Replica};
     use replica_ha::volume::Device;
@@ -434,7 +438,7 @@ mod engine_world {
                 )
                 .unwrap(),
             );
-            engine.activate(1).await.unwrap();
+            engine.activate(Term(1)).await.unwrap();
             let resync = Arc::new(Resyncer::new(Arc::clone(&engine), ResyncConfig::default()));
             World {
                 _dir: dir,

@@ -49,7 +49,7 @@ use super::{
     ActiveDevice, Coordinator, FenceError, Fencer, HaError, Leadership, ReplicaStatus, Writer,
     WriterEngine,
 };
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 
 /// Timing of the controller.
 #[derive(Debug, Clone, Copy)]
@@ -98,7 +98,7 @@ pub struct Status {
     /// The role.
     pub role: Role,
     /// The term of the latest observation acted on.
-    pub term: u64,
+    pub term: Term,
     /// The leader of that observation.
     pub leader: Option<NodeId>,
     /// The writer fenced (or being fenced) on the latest promotion.
@@ -118,7 +118,7 @@ pub struct Status {
 
 struct Inner {
     role: Role,
-    term: u64,
+    term: Term,
     leader: Option<NodeId>,
     prev_writer: Option<Writer>,
     stopped: bool,
@@ -127,9 +127,9 @@ struct Inner {
     promotions: u64,
     spent_terms: u64,
     /// The last term this controller recorded a promotion for.
-    last_recorded: Option<u64>,
+    last_recorded: Option<Term>,
     /// The last term this controller opened its gate for.
-    last_opened: Option<u64>,
+    last_opened: Option<Term>,
 }
 
 /// What the run loop does after a reconcile step.
@@ -172,7 +172,7 @@ impl Controller {
             config,
             inner: Mutex::new(Inner {
                 role: Role::Follower,
-                term: 0,
+                term: Term::ZERO,
                 leader: None,
                 prev_writer: None,
                 stopped: false,
@@ -244,7 +244,7 @@ impl Controller {
     /// writes (or is promoting) at an older term, it closes its gate now
     /// rather than at its next refused write. Best effort: the replicas
     /// refuse the old term either way (S2).
-    pub fn step_down(&self, term: u64) {
+    pub fn step_down(&self, term: Term) {
         let (role, current) = {
             let inner = self.lock();
             (inner.role, inner.term)
@@ -346,7 +346,7 @@ impl Controller {
     #[tracing::instrument(
         name = "promote",
         skip_all,
-        fields(node = %self.coordinator.node_id(), term = seen.term, role = "fence_pending")
+        fields(node = %self.coordinator.node_id(), term = %seen.term, role = "fence_pending")
     )]
     async fn promote(
         &self,
@@ -361,7 +361,7 @@ impl Controller {
         {
             None => return Ok(Next::Again),
             Some(Err(err)) => {
-                tracing::warn!(term, %err, "could not read the previous writer");
+                tracing::warn!(%term, %err, "could not read the previous writer");
                 return Ok(self.retry_later());
             }
             Some(Ok(prev)) => prev,
@@ -386,14 +386,14 @@ impl Controller {
             // the fence could not shut them out. Promote only at a fresh
             // term: hand leadership on, and let the next election raise it.
             tracing::warn!(
-                term,
+                %term,
                 "term already used by this node's earlier stint; resigning for a fresh term"
             );
             self.lock().spent_terms += 1;
             if let Some(Err(err)) =
                 cancellable(observations, stop, self.coordinator.resign()).await?
             {
-                tracing::warn!(term, %err, "could not resign");
+                tracing::warn!(%term, %err, "could not resign");
             }
             return Ok(self.retry_later());
         }
@@ -412,7 +412,7 @@ impl Controller {
         if let Some(err) = failure {
             self.lock().fence_failures += 1;
             let err = HaError::FenceFailed(err);
-            tracing::warn!(term, prev = ?prev, %err, "staying fence_pending");
+            tracing::warn!(%term, prev = ?prev, %err, "staying fence_pending");
             return Ok(self.retry_later());
         }
 
@@ -420,14 +420,14 @@ impl Controller {
             match cancellable(observations, stop, self.coordinator.record_promotion(term)).await? {
                 None => return Ok(Next::Again),
                 Some(Err(err)) => {
-                    tracing::warn!(term, %err, "could not record the promotion");
+                    tracing::warn!(%term, %err, "could not record the promotion");
                     return Ok(self.retry_later());
                 }
                 Some(Ok(())) => self.lock().last_recorded = Some(term),
             }
         }
         if let Err(err) = self.engine.activate(term).await {
-            tracing::warn!(term, %err, "could not activate the engine");
+            tracing::warn!(%term, %err, "could not activate the engine");
             return Ok(self.retry_later());
         }
         self.open_gate(term, observations)
@@ -437,7 +437,7 @@ impl Controller {
     /// and a pending observation are seen.
     fn open_gate(
         &self,
-        term: u64,
+        term: Term,
         observations: &watch::Receiver<Leadership>,
     ) -> Result<Next, HaError> {
         let mut inner = self.lock();
@@ -455,7 +455,7 @@ impl Controller {
             .filter(|lease| lease.covers(term, Instant::now()));
         let Some(lease) = lease else {
             self.engine.deactivate();
-            tracing::warn!(term, "lease ran out during promotion");
+            tracing::warn!(%term, "lease ran out during promotion");
             return Ok(self.retry_later());
         };
         self.device.open(term);
@@ -464,7 +464,7 @@ impl Controller {
         inner.promotions += 1;
         tracing::info!(
             node = %self.coordinator.node_id(),
-            term,
+            %term,
             role = Role::Leader.as_str(),
             prev = ?inner.prev_writer,
             "promoted: gate open"
@@ -477,7 +477,7 @@ impl Controller {
         if inner.role != Role::FencePending || inner.term != seen.term {
             tracing::info!(
                 node = %self.coordinator.node_id(),
-                term = seen.term,
+                term = %seen.term,
                 role = Role::FencePending.as_str(),
                 "won leadership; fencing before promotion"
             );
@@ -495,7 +495,7 @@ impl Controller {
         if inner.role != Role::Follower {
             tracing::info!(
                 node = %self.coordinator.node_id(),
-                term = inner.term,
+                term = %inner.term,
                 role = Role::Follower.as_str(),
                 why,
                 "demoted: gate closed"

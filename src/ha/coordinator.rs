@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::HaError;
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 
 /// One observation of who leads.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -36,21 +36,21 @@ pub struct Leadership {
     /// Whether the leader is this node *and* its lease is valid.
     pub is_self: bool,
     /// The term of the observation (non-decreasing).
-    pub term: u64,
+    pub term: Term,
 }
 
 /// This node's lease: it leads `term` at least until `deadline`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     /// The term the lease is for.
-    pub term: u64,
+    pub term: Term,
     /// When it runs out, unless renewed.
     pub deadline: Instant,
 }
 
 impl Lease {
     /// Whether this lease covers `term` at `now`.
-    pub fn covers(&self, term: u64, now: Instant) -> bool {
+    pub fn covers(&self, term: Term, now: Instant) -> bool {
         self.term == term && now < self.deadline
     }
 }
@@ -61,7 +61,7 @@ pub struct Writer {
     /// Its node id.
     pub node: NodeId,
     /// The term it wrote with.
-    pub term: u64,
+    pub term: Term,
 }
 
 /// Leader election with a lease, plus the promotion record. See the module
@@ -96,11 +96,11 @@ pub trait Coordinator: Send + Sync {
 
     /// The last promoted writer as of `term`: waits until the state this
     /// node leads with at `term` is current, so the answer is not stale.
-    async fn prev_writer(&self, term: u64) -> Result<Option<Writer>, HaError>;
+    async fn prev_writer(&self, term: Term) -> Result<Option<Writer>, HaError>;
 
     /// Records that this node is the writer of `term`. Must fail, recording
     /// nothing, unless this node still leads `term`.
-    async fn record_promotion(&self, term: u64) -> Result<(), HaError>;
+    async fn record_promotion(&self, term: Term) -> Result<(), HaError>;
 }
 
 /// Shuts the previous writer out before a new one writes (S1).
@@ -109,7 +109,7 @@ pub trait Fencer: Send + Sync {
     /// Fences every writer older than `term`, `prev_writer` among them (it
     /// may be `None` on a fresh volume). Ok only once no write of an older
     /// term can be acknowledged; idempotent.
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError>;
+    async fn fence(&self, prev_writer: Option<&Writer>, term: Term) -> Result<(), FenceError>;
 }
 
 /// Why a fence did not shut the previous writer out; the new leader stays
@@ -120,8 +120,8 @@ pub enum FenceError {
     #[error("replica {replica} has seen term {floor} > {term}: a newer writer exists")]
     NewerWriter {
         replica: NodeId,
-        floor: u64,
-        term: u64,
+        floor: Term,
+        term: Term,
     },
     /// Too few replicas took the term for no older writer to reach
     /// `min_in_sync` of them.
@@ -129,7 +129,7 @@ pub enum FenceError {
         "only {fenced} of {replicas} replicas took term {term}; {need} are needed to shut out the old writer"
     )]
     TooFewFenced {
-        term: u64,
+        term: Term,
         fenced: usize,
         replicas: usize,
         need: usize,
@@ -189,7 +189,7 @@ pub trait InSyncTracker: Send + Sync {
     /// `term` is the recorded writer's.
     async fn add(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError>;
     /// Commits the removal of `replicas` on behalf of the writer of `term`
@@ -197,7 +197,7 @@ pub trait InSyncTracker: Send + Sync {
     /// writer of `term` can no longer commit (it was deposed).
     async fn remove(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError>;
 }

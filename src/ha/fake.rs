@@ -30,7 +30,7 @@ use super::{
     Coordinator, FenceError, Fencer, HaError, InSyncError, InSyncTracker, Leadership, Lease,
     LocalCopy, ReplicaState, ReplicaStatus, Writer, WriterEngine,
 };
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::{Access, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -42,7 +42,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub enum ElectError {
     /// The current leader's lease has not run out.
     #[error("the lease of term {term} is valid for another {remaining:?}")]
-    LeaseValid { term: u64, remaining: Duration },
+    LeaseValid { term: Term, remaining: Duration },
     /// No such node joined the fake cluster.
     #[error("unknown node {0}")]
     UnknownNode(NodeId),
@@ -55,7 +55,7 @@ struct FakeNode {
 
 #[derive(Default)]
 struct ClusterState {
-    term: u64,
+    term: Term,
     leader: Option<NodeId>,
     /// The last lease granted to each node; it may have run out.
     leases: HashMap<NodeId, Lease>,
@@ -128,7 +128,7 @@ impl FakeCluster {
     /// Elects `id` for a new term, granting it a fresh lease, and notifies
     /// every node that hears. Refused while the current leader's lease is
     /// valid. Returns the new term.
-    pub fn elect(&self, id: NodeId) -> Result<u64, ElectError> {
+    pub fn elect(&self, id: NodeId) -> Result<Term, ElectError> {
         let mut state = lock(&self.state);
         let now = Instant::now();
         if let Some(lease) = state.leader_lease() {
@@ -142,7 +142,7 @@ impl FakeCluster {
         if !state.nodes.contains_key(&id) {
             return Err(ElectError::UnknownNode(id));
         }
-        state.term += 1;
+        state.term = state.term.next();
         state.leader = Some(id);
         let lease = Lease {
             term: state.term,
@@ -226,7 +226,7 @@ impl FakeCluster {
     }
 
     /// The current leader and term.
-    pub fn leader(&self) -> (Option<NodeId>, u64) {
+    pub fn leader(&self) -> (Option<NodeId>, Term) {
         let state = lock(&self.state);
         (state.leader, state.term)
     }
@@ -307,7 +307,7 @@ impl Coordinator for FakeCoordinator {
         lock(&self.cluster.state).leases.get(&self.id).copied()
     }
 
-    async fn prev_writer(&self, _term: u64) -> Result<Option<Writer>, HaError> {
+    async fn prev_writer(&self, _term: Term) -> Result<Option<Writer>, HaError> {
         let state = lock(&self.cluster.state);
         if state.fail_prev_writer {
             return Err(HaError::Coordinator("state machine unavailable".into()));
@@ -315,7 +315,7 @@ impl Coordinator for FakeCoordinator {
         Ok(state.promoted.clone())
     }
 
-    async fn record_promotion(&self, term: u64) -> Result<(), HaError> {
+    async fn record_promotion(&self, term: Term) -> Result<(), HaError> {
         let mut state = lock(&self.cluster.state);
         if state.fail_promotions {
             return Err(HaError::Coordinator("promotion could not commit".into()));
@@ -367,7 +367,7 @@ pub struct FenceRecord {
     /// The writer it fenced.
     pub prev: Option<Writer>,
     /// The term it fenced for.
-    pub term: u64,
+    pub term: Term,
     /// Whether it succeeded.
     pub ok: bool,
 }
@@ -410,7 +410,7 @@ impl FenceScript {
     }
 
     /// Whether `node` fenced successfully for `term`.
-    pub fn fenced(&self, node: NodeId, term: u64) -> bool {
+    pub fn fenced(&self, node: NodeId, term: Term) -> bool {
         lock(&self.log)
             .iter()
             .any(|r| r.ok && r.node == node && r.term == term)
@@ -425,7 +425,7 @@ pub struct FakeFencer {
 
 #[async_trait]
 impl Fencer for FakeFencer {
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError> {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: Term) -> Result<(), FenceError> {
         let delay = *lock(&self.script.delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -461,8 +461,8 @@ impl Fencer for FakeFencer {
 /// A [`WriterEngine`] over memory that logs each accepted write's term.
 pub struct MemoryEngine {
     data: Mutex<Vec<u8>>,
-    term: Mutex<Option<u64>>,
-    writes: Mutex<Vec<(u64, u64)>>,
+    term: Mutex<Option<Term>>,
+    writes: Mutex<Vec<(Term, u64)>>,
     delay: Mutex<Duration>,
     activate_delay: Mutex<Duration>,
     fail_activate: AtomicBool,
@@ -482,12 +482,12 @@ impl MemoryEngine {
     }
 
     /// The active term.
-    pub fn term(&self) -> Option<u64> {
+    pub fn term(&self) -> Option<Term> {
         *lock(&self.term)
     }
 
     /// `(term, offset)` of every accepted write.
-    pub fn writes(&self) -> Vec<(u64, u64)> {
+    pub fn writes(&self) -> Vec<(Term, u64)> {
         lock(&self.writes).clone()
     }
 
@@ -552,7 +552,7 @@ impl Device for MemoryEngine {
 
 #[async_trait]
 impl WriterEngine for MemoryEngine {
-    async fn activate(&self, term: u64) -> Result<(), DeviceError> {
+    async fn activate(&self, term: Term) -> Result<(), DeviceError> {
         let delay = *lock(&self.activate_delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -666,14 +666,14 @@ impl InSyncTracker for MemoryInSync {
     }
     async fn remove(
         &self,
-        _term: u64,
+        _term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         self.commit(|set| set.retain(|member| !replicas.contains(member)))
     }
     async fn add(
         &self,
-        _term: u64,
+        _term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         self.commit(|set| set.extend(replicas.iter().cloned()))
@@ -688,9 +688,9 @@ mod tests {
     async fn memory_in_sync_removes_and_refuses_on_command() {
         let set = MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]);
         let removed: BTreeSet<NodeId> = [NodeId(2)].into();
-        assert_eq!(set.remove(1, &removed).await.unwrap().len(), 2);
+        assert_eq!(set.remove(Term(1), &removed).await.unwrap().len(), 2);
         set.fail_removals(true);
-        assert!(set.remove(1, &removed).await.is_err());
+        assert!(set.remove(Term(1), &removed).await.is_err());
         assert_eq!(set.in_sync().await.unwrap().len(), 2);
     }
 }

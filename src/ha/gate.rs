@@ -35,6 +35,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Coordinator, WriterEngine};
+use crate::ids::Term;
 use crate::volume::{Access, Device, DeviceError};
 
 /// Receives the gate's history (see the module docs). Calls are made on the
@@ -42,12 +43,12 @@ use crate::volume::{Access, Device, DeviceError};
 pub trait GateJournal: Send + Sync {
     /// The controller opened the gate for `term`, whose lease then ran
     /// until `deadline` (if there was one for that term).
-    fn opened(&self, term: u64, deadline: Option<Instant>);
+    fn opened(&self, term: Term, deadline: Option<Instant>);
     /// A write or flush of `term` passed the gate under a lease that runs
     /// out at `deadline` (in the past only in a deliberately broken build).
-    fn admitted(&self, term: u64, deadline: Instant);
+    fn admitted(&self, term: Term, deadline: Instant);
     /// The controller closed the gate (it was open for `term`).
-    fn closed(&self, term: u64);
+    fn closed(&self, term: Term);
 }
 
 /// The gated device. See the module docs.
@@ -77,18 +78,18 @@ impl ActiveDevice {
             .map_err(|_| "the gate already has a journal")
     }
 
-    pub(super) fn open(&self, term: u64) {
+    pub(super) fn open(&self, term: Term) {
         if let Some(journal) = self.journal.get() {
             let lease = self.coordinator.lease().filter(|lease| lease.term == term);
             journal.opened(term, lease.map(|lease| lease.deadline));
         }
-        self.open_term.store(term, Ordering::SeqCst);
+        self.open_term.store(term.0, Ordering::SeqCst);
     }
 
     pub(super) fn close(&self) {
         let term = self.open_term.swap(0, Ordering::SeqCst);
         if let (Some(journal), true) = (self.journal.get(), term != 0) {
-            journal.closed(term);
+            journal.closed(Term(term));
         }
     }
 
@@ -99,10 +100,10 @@ impl ActiveDevice {
     }
 
     /// The term the gate is open for, if it is.
-    pub fn open_term(&self) -> Option<u64> {
+    pub fn open_term(&self) -> Option<Term> {
         match self.open_term.load(Ordering::SeqCst) {
             0 => None,
-            term => Some(term),
+            term => Some(Term(term)),
         }
     }
 
@@ -122,7 +123,7 @@ impl ActiveDevice {
     }
 
     /// The gate's term and lease deadline if a write may pass now.
-    fn admit(&self) -> Result<(u64, Instant), DeviceError> {
+    fn admit(&self) -> Result<(Term, Instant), DeviceError> {
         let term = self.open_term().ok_or(DeviceError::NotLeader)?;
         match self.coordinator.lease() {
             Some(lease) if lease.covers(term, Instant::now()) => Ok((term, lease.deadline)),

@@ -47,7 +47,7 @@ pub use coordinator::{
 pub use gate::{ActiveDevice, GateJournal};
 pub use reads::{LocalCopy, ReadGate};
 
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::{Device, DeviceError};
 
 /// The data plane as the controller drives it: a device whose writes are
@@ -56,7 +56,7 @@ use crate::volume::{Device, DeviceError};
 pub trait WriterEngine: Device {
     /// Starts stamping writes with `term`, after loading the committed
     /// in-sync set. Fails if that set cannot be read.
-    async fn activate(&self, term: u64) -> Result<(), DeviceError>;
+    async fn activate(&self, term: Term) -> Result<(), DeviceError>;
     /// Stops writing: every later write fails until the next activation.
     fn deactivate(&self);
     /// The state of each replica, for status.

@@ -103,6 +103,7 @@ mod tests {
     use super::*;
     use crate::ha::WriterEngine;
     use crate::ha::fake::{MemoryCopy, MemoryEngine};
+    use crate::ids::Term;
 
     /// A passive gate: the engine holds "mirror", the local copy "local".
     fn gate() -> (Arc<MemoryEngine>, Arc<MemoryCopy>, ReadGate) {
@@ -111,7 +112,7 @@ mod tests {
         data[..5].copy_from_slice(b"local");
         let local = MemoryCopy::new(data);
         futures::executor::block_on(async {
-            writer.activate(2).await.unwrap();
+            writer.activate(Term(2)).await.unwrap();
             let mirror = Bytes::from_static(b"mirror");
             writer.write_at(0, mirror, false).await.unwrap();
             writer.deactivate();
@@ -143,12 +144,12 @@ mod tests {
     async fn the_writer_reads_through_its_engine_whatever_its_own_copy() {
         let (writer, local, gate) = gate();
         local.set_in_sync(false);
-        writer.activate(3).await.unwrap();
-        assert_eq!(gate.access(), Access::ReadWrite { term: 3 });
+        writer.activate(Term(3)).await.unwrap();
+        assert_eq!(gate.access(), Access::ReadWrite { term: Term(3) });
         assert_eq!(&gate.read_at(0, 6).await.unwrap()[..], b"mirror");
         let data = Bytes::from_static(b"WRITER");
         gate.write_at(0, data, true).await.unwrap();
-        assert_eq!(writer.writes().last(), Some(&(3, 0)));
+        assert_eq!(writer.writes().last(), Some(&(Term(3), 0)));
         writer.deactivate();
         assert_eq!(gate.read_at(0, 6).await, Err(DeviceError::NotInSync));
         let refused = gate.write_at(0, Bytes::new(), false).await;

@@ -30,6 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::wire::{self, WireError};
 use super::{ConnectionError, Export};
+use crate::ids::Term;
 use crate::volume::{Access, Device};
 
 /// The longest option data accepted (the protocol caps export names at
@@ -43,7 +44,7 @@ pub struct Session {
     pub flags: u16,
     /// For a writable session, the gate's term it was opened under: the
     /// session lasts only while the device grants exactly that term.
-    pub term: Option<u64>,
+    pub term: Option<Term>,
 }
 
 impl Session {

@@ -14,12 +14,13 @@ use super::wire::*;
 use super::{ConnectionError, Export, handle};
 use crate::ha::fake::{MemoryCopy, MemoryEngine};
 use crate::ha::{ReadGate, WriterEngine};
+use crate::ids::Term;
 
 const SIZE: usize = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(10);
 
 /// A server over a memory volume, writable when `term` is given.
-fn server(term: Option<u64>) -> (Arc<MemoryEngine>, Client) {
+fn server(term: Option<Term>) -> (Arc<MemoryEngine>, Client) {
     let engine = MemoryEngine::new(SIZE);
     if let Some(term) = term {
         futures::executor::block_on(engine.activate(term)).unwrap();
@@ -149,7 +150,7 @@ fn info_request(name: &[u8], infos: &[u16]) -> Vec<u8> {
 
 #[tokio::test]
 async fn info_reports_size_flags_block_sizes_and_name() {
-    let (_, mut client) = server(Some(1));
+    let (_, mut client) = server(Some(Term(1)));
     client.greet(CLIENT_FIXED_NEWSTYLE).await;
     client
         .send_option(
@@ -190,7 +191,7 @@ async fn info_reports_size_flags_block_sizes_and_name() {
 
 #[tokio::test]
 async fn bad_options_get_error_replies_and_the_handshake_goes_on() {
-    let (_, mut client) = server(Some(1));
+    let (_, mut client) = server(Some(Term(1)));
     client.greet(CLIENT_FIXED_NEWSTYLE).await;
     client.send_option(OPT_LIST, &[]).await;
     let entry = client.option_reply().await;
@@ -229,7 +230,7 @@ async fn export_name_replies_with_or_without_zero_padding() {
         (CLIENT_FIXED_NEWSTYLE, 134),
         (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES, 10),
     ] {
-        let (engine, mut client) = server(Some(1));
+        let (engine, mut client) = server(Some(Term(1)));
         client.greet(flags).await;
         client.send_option(OPT_EXPORT_NAME, b"vol0").await;
         let mut reply = vec![0; len];
@@ -243,7 +244,7 @@ async fn export_name_replies_with_or_without_zero_padding() {
 
 #[tokio::test]
 async fn unknown_export_names_and_client_flags_end_the_connection() {
-    let (_, mut client) = server(Some(1));
+    let (_, mut client) = server(Some(Term(1)));
     client.greet(CLIENT_FIXED_NEWSTYLE).await;
     client.send_option(OPT_EXPORT_NAME, b"nope").await;
     assert!(matches!(
@@ -251,7 +252,7 @@ async fn unknown_export_names_and_client_flags_end_the_connection() {
         Err(ConnectionError::UnknownExport(name)) if name == "nope"
     ));
     for flags in [0, 1 << 7] {
-        let (_, mut client) = server(Some(1));
+        let (_, mut client) = server(Some(Term(1)));
         client.greet(flags).await;
         assert!(matches!(
             client.finish().await,
@@ -275,7 +276,7 @@ impl ReadNow for MemoryEngine {
 
 #[tokio::test]
 async fn every_command_does_what_it_says() {
-    let (engine, mut client) = server(Some(3));
+    let (engine, mut client) = server(Some(Term(3)));
     client.go().await;
     let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
     assert_eq!(client.write(1, 8192, &data).await, 0);
@@ -312,7 +313,7 @@ async fn every_command_does_what_it_says() {
 
 #[tokio::test]
 async fn bad_requests_get_errors_and_write_nothing() {
-    let (engine, mut client) = server(Some(3));
+    let (engine, mut client) = server(Some(Term(3)));
     client.go().await;
     let size = SIZE as u64;
     assert_eq!(client.write(1, size - 2, b"abcd").await, ENOSPC);
@@ -338,7 +339,7 @@ async fn bad_requests_get_errors_and_write_nothing() {
 
 #[tokio::test]
 async fn many_requests_in_flight_are_all_answered() {
-    let (engine, mut client) = server(Some(2));
+    let (engine, mut client) = server(Some(Term(2)));
     client.go().await;
     engine.set_delay(Duration::from_millis(20));
     for cookie in 0..64u64 {
@@ -426,7 +427,7 @@ async fn eventually(what: &str, done: impl Fn() -> bool) {
 /// the connection closes, so a client retries on the new writer.
 #[tokio::test]
 async fn a_session_whose_gate_closed_is_closed_without_an_error_reply() {
-    let (engine, mut client) = server(Some(4));
+    let (engine, mut client) = server(Some(Term(4)));
     client.go().await;
     // Two writes complete; their replies are not read until the end.
     client.send(1, 0, 1, 0, 6, b"before").await;
@@ -451,12 +452,12 @@ async fn a_session_whose_gate_closed_is_closed_without_an_error_reply() {
 /// serves nothing more, reads included.
 #[tokio::test]
 async fn a_read_on_a_session_whose_gate_closed_is_not_served() {
-    let (engine, mut client) = server(Some(4));
+    let (engine, mut client) = server(Some(Term(4)));
     client.go().await;
     assert_eq!(client.write(1, 0, b"mine").await, 0);
     assert_eq!(client.read(2, 0, 4).await, Ok(b"mine".to_vec()));
     engine.deactivate();
-    engine.activate(5).await.unwrap();
+    engine.activate(Term(5)).await.unwrap();
     send_to_closing(&mut client, 0, 3, 0, &[]).await;
     assert_eq!(replies_until_closed(&mut client).await, vec![]);
     client.finish().await.unwrap();
@@ -536,7 +537,7 @@ async fn a_passive_node_out_of_the_in_sync_set_refuses_reads() {
 
 #[tokio::test]
 async fn a_bad_magic_ends_the_connection_after_answering_what_came_before() {
-    let (engine, mut client) = server(Some(1));
+    let (engine, mut client) = server(Some(Term(1)));
     client.go().await;
     client.send(1, 0, 1, 0, 4, b"good").await;
     let mut garbage = vec![0xde, 0xad, 0xbe, 0xef];
@@ -576,7 +577,7 @@ proptest! {
     fn handshake_garbage_never_panics(prefix in 0usize..4, garbage in proptest::collection::vec(any::<u8>(), 0..300)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
-            let (engine, mut client) = server(Some(1));
+            let (engine, mut client) = server(Some(Term(1)));
             let mut greeting = [0u8; 18];
             client.io.read_exact(&mut greeting).await.unwrap();
             let mut stream = Vec::new();
@@ -597,7 +598,7 @@ proptest! {
     fn arbitrary_requests_never_panic(requests in proptest::collection::vec(any_request(), 1..12), tail in proptest::collection::vec(any::<u8>(), 0..40)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
-            let (engine, mut client) = server(Some(1));
+            let (engine, mut client) = server(Some(Term(1)));
             client.go().await;
             let mut stream = Vec::new();
             for (cookie, (kind, flags, offset, len)) in requests.iter().enumerate() {
@@ -634,7 +635,7 @@ proptest! {
 
 #[tokio::test]
 async fn zero_length_requests_at_the_end_are_fine() {
-    let (_, mut client) = server(Some(1));
+    let (_, mut client) = server(Some(Term(1)));
     client.go().await;
     assert_eq!(client.write(1, SIZE as u64, &[]).await, 0);
     assert_eq!(client.read(2, SIZE as u64, 0).await, Ok(vec![]));

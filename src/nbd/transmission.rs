@@ -100,7 +100,10 @@ where
     let outcome = tokio::select! {
         outcome = read_requests(&mut reader, &export, session, &budget, &replies, &closed) => outcome,
         () = gate_closed(export.device.as_ref(), session, &closed) => {
-            tracing::info!(term = ?session.term, "the session's gate closed: closing the connection");
+            tracing::info!(
+                term = ?session.term.map(|term| term.0),
+                "the session's gate closed: closing the connection"
+            );
             Ok(())
         }
     };

@@ -28,6 +28,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
 use crate::ha::GateJournal;
+use crate::ids::Term;
 
 /// A [`GateJournal`] appending to a file. See the module docs.
 pub struct FileJournal {
@@ -39,7 +40,7 @@ struct Inner {
     /// The term and the latest end logged for it: on the wall clock, and
     /// the monotonic deadline it came from (compared without conversion,
     /// whose jitter would make the same deadline look later).
-    term: u64,
+    term: Term,
     logged_end: u64,
     logged_deadline: Option<Instant>,
     /// Whether a write already failed (warned once, not per line).
@@ -53,7 +54,7 @@ impl FileJournal {
         Ok(Self {
             inner: Mutex::new(Inner {
                 file,
-                term: 0,
+                term: Term::ZERO,
                 logged_end: 0,
                 logged_deadline: None,
                 failed: false,
@@ -98,7 +99,7 @@ fn wall_ns(instant: Instant) -> u64 {
 }
 
 impl GateJournal for FileJournal {
-    fn opened(&self, term: u64, deadline: Option<Instant>) {
+    fn opened(&self, term: Term, deadline: Option<Instant>) {
         let at = wall_now_ns();
         let until = deadline.map_or(at, wall_ns);
         let mut inner = self.lock();
@@ -111,7 +112,7 @@ impl GateJournal for FileJournal {
         );
     }
 
-    fn admitted(&self, term: u64, deadline: Instant) {
+    fn admitted(&self, term: Term, deadline: Instant) {
         let (at, until) = (wall_now_ns(), wall_ns(deadline));
         let mut inner = self.lock();
         let known = inner
@@ -131,7 +132,7 @@ impl GateJournal for FileJournal {
         );
     }
 
-    fn closed(&self, term: u64) {
+    fn closed(&self, term: Term) {
         let at = wall_now_ns();
         let mut inner = self.lock();
         Self::append(&mut inner, format!("close term={term} at={at}\n"));
@@ -149,11 +150,11 @@ mod tests {
         let path = dir.path().join("gate.journal");
         let journal = FileJournal::open(&path).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        journal.opened(3, Some(deadline - Duration::from_millis(10)));
-        journal.admitted(3, deadline);
-        journal.admitted(3, deadline); // nothing new: not logged
-        journal.admitted(3, deadline + Duration::from_millis(50));
-        journal.closed(3);
+        journal.opened(Term(3), Some(deadline - Duration::from_millis(10)));
+        journal.admitted(Term(3), deadline);
+        journal.admitted(Term(3), deadline); // nothing new: not logged
+        journal.admitted(Term(3), deadline + Duration::from_millis(50));
+        journal.closed(Term(3));
         let text = std::fs::read_to_string(&path).unwrap();
         let kinds: Vec<&str> = text.lines().map(|l| l.split(' ').next().unwrap()).collect();
         assert_eq!(kinds, ["open", "admit", "admit", "close"], "{text}");

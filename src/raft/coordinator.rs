@@ -34,7 +34,7 @@ use tokio::time::Instant;
 
 use super::network::Peers;
 use super::state_machine::Applied;
-use super::{NodeId, Raft, Request, Response, StateMachine, WriterRecord};
+use super::{NodeId, Raft, Request, Response, StateMachine, Term, WriterRecord};
 use crate::ha::{Coordinator, HaError, InSyncError, InSyncTracker, Leadership, Lease, Writer};
 use crate::proto::raft::TransferRequest;
 
@@ -93,7 +93,7 @@ pub struct RaftStatus {
     /// openraft's server state.
     pub state: ServerState,
     /// The current term.
-    pub term: u64,
+    pub term: Term,
     /// The known leader.
     pub leader: Option<NodeId>,
     /// This node's lease, if it leads.
@@ -180,7 +180,7 @@ impl RaftCoordinator {
         let metrics = self.raft.metrics().borrow().clone();
         RaftStatus {
             state: metrics.state,
-            term: metrics.current_term,
+            term: Term(metrics.current_term),
             leader: metrics.current_leader,
             lease: *lock(&self.lease),
             applied: self.state_machine.current(),
@@ -217,13 +217,13 @@ impl RaftCoordinator {
 
     /// Proposes `request` and waits until it is committed and applied. Fails
     /// unless it was committed in `term` and applied.
-    pub async fn commit(&self, term: u64, request: Request) -> Result<Response, HaError> {
+    pub async fn commit(&self, term: Term, request: Request) -> Result<Response, HaError> {
         let written = self
             .raft
             .client_write(request)
             .await
             .map_err(|err| HaError::Coordinator(err.to_string()))?;
-        if written.log_id.leader_id.term != term {
+        if Term(written.log_id.leader_id.term) != term {
             return Err(HaError::Coordinator(format!(
                 "committed in term {}, not {term}",
                 written.log_id.leader_id.term
@@ -326,14 +326,14 @@ impl RaftCoordinator {
     /// call began, so the control state is current for `term` — including a
     /// promotion this node recorded at `term` before a restart, which sits
     /// after the term's first entry.
-    async fn applied_through(&self, term: u64) -> Result<Applied, HaError> {
+    async fn applied_through(&self, term: Term) -> Result<Applied, HaError> {
         let mut applied = self.state_machine.subscribe();
         let tail = self.raft.metrics().borrow().last_log_index;
         let deadline = Instant::now() + self.timing.election_max * 4;
         loop {
             let current = applied.borrow_and_update().clone();
             if current.last_applied.is_some_and(|id| {
-                id.leader_id.term >= term && tail.is_none_or(|tail| id.index >= tail)
+                Term(id.leader_id.term) >= term && tail.is_none_or(|tail| id.index >= tail)
             }) {
                 return Ok(current);
             }
@@ -361,7 +361,7 @@ impl RaftCoordinator {
 /// other node can win an election at all. None without a quorum.
 pub fn lease_from_acks(
     self_id: NodeId,
-    term: u64,
+    term: Term,
     configs: &[BTreeSet<NodeId>],
     acks: &std::collections::HashMap<NodeId, Instant>,
     lease: Duration,
@@ -408,13 +408,14 @@ async fn watch_leadership(
         let now = Instant::now();
         let (lease, leadership) = {
             let m = metrics.borrow_and_update();
+            let term = Term(m.current_term);
             let leads = m.state == ServerState::Leader && m.current_leader == Some(id);
             let lease = if leads {
                 lease_from_acks(
                     id,
-                    m.current_term,
+                    term,
                     m.membership_config.membership().get_joint_config(),
-                    &peers.acks_in(m.current_term),
+                    &peers.acks_in(term),
                     timing.lease(),
                     now,
                 )
@@ -423,8 +424,8 @@ async fn watch_leadership(
             };
             let leadership = Leadership {
                 leader: m.current_leader,
-                is_self: lease.is_some_and(|l| l.covers(m.current_term, now)),
-                term: m.current_term,
+                is_self: lease.is_some_and(|l| l.covers(term, now)),
+                term,
             };
             (lease, leadership)
         };
@@ -432,7 +433,7 @@ async fn watch_leadership(
         tx.send_if_modified(|current| {
             let changed = *current != leadership;
             if changed {
-                tracing::info!(node = %id, term = leadership.term, leader = ?leadership.leader, is_self = leadership.is_self, "leadership");
+                tracing::info!(node = %id, term = %leadership.term, leader = ?leadership.leader, is_self = leadership.is_self, "leadership");
                 *current = leadership.clone();
             }
             changed
@@ -506,7 +507,7 @@ impl Coordinator for RaftCoordinator {
         *lock(&self.lease)
     }
 
-    async fn prev_writer(&self, term: u64) -> Result<Option<Writer>, HaError> {
+    async fn prev_writer(&self, term: Term) -> Result<Option<Writer>, HaError> {
         let applied = self.applied_through(term).await?;
         Ok(applied.control.writer.map(|w| Writer {
             node: w.node,
@@ -514,7 +515,7 @@ impl Coordinator for RaftCoordinator {
         }))
     }
 
-    async fn record_promotion(&self, term: u64) -> Result<(), HaError> {
+    async fn record_promotion(&self, term: Term) -> Result<(), HaError> {
         if !self
             .lease()
             .is_some_and(|lease| lease.covers(term, Instant::now()))
@@ -541,7 +542,7 @@ impl InSyncTracker for RaftCoordinator {
 
     async fn remove(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         let remove = replicas.clone();
@@ -551,7 +552,7 @@ impl InSyncTracker for RaftCoordinator {
 
     async fn add(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         let add = replicas.clone();
@@ -564,7 +565,7 @@ impl RaftCoordinator {
     /// Commits an in-sync change in `term` and returns the committed set.
     async fn commit_in_sync(
         &self,
-        term: u64,
+        term: Term,
         request: Request,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         let response = self.commit(term, request).await.map_err(|err| match err {
@@ -589,10 +590,10 @@ mod tests {
         let acks = HashMap::from([(NodeId(2), t0), (NodeId(3), t0 + Duration::from_millis(40))]);
         for later in [0, 100, 1000, 5000] {
             let now = t0 + Duration::from_millis(later);
-            let lease = lease_from_acks(NodeId(1), 7, &voters, &acks, LEASE, now).unwrap();
+            let lease = lease_from_acks(NodeId(1), Term(7), &voters, &acks, LEASE, now).unwrap();
             // Self and node 3 make the quorum: node 3's send time decides.
             assert_eq!(lease.deadline, t0 + Duration::from_millis(40) + LEASE);
-            assert_eq!(lease.term, 7);
+            assert_eq!(lease.term, Term(7));
         }
     }
 
@@ -607,9 +608,12 @@ mod tests {
             NodeId(5),
         ])];
         let acks = HashMap::from([(NodeId(2), t0)]);
-        assert_eq!(lease_from_acks(NodeId(1), 7, &five, &acks, LEASE, t0), None);
+        assert_eq!(
+            lease_from_acks(NodeId(1), Term(7), &five, &acks, LEASE, t0),
+            None
+        );
         let acks = HashMap::from([(NodeId(2), t0), (NodeId(4), t0 + Duration::from_millis(10))]);
-        let lease = lease_from_acks(NodeId(1), 7, &five, &acks, LEASE, t0).unwrap();
+        let lease = lease_from_acks(NodeId(1), Term(7), &five, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE, "the older of the two peer acks");
     }
 
@@ -621,11 +625,11 @@ mod tests {
             BTreeSet::from([NodeId(1), NodeId(4), NodeId(5)]),
         ];
         let acks = HashMap::from([(NodeId(2), t0 + Duration::from_millis(30)), (NodeId(4), t0)]);
-        let lease = lease_from_acks(NodeId(1), 7, &joint, &acks, LEASE, t0).unwrap();
+        let lease = lease_from_acks(NodeId(1), Term(7), &joint, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE);
         let only_old_half = HashMap::from([(NodeId(2), t0)]);
         assert_eq!(
-            lease_from_acks(NodeId(1), 7, &joint, &only_old_half, LEASE, t0),
+            lease_from_acks(NodeId(1), Term(7), &joint, &only_old_half, LEASE, t0),
             None
         );
     }
@@ -634,7 +638,8 @@ mod tests {
     fn a_lone_voter_leads_without_acks() {
         let now = Instant::now();
         let lone = vec![BTreeSet::from([NodeId(1)])];
-        let lease = lease_from_acks(NodeId(1), 3, &lone, &HashMap::new(), LEASE, now).unwrap();
+        let lease =
+            lease_from_acks(NodeId(1), Term(3), &lone, &HashMap::new(), LEASE, now).unwrap();
         assert_eq!(lease.deadline, now + LEASE);
     }
 }

@@ -80,7 +80,7 @@ pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
 pub use state_machine::StateMachine;
 
-pub use crate::ids::NodeId;
+pub use crate::ids::{NodeId, Term};
 
 openraft::declare_raft_types!(
     /// The openraft type configuration of replica-ha.
@@ -103,7 +103,7 @@ pub struct WriterRecord {
     /// Its node id.
     pub node: NodeId,
     /// The term it writes with.
-    pub term: u64,
+    pub term: Term,
 }
 
 /// A change to the control state.
@@ -124,7 +124,7 @@ pub enum Request {
     /// `term`. Refused for a writer older than the recorded one.
     ShrinkInSync {
         /// The writer's term.
-        term: u64,
+        term: Term,
         /// The replicas to remove.
         remove: BTreeSet<NodeId>,
     },
@@ -134,7 +134,7 @@ pub enum Request {
     /// acknowledged (S5).
     GrowInSync {
         /// The writer's term.
-        term: u64,
+        term: Term,
         /// The replicas to add.
         add: BTreeSet<NodeId>,
     },
@@ -232,9 +232,34 @@ mod tests {
         let state = r#"{"volume":{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2},"writer":{"node":1,"term":4},"in_sync":[1,2]}"#;
         let state: ControlState = serde_json::from_str(state).unwrap();
         assert_eq!(state.volume, Some(volume(4096)));
+        assert_eq!(
+            state.writer,
+            Some(WriterRecord {
+                node: NodeId(1),
+                term: Term(4)
+            })
+        );
         let init = r#"{"Init":{"volume":{"cluster_id":"c","volume":"v","size":4096,"min_in_sync":2},"replicas":[1,2,3]}}"#;
         let init: Request = serde_json::from_str(init).unwrap();
         assert!(matches!(init, Request::Init { volume: v, .. } if v == volume(4096)));
+    }
+
+    #[test]
+    fn terms_keep_the_bare_number_in_log_entries() {
+        let promote = Request::Promote(WriterRecord {
+            node: NodeId(1),
+            term: Term(4),
+        });
+        let text = r#"{"Promote":{"node":1,"term":4}}"#;
+        assert_eq!(serde_json::to_string(&promote).unwrap(), text);
+        assert_eq!(serde_json::from_str::<Request>(text).unwrap(), promote);
+        let shrink = Request::ShrinkInSync {
+            term: Term(4),
+            remove: [NodeId(3)].into(),
+        };
+        let text = r#"{"ShrinkInSync":{"term":4,"remove":[3]}}"#;
+        assert_eq!(serde_json::to_string(&shrink).unwrap(), text);
+        assert_eq!(serde_json::from_str::<Request>(text).unwrap(), shrink);
     }
 
     #[test]
@@ -253,13 +278,13 @@ mod tests {
         });
         state.apply(&Request::Promote(WriterRecord {
             node: NodeId(1),
-            term: 4,
+            term: Term(4),
         }));
         state.apply(&Request::ShrinkInSync {
-            term: 4,
+            term: Term(4),
             remove: [NodeId(3)].into(),
         });
-        for stale in [3, 5] {
+        for stale in [Term(3), Term(5)] {
             let grow = Request::GrowInSync {
                 term: stale,
                 add: [NodeId(3)].into(),
@@ -268,7 +293,7 @@ mod tests {
         }
         assert_eq!(state.in_sync, [NodeId(1), NodeId(2)].into());
         let grow = Request::GrowInSync {
-            term: 4,
+            term: Term(4),
             add: [NodeId(3)].into(),
         };
         assert_eq!(
@@ -306,7 +331,7 @@ mod tests {
             state
                 .apply(&Request::Promote(WriterRecord {
                     node: NodeId(1),
-                    term: 5
+                    term: Term(5)
                 }))
                 .applied
         );
@@ -314,7 +339,7 @@ mod tests {
             !state
                 .apply(&Request::Promote(WriterRecord {
                     node: NodeId(2),
-                    term: 4
+                    term: Term(4)
                 }))
                 .applied
         );
@@ -322,19 +347,19 @@ mod tests {
             !state
                 .apply(&Request::Promote(WriterRecord {
                     node: NodeId(3),
-                    term: 5
+                    term: Term(5)
                 }))
                 .applied,
             "another node at a recorded term"
         );
         let stale = Request::ShrinkInSync {
-            term: 4,
+            term: Term(4),
             remove: [NodeId(3)].into(),
         };
         assert!(!state.apply(&stale).applied);
         assert_eq!(state.in_sync, [NodeId(1), NodeId(2), NodeId(3)].into());
         let shrink = Request::ShrinkInSync {
-            term: 5,
+            term: Term(5),
             remove: [NodeId(3)].into(),
         };
         assert_eq!(state.apply(&shrink).in_sync, [NodeId(1), NodeId(2)].into());

@@ -65,7 +65,7 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
-use super::{NodeId, Raft, TypeConfig};
+use super::{NodeId, Raft, Term, TypeConfig};
 use crate::net::{Caller, Expect, Transport, TransportError};
 use crate::proto::raft::raft_client::RaftClient;
 use crate::proto::raft::raft_server;
@@ -98,7 +98,7 @@ pub struct Peers {
     leader_contact: Mutex<Instant>,
     /// Per peer: the term and send time of the newest request of ours it
     /// accepted (see the module docs, acknowledgements).
-    acks: Mutex<HashMap<NodeId, (u64, Instant)>>,
+    acks: Mutex<HashMap<NodeId, (Term, Instant)>>,
     /// Woken on every new acknowledgement.
     acked: tokio::sync::Notify,
     /// When a peer last refused our vote because its log is ahead of ours.
@@ -202,7 +202,7 @@ impl Peers {
 
     /// Records that `peer` accepted our vote of `term` in a request sent at
     /// `sent_at`. Keeps only the newest send time of the highest term.
-    fn record_ack(&self, peer: NodeId, term: u64, sent_at: Instant) {
+    fn record_ack(&self, peer: NodeId, term: Term, sent_at: Instant) {
         let mut acks = lock(&self.acks);
         let newer = match acks.get(&peer) {
             Some((known, at)) => term > *known || (term == *known && sent_at > *at),
@@ -216,7 +216,7 @@ impl Peers {
     }
 
     /// Each peer's newest acknowledged send time in `term`.
-    pub fn acks_in(&self, term: u64) -> HashMap<NodeId, Instant> {
+    pub fn acks_in(&self, term: Term) -> HashMap<NodeId, Instant> {
         lock(&self.acks)
             .iter()
             .filter(|(_, (t, _))| *t == term)
@@ -461,7 +461,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
-        let (term, sent_at) = (rpc.vote.leader_id().get_term(), Instant::now());
+        let (term, sent_at) = (Term(rpc.vote.leader_id().get_term()), Instant::now());
         let response: AppendEntriesResponse<NodeId> =
             self.call(Rpc::Append, &rpc, option.hard_ttl()).await?;
         if accepts_leader(&response) {

@@ -79,7 +79,7 @@ use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::{Device, DeviceError, VolumeSpec, check_request};
 
 /// How an engine is set up.
@@ -262,7 +262,7 @@ impl Drop for InFlight<'_> {
 
 struct EngineState {
     /// The active term; `None` while passive.
-    term: Option<u64>,
+    term: Option<Term>,
     /// The committed in-sync set as last learned from the tracker.
     in_sync: BTreeSet<NodeId>,
     /// Members whose last request failed but could not be dropped.
@@ -409,7 +409,7 @@ impl Engine {
     }
 
     /// The active term, if any.
-    pub fn term(&self) -> Option<u64> {
+    pub fn term(&self) -> Option<Term> {
         self.lock().term
     }
 
@@ -420,7 +420,7 @@ impl Engine {
     /// The active term, the in-sync replicas a request must reach, and the
     /// replicas being rebuilt that it also goes to.
     #[allow(clippy::type_complexity)]
-    fn targets(&self) -> Result<(u64, Vec<Arc<dyn Replica>>, Vec<Arc<dyn Replica>>), DeviceError> {
+    fn targets(&self) -> Result<(Term, Vec<Arc<dyn Replica>>, Vec<Arc<dyn Replica>>), DeviceError> {
         let mut state = self.lock();
         let term = state.term.ok_or(DeviceError::Inactive)?;
         let members = self.replicas.members();
@@ -484,7 +484,7 @@ impl Engine {
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
         let (term, targets, rebuilding) = self.targets()?;
-        tracing::Span::current().record("term", term);
+        tracing::Span::current().record("term", term.0);
         let mut outcomes = Outcomes::new();
         let mut send: Vec<Arc<dyn Replica>> = targets.into_iter().chain(rebuilding).collect();
         let mut joining_failed = None;
@@ -509,7 +509,7 @@ impl Engine {
     /// Sends `op` to each of `replicas` at once, each stamped with the
     /// replica's current generation and bounded by the replica timeout, and
     /// returns every outcome. A request whose outcome was lost is disowned.
-    async fn send_all<F, Fut>(&self, term: u64, replicas: &[Arc<dyn Replica>], op: &F) -> Outcomes
+    async fn send_all<F, Fut>(&self, term: Term, replicas: &[Arc<dyn Replica>], op: &F) -> Outcomes
     where
         F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
@@ -546,7 +546,7 @@ impl Engine {
     /// activation starts at generation [`FIRST_GENERATION`], above the
     /// fencer's, so the engine's first request to each replica drains and
     /// shuts out any copy of the promotion's fence that is still on its way.
-    fn stamp(&self, term: u64, id: NodeId) -> Stamp {
+    fn stamp(&self, term: Term, id: NodeId) -> Stamp {
         Stamp {
             term,
             generation: self
@@ -589,7 +589,7 @@ impl Engine {
     fn check_stale(&self, outcomes: &Outcomes) -> Result<(), DeviceError> {
         for (id, outcome) in outcomes {
             if let Err(ReplicaError::StaleTerm { term, floor }) = outcome {
-                tracing::warn!(term, floor, replica = %id, "fenced by a newer writer; deactivating");
+                tracing::warn!(%term, %floor, replica = %id, "fenced by a newer writer; deactivating");
                 self.deactivate_term(*term);
                 return Err(DeviceError::StaleTerm {
                     term: *term,
@@ -625,7 +625,7 @@ impl Engine {
     /// Starts rebuilding `id`: from now on it receives every write. Returns
     /// the term the rebuild runs under, once every write that began without
     /// it has finished.
-    pub async fn begin_rebuild(&self, id: NodeId) -> Result<u64, RebuildError> {
+    pub async fn begin_rebuild(&self, id: NodeId) -> Result<Term, RebuildError> {
         let term = {
             let mut state = self.lock();
             let term = state.term.ok_or(RebuildError::Inactive)?;
@@ -800,7 +800,7 @@ impl Engine {
         {
             tracing::debug!(replica = %id, %err, "could not clear older marks");
         }
-        tracing::info!(term, replica = %id, "replica back in the in-sync set");
+        tracing::info!(%term, replica = %id, "replica back in the in-sync set");
         Ok(())
     }
 
@@ -925,7 +925,7 @@ impl Engine {
     /// promotion left (their extents agree since the convergence, and are
     /// durable since the flush). A member that fails keeps them, and the
     /// next pass tries again; until then a failover converges them again.
-    async fn clear_older_marks(&self, term: u64) {
+    async fn clear_older_marks(&self, term: Term) {
         let members: Vec<Arc<dyn Replica>> = {
             let state = self.lock();
             self.replicas
@@ -1079,7 +1079,7 @@ impl Engine {
     /// remain. Runs under the in-sync lock, so the set cannot change between
     /// the check and the answer. Members that were never sent the request
     /// are returned, to be sent it.
-    async fn settle(&self, term: u64, outcomes: &Outcomes) -> Result<Settled, DeviceError> {
+    async fn settle(&self, term: Term, outcomes: &Outcomes) -> Result<Settled, DeviceError> {
         let _serialized = self.shrink.lock().await;
         let current = self.lock().in_sync.clone();
         let succeeded: BTreeMap<NodeId, bool> = outcomes
@@ -1105,13 +1105,13 @@ impl Engine {
                 return Ok(Settled::Missing(missing));
             }
             Verdict::TooFew { have, need, failed } => {
-                tracing::warn!(term, have, need, failed = ?errors(&failed), "write not acknowledged: too few in-sync replicas");
+                tracing::warn!(%term, have, need, failed = ?errors(&failed), "write not acknowledged: too few in-sync replicas");
                 self.lock().degraded.extend(failed);
                 return Err(DeviceError::InsufficientReplicas { have, need });
             }
             Verdict::Remove(ids) => ids,
         };
-        tracing::warn!(term, removed = ?to_remove, errors = ?errors(&to_remove), "dropping replicas from the in-sync set");
+        tracing::warn!(%term, removed = ?to_remove, errors = ?errors(&to_remove), "dropping replicas from the in-sync set");
         let committed = self
             .tracker
             .remove(term, &to_remove)
@@ -1129,7 +1129,7 @@ impl Engine {
     }
 
     /// Deactivates only if still active at `term` (a newer activation wins).
-    fn deactivate_term(&self, term: u64) {
+    fn deactivate_term(&self, term: Term) {
         let mut state = self.lock();
         if state.term.is_some_and(|active| active <= term) {
             state.term = None;
@@ -1199,7 +1199,7 @@ impl Device for Engine {
 
 #[async_trait]
 impl WriterEngine for Engine {
-    async fn activate(&self, term: u64) -> Result<(), DeviceError> {
+    async fn activate(&self, term: Term) -> Result<(), DeviceError> {
         let committed = self
             .tracker
             .in_sync()
@@ -1223,7 +1223,7 @@ impl WriterEngine for Engine {
         };
         state.orphan_copies.clear();
         state.term = Some(term);
-        tracing::info!(term, in_sync = ?state.in_sync, "engine active");
+        tracing::info!(%term, in_sync = ?state.in_sync, "engine active");
         Ok(())
     }
 

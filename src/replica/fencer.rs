@@ -50,7 +50,7 @@ use super::quorum;
 use super::set::ReplicaSet;
 use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::VolumeSpec;
 
 /// The stamp the fencer uses for replica `id` (generation 0 if unknown).
@@ -114,7 +114,7 @@ impl TokenFencer {
     /// Sends `Fence(term)` to every replica and keeps those that took it.
     async fn fence_all(
         &self,
-        term: u64,
+        term: Term,
         members: &Members,
     ) -> Result<BTreeMap<NodeId, FenceReply>, FenceError> {
         let replies = self
@@ -141,7 +141,7 @@ impl TokenFencer {
                         term,
                     });
                 }
-                Err(err) => tracing::warn!(replica = %id, term, %err, "fence not taken"),
+                Err(err) => tracing::warn!(replica = %id, %term, %err, "fence not taken"),
             }
         }
         Ok(fenced)
@@ -229,7 +229,7 @@ impl TokenFencer {
     /// copies made).
     async fn settle(
         &self,
-        term: u64,
+        term: Term,
         all: &[&Arc<dyn Replica>],
         stamps: &BTreeMap<NodeId, Stamp>,
         extents: &[u64],
@@ -278,7 +278,7 @@ impl TokenFencer {
     /// Makes the older terms' dirty extents identical on `members` (S6).
     async fn converge(
         &self,
-        term: u64,
+        term: Term,
         members: &BTreeSet<NodeId>,
         fenced: &BTreeMap<NodeId, FenceReply>,
         replicas: &Members,
@@ -379,7 +379,7 @@ impl TokenFencer {
                     .settle(term, &all, &stamps, &unsettled, &mut report)
                     .await
                 {
-                    tracing::warn!(term, %settling, "could not keep the convergence's progress");
+                    tracing::warn!(%term, %settling, "could not keep the convergence's progress");
                 }
                 return Err(err);
             }
@@ -413,9 +413,9 @@ impl Fencer for TokenFencer {
     #[tracing::instrument(
         name = "fence",
         skip_all,
-        fields(node = %self.replicas.local_id(), term = term, role = "fence_pending")
+        fields(node = %self.replicas.local_id(), term = %term, role = "fence_pending")
     )]
-    async fn fence(&self, prev_writer: Option<&Writer>, term: u64) -> Result<(), FenceError> {
+    async fn fence(&self, prev_writer: Option<&Writer>, term: Term) -> Result<(), FenceError> {
         let started = Instant::now();
         let committed = self.tracker.in_sync().await?;
         let replicas = self.replicas.members();
@@ -450,7 +450,7 @@ impl Fencer for TokenFencer {
             committed
         } else {
             tracing::warn!(
-                term,
+                %term,
                 ?unreached,
                 "dropping unreached replicas from the in-sync set"
             );
@@ -458,7 +458,7 @@ impl Fencer for TokenFencer {
         };
         let converged = self.converge(term, &members, &fenced, &replicas).await?;
         tracing::info!(
-            term,
+            %term,
             prev = ?prev_writer,
             fenced = ?fenced.keys().collect::<Vec<_>>(),
             converged = converged.marked,

@@ -38,7 +38,7 @@ pub use engine::{Engine, EngineConfig, MembershipError, RebuildError};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::RangeError;
 
 /// What a write or flush is stamped with: the writer's term, the fencing
@@ -56,14 +56,14 @@ use crate::volume::RangeError;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Stamp {
     /// The writer's term.
-    pub term: u64,
+    pub term: Term,
     /// The writer's generation for the replica within the term.
     pub generation: u64,
 }
 
 impl Stamp {
     /// The first generation of `term`.
-    pub fn term(term: u64) -> Self {
+    pub fn term(term: Term) -> Self {
         Self {
             term,
             generation: 0,
@@ -71,8 +71,8 @@ impl Stamp {
     }
 }
 
-impl From<u64> for Stamp {
-    fn from(term: u64) -> Self {
+impl From<Term> for Stamp {
+    fn from(term: Term) -> Self {
         Self::term(term)
     }
 }
@@ -95,7 +95,7 @@ impl std::fmt::Display for Stamp {
 #[derive(Debug, Default)]
 pub struct FloorBook {
     floors: Mutex<std::collections::BTreeMap<NodeId, Stamp>>,
-    copied: Mutex<(u64, std::collections::BTreeSet<u64>)>,
+    copied: Mutex<(Term, std::collections::BTreeSet<u64>)>,
 }
 
 impl FloorBook {
@@ -105,7 +105,7 @@ impl FloorBook {
     }
 
     /// The recorded floors of `term`.
-    pub fn of_term(&self, term: u64) -> Vec<(NodeId, Stamp)> {
+    pub fn of_term(&self, term: Term) -> Vec<(NodeId, Stamp)> {
         lock(&self.floors)
             .iter()
             .filter(|(_, stamp)| stamp.term == term)
@@ -114,7 +114,7 @@ impl FloorBook {
     }
 
     /// Records that the convergence of `term` copied `extents`.
-    pub fn note_copied(&self, term: u64, extents: impl IntoIterator<Item = u64>) {
+    pub fn note_copied(&self, term: Term, extents: impl IntoIterator<Item = u64>) {
         let mut copied = lock(&self.copied);
         if copied.0 != term {
             *copied = (term, Default::default());
@@ -123,7 +123,7 @@ impl FloorBook {
     }
 
     /// Takes the extents the convergence of `term` copied.
-    pub fn take_copied(&self, term: u64) -> std::collections::BTreeSet<u64> {
+    pub fn take_copied(&self, term: Term) -> std::collections::BTreeSet<u64> {
         let mut copied = lock(&self.copied);
         if copied.0 != term {
             return Default::default();
@@ -142,7 +142,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DirtyExtent {
     /// The term of the writer that touched it.
-    pub term: u64,
+    pub term: Term,
     /// The extent's index (byte offset / extent size).
     pub extent: u64,
 }
@@ -151,7 +151,7 @@ pub struct DirtyExtent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FenceReply {
     /// The replica's durable fence floor after the fence (≥ T on success).
-    pub floor: u64,
+    pub floor: Term,
     /// The floor's generation within its term (see [`Stamp`]): requests of
     /// the fencer at the floor's term must carry at least this one.
     pub generation: u64,
@@ -165,7 +165,7 @@ pub struct FenceReply {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReplicaInfo {
     /// Its durable fence floor.
-    pub floor: u64,
+    pub floor: Term,
     /// The floor's generation within its term (see [`Stamp`]).
     pub generation: u64,
     /// How many (term, extent) dirty marks it holds.
@@ -180,7 +180,7 @@ pub struct ReplicaInfo {
 pub enum ReplicaError {
     /// The term is below the replica's durable fence floor (S2).
     #[error("stale term {term}: fence floor is {floor}")]
-    StaleTerm { term: u64, floor: u64 },
+    StaleTerm { term: Term, floor: Term },
     /// The writer disowned this request's generation (see [`Stamp`]): a
     /// later request of the same term already reached the replica.
     #[error("stale generation {stamp}: the replica's floor is {floor}")]
@@ -239,16 +239,16 @@ pub trait Replica: Send + Sync {
     /// writer of `stamp`.
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError>;
     /// Raises the fence floor to `term` and drains older writes (S3).
-    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError>;
+    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError>;
     /// Drops the dirty marks of terms below `term` (after convergence, S6).
-    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError>;
+    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError>;
     /// Drops the marks of terms up to `through` on `extents`, for the
     /// writer of `stamp`, once they are durable on every in-sync replica
     /// (see [`ReplicaStore::retire_marks`]). Returns how many were dropped.
     async fn retire_marks(
         &self,
         stamp: Stamp,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError>;
     /// Its fence floor and dirty-mark count.
@@ -296,16 +296,16 @@ impl Replica for LocalReplica {
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         self.store.flush(stamp).await
     }
-    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.store.fence(term).await
     }
-    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
         self.store.clear_dirty_below(term).await
     }
     async fn retire_marks(
         &self,
         stamp: Stamp,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
         self.store.retire_marks(stamp, through, extents).await

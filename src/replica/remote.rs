@@ -16,7 +16,7 @@ use tonic::transport::Channel;
 
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::net::{Expect, Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
@@ -80,7 +80,7 @@ impl Replica for RemoteReplica {
     ) -> Result<(), ReplicaError> {
         let request = self.request(pb::WriteRequest {
             volume: self.volume(),
-            term: stamp.term,
+            term: stamp.term.0,
             offset,
             data,
             fua,
@@ -106,7 +106,7 @@ impl Replica for RemoteReplica {
             .clone()
             .read(request)
             .await
-            .map_err(|status| error_of(&status, 0))?
+            .map_err(|status| error_of(&status, Term::ZERO))?
             .into_inner();
         if reply.data.len() as u64 != len {
             return Err(ReplicaError::Unavailable(format!(
@@ -120,7 +120,7 @@ impl Replica for RemoteReplica {
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         let request = self.request(pb::FlushRequest {
             volume: self.volume(),
-            term: stamp.term,
+            term: stamp.term.0,
             generation: stamp.generation,
         });
         self.client
@@ -131,10 +131,10 @@ impl Replica for RemoteReplica {
             .map_err(|status| error_of(&status, stamp))
     }
 
-    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         let request = self.request(pb::FenceRequest {
             volume: self.volume(),
-            term,
+            term: term.0,
         });
         let reply = self
             .client
@@ -144,13 +144,13 @@ impl Replica for RemoteReplica {
             .map_err(|status| error_of(&status, term))?
             .into_inner();
         Ok(FenceReply {
-            floor: reply.floor,
+            floor: Term(reply.floor),
             generation: reply.generation,
             dirty: reply
                 .dirty
                 .into_iter()
                 .map(|d| DirtyExtent {
-                    term: d.term,
+                    term: Term(d.term),
                     extent: d.extent,
                 })
                 .collect(),
@@ -158,10 +158,10 @@ impl Replica for RemoteReplica {
         })
     }
 
-    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
         let request = self.request(pb::ClearDirtyRequest {
             volume: self.volume(),
-            term,
+            term: term.0,
         });
         self.client
             .clone()
@@ -174,14 +174,14 @@ impl Replica for RemoteReplica {
     async fn retire_marks(
         &self,
         stamp: Stamp,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
         let request = self.request(pb::RetireMarksRequest {
             volume: self.volume(),
-            term: stamp.term,
+            term: stamp.term.0,
             generation: stamp.generation,
-            through,
+            through: through.0,
             extents: extents.to_vec(),
         });
         let reply = self
@@ -203,10 +203,10 @@ impl Replica for RemoteReplica {
             .clone()
             .status(request)
             .await
-            .map_err(|status| error_of(&status, 0))?
+            .map_err(|status| error_of(&status, Term::ZERO))?
             .into_inner();
         Ok(ReplicaInfo {
-            floor: reply.floor,
+            floor: Term(reply.floor),
             generation: reply.generation,
             dirty_extents: reply.dirty_extents,
             stale_accepts: reply.stale_accepts,
@@ -224,7 +224,7 @@ impl Replica for RemoteReplica {
             .clone()
             .digest(request)
             .await
-            .map_err(|status| error_of(&status, 0))?
+            .map_err(|status| error_of(&status, Term::ZERO))?
             .into_inner();
         Ok((reply.first_extent, reply.digests))
     }

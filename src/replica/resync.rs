@@ -34,7 +34,7 @@ use tokio::time::Instant;
 
 use super::engine::RebuildError;
 use super::{Engine, Replica};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, Term};
 use crate::volume::Device;
 
 /// How many extents one digest request covers.
@@ -130,7 +130,7 @@ impl Resyncer {
     pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
         let id = target.id();
         let term = self.engine.begin_rebuild(id).await?;
-        tracing::info!(term, replica = %id, "resync started");
+        tracing::info!(%term, replica = %id, "resync started");
         let outcome = self.copy_differences(id, term).await;
         let outcome = match outcome {
             Ok(copied) => self.engine.finish_rebuild(id).await.map(|()| copied),
@@ -146,7 +146,7 @@ impl Resyncer {
     }
 
     /// The digest pass: compares every extent and copies those that differ.
-    async fn copy_differences(&self, id: NodeId, term: u64) -> Result<u64, RebuildError> {
+    async fn copy_differences(&self, id: NodeId, term: Term) -> Result<u64, RebuildError> {
         let total = self.engine.size();
         let extent = self.engine.extent_size();
         let started = Instant::now();

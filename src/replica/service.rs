@@ -27,6 +27,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
 use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
+use crate::ids::Term;
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::volume::RangeError;
@@ -59,12 +60,16 @@ fn with_numbers(mut status: Status, numbers: &[(&'static str, u64)]) -> Status {
 pub fn status_of(err: &ReplicaError) -> Status {
     let message = err.to_string();
     match err {
-        ReplicaError::StaleTerm { floor, .. } => {
-            with_numbers(Status::failed_precondition(message), &[(FLOOR_KEY, *floor)])
-        }
+        ReplicaError::StaleTerm { floor, .. } => with_numbers(
+            Status::failed_precondition(message),
+            &[(FLOOR_KEY, floor.0)],
+        ),
         ReplicaError::StaleGeneration { floor, .. } => with_numbers(
             Status::failed_precondition(message),
-            &[(FLOOR_KEY, floor.term), (GENERATION_KEY, floor.generation)],
+            &[
+                (FLOOR_KEY, floor.term.0),
+                (GENERATION_KEY, floor.generation),
+            ],
         ),
         ReplicaError::InvalidTerm | ReplicaError::InvalidRequest(_) => {
             Status::invalid_argument(message)
@@ -101,7 +106,7 @@ pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse().ok())
     };
-    let floor = number(FLOOR_KEY);
+    let floor = number(FLOOR_KEY).map(Term);
     match (status.code(), floor, number(GENERATION_KEY)) {
         (Code::FailedPrecondition, Some(term), Some(generation)) => ReplicaError::StaleGeneration {
             stamp,
@@ -134,7 +139,7 @@ pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
 }
 
 /// Called with the new floor whenever a fence raised it.
-pub type OnFenced = Arc<dyn Fn(u64) + Send + Sync>;
+pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
 
 /// Serves one store.
 pub struct ReplicaService {
@@ -186,13 +191,17 @@ impl ReplicaService {
     }
 }
 
+/// A request's stamp, from its protobuf fields.
 fn stamp(term: u64, generation: u64) -> Stamp {
-    Stamp { term, generation }
+    Stamp {
+        term: Term(term),
+        generation,
+    }
 }
 
 fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
     pb::DirtyExtent {
-        term: mark.term,
+        term: mark.term.0,
         extent: mark.extent,
     }
 }
@@ -249,12 +258,16 @@ impl ReplicaRpc for ReplicaService {
     ) -> Result<Response<pb::FenceReply>, Status> {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
-        let reply = self.store.fence(r.term).await.map_err(|e| status_of(&e))?;
+        let reply = self
+            .store
+            .fence(Term(r.term))
+            .await
+            .map_err(|e| status_of(&e))?;
         if let Some(notify) = &self.on_fenced {
             notify(reply.floor);
         }
         Ok(Response::new(pb::FenceReply {
-            floor: reply.floor,
+            floor: reply.floor.0,
             dirty: reply.dirty.iter().map(to_pb).collect(),
             extent_size: reply.extent_size,
             generation: reply.generation,
@@ -269,7 +282,7 @@ impl ReplicaRpc for ReplicaService {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
         self.store
-            .clear_dirty_below(r.term)
+            .clear_dirty_below(Term(r.term))
             .await
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::ClearDirtyReply {}))
@@ -284,7 +297,7 @@ impl ReplicaRpc for ReplicaService {
         self.admit(r.volume.as_ref())?;
         let retired = self
             .store
-            .retire_marks(stamp(r.term, r.generation), r.through, &r.extents)
+            .retire_marks(stamp(r.term, r.generation), Term(r.through), &r.extents)
             .await
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::RetireMarksReply {
@@ -319,7 +332,7 @@ impl ReplicaRpc for ReplicaService {
         self.admit(request.into_inner().volume.as_ref())?;
         let info = self.store.info().await.map_err(|e| status_of(&e))?;
         Ok(Response::new(pb::StatusReply {
-            floor: info.floor,
+            floor: info.floor.0,
             size: self.store.size(),
             extent_size: self.store.identity().extent_size,
             dirty_extents: info.dirty_extents,
@@ -336,14 +349,17 @@ mod tests {
     #[test]
     fn every_refusal_comes_back_as_the_same_error() {
         let errors = [
-            ReplicaError::StaleTerm { term: 3, floor: 5 },
+            ReplicaError::StaleTerm {
+                term: Term(3),
+                floor: Term(5),
+            },
             ReplicaError::StaleGeneration {
                 stamp: Stamp {
-                    term: 5,
+                    term: Term(5),
                     generation: 1,
                 },
                 floor: Stamp {
-                    term: 5,
+                    term: Term(5),
                     generation: 2,
                 },
             },
@@ -362,7 +378,7 @@ mod tests {
             let stamp = match &err {
                 ReplicaError::StaleGeneration { stamp, .. } => *stamp,
                 ReplicaError::StaleTerm { term, .. } => Stamp::term(*term),
-                _ => Stamp::term(1),
+                _ => Stamp::term(Term(1)),
             };
             let back = error_of(&status_of(&err), stamp);
             match (&err, &back) {
@@ -376,7 +392,7 @@ mod tests {
     fn a_bad_request_is_a_bad_request_on_both_sides() {
         let err = ReplicaError::InvalidRequest("no volume".into());
         assert!(matches!(
-            error_of(&status_of(&err), 1),
+            error_of(&status_of(&err), Term(1)),
             ReplicaError::InvalidRequest(_)
         ));
     }

@@ -52,6 +52,7 @@ use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 
 use super::predigest::{Digest, DigestCache};
 use super::{DirtyExtent, FenceReply, ReplicaError, Stamp};
+use crate::ids::Term;
 use crate::volume::check_request;
 
 pub use crate::volume::DEFAULT_EXTENT_SIZE;
@@ -275,7 +276,7 @@ impl ReplicaStore {
     }
 
     /// The current fence floor's term. Waits for a fence in progress.
-    pub async fn floor(&self) -> u64 {
+    pub async fn floor(&self) -> Term {
         self.floor.read().await.term
     }
 
@@ -352,7 +353,7 @@ impl ReplicaStore {
     /// flight has finished or been refused (S3), and returns the floor and
     /// the dirty extents. A `term` at or below the floor changes nothing; the
     /// reply's floor then tells the caller it is not the newest writer.
-    pub async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+    pub async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         check_term(term)?;
         let floor = self.raise_floor(Stamp::term(term)).await?;
         Ok(FenceReply {
@@ -475,7 +476,7 @@ impl ReplicaStore {
 
     /// Drops the dirty marks of every term below `term`, once the extents
     /// they name have converged (S6). Drains in-flight requests first.
-    pub async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+    pub async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
         let drained = self.floor.write().await;
         // A writer older than the floor must not drop marks that the newer
         // one has still to converge.
@@ -486,7 +487,7 @@ impl ReplicaStore {
             });
         }
         let meta = self.meta.get()?;
-        let end = term.to_be_bytes();
+        let end = term.0.to_be_bytes();
         let keys: Vec<sled::IVec> = meta
             .dirty
             .range(..end.as_slice())
@@ -513,7 +514,7 @@ impl ReplicaStore {
     pub async fn retire_marks(
         &self,
         stamp: impl Into<Stamp>,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
         let stamp = stamp.into();
@@ -583,10 +584,10 @@ impl ReplicaStore {
     /// admits a stale request instead of refusing it, and counts it here:
     /// durably, so a restart cannot hide it from the fault campaign's
     /// checker. Never called in a correct build.
-    async fn count_stale_accept(&self, term: u64, floor: u64) -> Result<(), ReplicaError> {
+    async fn count_stale_accept(&self, term: Term, floor: Term) -> Result<(), ReplicaError> {
         tracing::warn!(
-            term,
-            floor,
+            %term,
+            %floor,
             "admitted a stale term (unsafe-skip-term-check)"
         );
         // One atomic read-modify-write, so concurrent stale admissions
@@ -627,7 +628,7 @@ impl ReplicaStore {
     }
 
     /// Records durably that `term` touches the extents of `[offset, offset+len)`.
-    async fn mark_dirty(&self, term: u64, offset: u64, len: u64) -> Result<(), ReplicaError> {
+    async fn mark_dirty(&self, term: Term, offset: u64, len: u64) -> Result<(), ReplicaError> {
         if len == 0 {
             return Ok(());
         }
@@ -674,8 +675,8 @@ where
         .map_err(ReplicaError::from)
 }
 
-fn check_term(term: u64) -> Result<(), ReplicaError> {
-    if term == 0 {
+fn check_term(term: Term) -> Result<(), ReplicaError> {
+    if term == Term::ZERO {
         Err(ReplicaError::InvalidTerm)
     } else {
         Ok(())
@@ -684,7 +685,7 @@ fn check_term(term: u64) -> Result<(), ReplicaError> {
 
 fn encode_dirty(mark: &DirtyExtent) -> [u8; 16] {
     let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&mark.term.to_be_bytes());
+    key[..8].copy_from_slice(&mark.term.0.to_be_bytes());
     key[8..].copy_from_slice(&mark.extent.to_be_bytes());
     key
 }
@@ -697,7 +698,7 @@ fn decode_dirty(key: &[u8]) -> Result<DirtyExtent, ReplicaError> {
         )));
     }
     Ok(DirtyExtent {
-        term: decode_u64(&key[..8], "dirty mark")?,
+        term: Term(decode_u64(&key[..8], "dirty mark")?),
         extent: decode_u64(&key[8..], "dirty mark")?,
     })
 }
@@ -706,16 +707,16 @@ fn decode_dirty(key: &[u8]) -> Result<DirtyExtent, ReplicaError> {
 /// before generations existed is the term alone, generation 0).
 fn encode_stamp(stamp: Stamp) -> [u8; 16] {
     let mut bytes = [0u8; 16];
-    bytes[..8].copy_from_slice(&stamp.term.to_be_bytes());
+    bytes[..8].copy_from_slice(&stamp.term.0.to_be_bytes());
     bytes[8..].copy_from_slice(&stamp.generation.to_be_bytes());
     bytes
 }
 
 fn decode_stamp(bytes: &[u8]) -> Result<Stamp, ReplicaError> {
     match bytes.len() {
-        8 => Ok(Stamp::term(decode_u64(bytes, "fence floor")?)),
+        8 => Ok(Stamp::term(Term(decode_u64(bytes, "fence floor")?))),
         16 => Ok(Stamp {
-            term: decode_u64(&bytes[..8], "fence floor")?,
+            term: Term(decode_u64(&bytes[..8], "fence floor")?),
             generation: decode_u64(&bytes[8..], "fence floor")?,
         }),
         n => Err(ReplicaError::Io(format!("corrupt fence floor: {n} bytes"))),
@@ -838,13 +839,19 @@ mod tests {
     async fn the_audit_counts_stale_admissions_only_in_the_broken_build() {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path()).await;
-        store.fence(5).await.unwrap();
-        let stale = store.write(4, 0, block(9, 512), false).await;
+        store.fence(Term(5)).await.unwrap();
+        let stale = store.write(Term(4), 0, block(9, 512), false).await;
         if cfg!(feature = "unsafe-skip-term-check") {
             assert_eq!(stale, Ok(()));
             assert_eq!(store.stale_accepts(), 1);
         } else {
-            assert_eq!(stale, Err(ReplicaError::StaleTerm { term: 4, floor: 5 }));
+            assert_eq!(
+                stale,
+                Err(ReplicaError::StaleTerm {
+                    term: Term(4),
+                    floor: Term(5)
+                })
+            );
             assert_eq!(store.stale_accepts(), 0);
         }
         assert_eq!(
@@ -865,14 +872,20 @@ mod tests {
         assert_eq!(store.size(), SIZE);
         assert_eq!(store.dir(), dir.path());
         assert_eq!(store.identity(), &identity());
-        store.write(1, 4096, block(7, 4096), false).await.unwrap();
-        store.write(1, 8192, block(8, 512), true).await.unwrap();
-        store.flush(1).await.unwrap();
+        store
+            .write(Term(1), 4096, block(7, 4096), false)
+            .await
+            .unwrap();
+        store
+            .write(Term(1), 8192, block(8, 512), true)
+            .await
+            .unwrap();
+        store.flush(Term(1)).await.unwrap();
         assert_eq!(store.read(4096, 4096).await.unwrap(), block(7, 4096));
         assert_eq!(store.read(8192, 512).await.unwrap(), block(8, 512));
         assert_eq!(store.read(0, 4096).await.unwrap(), block(0, 4096));
         // An empty write is accepted and touches nothing.
-        store.write(1, 0, Bytes::new(), false).await.unwrap();
+        store.write(Term(1), 0, Bytes::new(), false).await.unwrap();
         assert_eq!(store.read(0, 4096).await.unwrap(), block(0, 4096));
         assert!(format!("{store:?}").contains("ReplicaStore"));
     }
@@ -882,22 +895,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = open(dir.path()).await;
-            store.write(5, 0, block(5, 4096), false).await.unwrap();
-            assert_eq!(store.floor().await, 5);
+            store
+                .write(Term(5), 0, block(5, 4096), false)
+                .await
+                .unwrap();
+            assert_eq!(store.floor().await, Term(5));
             assert_eq!(
-                store.write(4, 0, block(4, 4096), false).await,
-                Err(ReplicaError::StaleTerm { term: 4, floor: 5 })
+                store.write(Term(4), 0, block(4, 4096), false).await,
+                Err(ReplicaError::StaleTerm {
+                    term: Term(4),
+                    floor: Term(5)
+                })
             );
             assert_eq!(
-                store.flush(3).await,
-                Err(ReplicaError::StaleTerm { term: 3, floor: 5 })
+                store.flush(Term(3)).await,
+                Err(ReplicaError::StaleTerm {
+                    term: Term(3),
+                    floor: Term(5)
+                })
             );
         }
         let store = open(dir.path()).await;
-        assert_eq!(store.floor().await, 5);
+        assert_eq!(store.floor().await, Term(5));
         assert_eq!(
-            store.write(4, 0, block(4, 4096), false).await,
-            Err(ReplicaError::StaleTerm { term: 4, floor: 5 })
+            store.write(Term(4), 0, block(4, 4096), false).await,
+            Err(ReplicaError::StaleTerm {
+                term: Term(4),
+                floor: Term(5)
+            })
         );
         assert_eq!(store.read(0, 4096).await.unwrap(), block(5, 4096));
     }
@@ -907,52 +932,55 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = open(dir.path()).await;
-            store.write(2, 0, block(2, 512), false).await.unwrap();
-            store.flush(3).await.unwrap();
-            assert_eq!(store.floor().await, 3);
-            store.write(9, 512, block(9, 512), false).await.unwrap();
-            assert_eq!(store.floor().await, 9);
+            store.write(Term(2), 0, block(2, 512), false).await.unwrap();
+            store.flush(Term(3)).await.unwrap();
+            assert_eq!(store.floor().await, Term(3));
+            store
+                .write(Term(9), 512, block(9, 512), false)
+                .await
+                .unwrap();
+            assert_eq!(store.floor().await, Term(9));
         }
-        assert_eq!(open(dir.path()).await.floor().await, 9);
+        assert_eq!(open(dir.path()).await.floor().await, Term(9));
     }
 
     #[tokio::test]
     async fn an_older_generation_of_the_floor_term_is_refused_and_survives_reopening() {
         let dir = tempfile::tempdir().unwrap();
         let next = Stamp {
-            term: 4,
+            term: Term(4),
             generation: 2,
         };
         {
             let store = open(dir.path()).await;
-            store.write(4, 0, block(1, 512), false).await.unwrap();
+            store.write(Term(4), 0, block(1, 512), false).await.unwrap();
             store.flush(next).await.unwrap();
             assert_eq!(store.floor_stamp().await, next);
             assert_eq!(
-                store.write(4, 0, block(2, 512), false).await,
+                store.write(Term(4), 0, block(2, 512), false).await,
                 Err(ReplicaError::StaleGeneration {
-                    stamp: Stamp::term(4),
+                    stamp: Stamp::term(Term(4)),
                     floor: next
                 })
             );
             // A fence of the same term keeps the generation (it is no newer)
             // and still reports the term as fenced.
-            assert_eq!(store.fence(4).await.unwrap().floor, 4);
+            assert_eq!(store.fence(Term(4)).await.unwrap().floor, Term(4));
             assert_eq!(store.floor_stamp().await, next);
         }
         let store = open(dir.path()).await;
         assert_eq!(store.floor_stamp().await, next);
         assert_eq!(store.read(0, 512).await.unwrap(), block(1, 512));
         // A newer term starts over at generation 0.
-        store.write(5, 0, block(3, 512), false).await.unwrap();
-        assert_eq!(store.floor_stamp().await, Stamp::term(5));
+        store.write(Term(5), 0, block(3, 512), false).await.unwrap();
+        assert_eq!(store.floor_stamp().await, Stamp::term(Term(5)));
     }
 
     #[test]
     fn a_floor_stored_before_generations_reads_as_generation_zero() {
-        assert_eq!(decode_stamp(&7u64.to_be_bytes()), Ok(Stamp::term(7)));
+        assert_eq!(decode_stamp(&7u64.to_be_bytes()), Ok(Stamp::term(Term(7))));
         let stamp = Stamp {
-            term: 7,
+            term: Term(7),
             generation: 3,
         };
         assert_eq!(decode_stamp(&encode_stamp(stamp)), Ok(stamp));
@@ -966,26 +994,41 @@ mod tests {
         let mib = DEFAULT_EXTENT_SIZE;
         // Spans extents 0 and 1.
         store
-            .write(1, mib - 512, block(1, 1024), false)
+            .write(Term(1), mib - 512, block(1, 1024), false)
             .await
             .unwrap();
-        store.write(2, 3 * mib, block(2, 512), false).await.unwrap();
-        let reply = store.fence(4).await.unwrap();
-        assert_eq!(reply.floor, 4);
+        store
+            .write(Term(2), 3 * mib, block(2, 512), false)
+            .await
+            .unwrap();
+        let reply = store.fence(Term(4)).await.unwrap();
+        assert_eq!(reply.floor, Term(4));
         assert_eq!(reply.extent_size, mib);
         assert_eq!(
             reply.dirty,
             vec![
-                DirtyExtent { term: 1, extent: 0 },
-                DirtyExtent { term: 1, extent: 1 },
-                DirtyExtent { term: 2, extent: 3 },
+                DirtyExtent {
+                    term: Term(1),
+                    extent: 0
+                },
+                DirtyExtent {
+                    term: Term(1),
+                    extent: 1
+                },
+                DirtyExtent {
+                    term: Term(2),
+                    extent: 3
+                },
             ]
         );
         // A lower fence changes nothing and tells the caller the floor.
-        assert_eq!(store.fence(3).await.unwrap().floor, 4);
+        assert_eq!(store.fence(Term(3)).await.unwrap().floor, Term(4));
         assert_eq!(
-            store.write(2, 0, block(2, 512), false).await,
-            Err(ReplicaError::StaleTerm { term: 2, floor: 4 })
+            store.write(Term(2), 0, block(2, 512), false).await,
+            Err(ReplicaError::StaleTerm {
+                term: Term(2),
+                floor: Term(4)
+            })
         );
     }
 
@@ -994,32 +1037,38 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let store = open(dir.path()).await;
-            store.write(1, 0, block(1, 512), false).await.unwrap();
-            store.write(1, 0, block(1, 512), false).await.unwrap();
-            store.write(2, 0, block(2, 512), false).await.unwrap();
+            store.write(Term(1), 0, block(1, 512), false).await.unwrap();
+            store.write(Term(1), 0, block(1, 512), false).await.unwrap();
+            store.write(Term(2), 0, block(2, 512), false).await.unwrap();
             store
-                .write(3, 5 * DEFAULT_EXTENT_SIZE, block(3, 512), false)
+                .write(Term(3), 5 * DEFAULT_EXTENT_SIZE, block(3, 512), false)
                 .await
                 .unwrap();
         }
         let store = open(dir.path()).await;
         assert_eq!(store.dirty_extents().unwrap().len(), 3);
-        store.clear_dirty_below(3).await.unwrap();
+        store.clear_dirty_below(Term(3)).await.unwrap();
         assert_eq!(
             store.dirty_extents().unwrap(),
-            vec![DirtyExtent { term: 3, extent: 5 }]
+            vec![DirtyExtent {
+                term: Term(3),
+                extent: 5
+            }]
         );
         // After a reopen the cleared marks stay gone.
         drop(store);
         let store = open(dir.path()).await;
         assert_eq!(store.dirty_extents().unwrap().len(), 1);
         // A cleared mark is recorded again when written again in its term.
-        store.write(3, 0, block(3, 512), false).await.unwrap();
-        store.clear_dirty_below(4).await.unwrap();
-        store.write(4, 0, block(4, 512), false).await.unwrap();
+        store.write(Term(3), 0, block(3, 512), false).await.unwrap();
+        store.clear_dirty_below(Term(4)).await.unwrap();
+        store.write(Term(4), 0, block(4, 512), false).await.unwrap();
         assert_eq!(
             store.dirty_extents().unwrap(),
-            vec![DirtyExtent { term: 4, extent: 0 }]
+            vec![DirtyExtent {
+                term: Term(4),
+                extent: 0
+            }]
         );
     }
 
@@ -1029,11 +1078,14 @@ mod tests {
         store: &Arc<ReplicaStore>,
         byte: u8,
     ) -> tokio::task::JoinHandle<Result<(), ReplicaError>> {
-        store.write(1, 0, block(0, 4096), false).await.unwrap();
+        store
+            .write(Term(1), 0, block(0, 4096), false)
+            .await
+            .unwrap();
         *store.io_delay.lock().unwrap() = Duration::from_millis(300);
         let writer = {
             let store = Arc::clone(store);
-            tokio::spawn(async move { store.write(1, 0, block(byte, 4096), false).await })
+            tokio::spawn(async move { store.write(Term(1), 0, block(byte, 4096), false).await })
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while store.floor.try_write().is_ok() {
@@ -1073,7 +1125,7 @@ mod tests {
                 };
                 let store = Arc::new(try_open(&path, identity).await.unwrap());
                 let extents = SIZE / 4096;
-                for term in 1..=4u64 {
+                for term in (1..=4).map(Term) {
                     let writes = (0..extents).map(|i| {
                         let store = Arc::clone(&store);
                         tokio::spawn(async move {
@@ -1099,7 +1151,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(open(dir.path()).await);
         let writer = start_held_write(&store, 0xee).await;
-        store.fence(2).await.unwrap();
+        store.fence(Term(2)).await.unwrap();
         let after_fence = store.read(0, 4096).await.unwrap();
         let written = writer.await.unwrap();
         assert_eq!(written, Ok(()), "the write was admitted before the fence");
@@ -1122,7 +1174,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         writer.abort();
         let _ = writer.await;
-        store.fence(2).await.unwrap();
+        store.fence(Term(2)).await.unwrap();
         let after_fence = store.read(0, 4096).await.unwrap();
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert_eq!(store.read(0, 4096).await.unwrap(), after_fence);
@@ -1137,7 +1189,7 @@ mod tests {
         assert_eq!((first, before.len()), (0, 3));
         assert_eq!(before[0], before[1], "two zero extents");
         store
-            .write(1, mib + 10, block(1, 512), false)
+            .write(Term(1), mib + 10, block(1, 512), false)
             .await
             .unwrap();
         let (_, after) = store.digests(0, 3 * mib).await.unwrap();
@@ -1160,9 +1212,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path()).await;
         let mib = DEFAULT_EXTENT_SIZE;
-        store.write(1, mib, block(1, 4096), false).await.unwrap();
         store
-            .write(1, 3 * mib, block(3, 4096), false)
+            .write(Term(1), mib, block(1, 4096), false)
+            .await
+            .unwrap();
+        store
+            .write(Term(1), 3 * mib, block(3, 4096), false)
             .await
             .unwrap();
         assert_eq!(
@@ -1189,7 +1244,7 @@ mod tests {
         // Any write through the store ends the snapshot, even to another
         // extent: the changed bytes are hashed again.
         store
-            .write(1, 3 * mib, block(4, 4096), false)
+            .write(Term(1), 3 * mib, block(4, 4096), false)
             .await
             .unwrap();
         assert_ne!(store.digests(mib, mib).await.unwrap().1, fresh);
@@ -1199,11 +1254,14 @@ mod tests {
     async fn no_predigest_is_taken_while_a_write_is_in_flight() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(open(dir.path()).await);
-        store.write(1, 0, block(1, 4096), false).await.unwrap();
+        store
+            .write(Term(1), 0, block(1, 4096), false)
+            .await
+            .unwrap();
         *store.io_delay.lock().unwrap() = Duration::from_millis(300);
         let writing = tokio::spawn({
             let store = Arc::clone(&store);
-            async move { store.write(1, 0, block(2, 4096), false).await }
+            async move { store.write(Term(1), 0, block(2, 4096), false).await }
         });
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while store.predigests.quiet().is_some() {
@@ -1315,13 +1373,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path()).await;
         assert_eq!(
-            store.write(0, 0, block(1, 512), false).await,
+            store.write(Term(0), 0, block(1, 512), false).await,
             Err(ReplicaError::InvalidTerm)
         );
-        assert_eq!(store.flush(0).await, Err(ReplicaError::InvalidTerm));
-        assert_eq!(store.fence(0).await, Err(ReplicaError::InvalidTerm));
+        assert_eq!(store.flush(Term(0)).await, Err(ReplicaError::InvalidTerm));
+        assert_eq!(store.fence(Term(0)).await, Err(ReplicaError::InvalidTerm));
         assert_eq!(
-            store.write(1, SIZE - 256, block(1, 512), false).await,
+            store.write(Term(1), SIZE - 256, block(1, 512), false).await,
             Err(ReplicaError::Range(RangeError::OutOfRange {
                 offset: SIZE - 256,
                 len: 512,
@@ -1337,7 +1395,7 @@ mod tests {
             Err(ReplicaError::Range(RangeError::TooLarge { .. }))
         ));
         // Refused requests neither raised the floor nor marked anything.
-        assert_eq!(store.floor().await, 0);
+        assert_eq!(store.floor().await, Term(0));
         assert!(store.dirty_extents().unwrap().is_empty());
         assert_eq!(store.read(SIZE - 512, 512).await.unwrap(), block(0, 512));
     }
@@ -1349,11 +1407,11 @@ mod tests {
         let store = try_open(dir.path(), big).await.unwrap();
         let data = Bytes::from(vec![1u8; MAX_REQUEST as usize + 512]);
         assert!(matches!(
-            store.write(1, 0, data, false).await,
+            store.write(Term(1), 0, data, false).await,
             Err(ReplicaError::Range(RangeError::TooLarge { .. }))
         ));
         assert_eq!(store.read(0, 512).await.unwrap(), block(0, 512));
-        assert_eq!(store.floor().await, 0);
+        assert_eq!(store.floor().await, Term(0));
     }
 
     #[tokio::test]

@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::replica::{
     FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
     StoreIdentity,
@@ -177,18 +177,18 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.flush(stamp).await
     }
-    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.gate(None).await?;
         self.inner.fence(term).await
     }
-    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
         self.gate(None).await?;
         self.inner.clear_dirty_below(term).await
     }
     async fn retire_marks(
         &self,
         stamp: Stamp,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
         self.gate(None).await?;
@@ -238,7 +238,7 @@ impl InSyncTracker for LoggingTracker {
     }
     async fn remove(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, replica_ha::ha::InSyncError> {
         let result = self.inner.remove(term, replicas).await;
@@ -253,7 +253,7 @@ impl InSyncTracker for LoggingTracker {
     }
     async fn add(
         &self,
-        term: u64,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, replica_ha::ha::InSyncError> {
         let hold = self.hold_adds.lock().unwrap().clone();

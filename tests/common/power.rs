@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::replica::{
     FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
 };
@@ -86,7 +86,7 @@ impl PowerCutReplica {
         // stale nor raises the floor.
         let info = store.info().await.expect("the store's floor");
         let stamp = Stamp {
-            term: info.floor.max(1),
+            term: info.floor.max(Term(1)),
             generation: info.generation,
         };
         for (offset, len) in restore {
@@ -138,16 +138,16 @@ impl Replica for PowerCutReplica {
         state.flushes += 1;
         Ok(())
     }
-    async fn fence(&self, term: u64) -> Result<FenceReply, ReplicaError> {
+    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.inner.fence(term).await
     }
-    async fn clear_dirty_below(&self, term: u64) -> Result<(), ReplicaError> {
+    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
         self.inner.clear_dirty_below(term).await
     }
     async fn retire_marks(
         &self,
         stamp: Stamp,
-        through: u64,
+        through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
         self.inner.retire_marks(stamp, through, extents).await
