@@ -291,6 +291,37 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
     let refused = raft_as_client.vote(timed(claim(2))).await.unwrap_err();
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
 
+    // A node certificate of the cluster's CA, but of no member, is refused
+    // by the members' services.
+    replica_ha::certs::issue_node(&cluster.certs, NodeId(4), &[], 20).unwrap();
+    let as_node_4 = Transport::secured(
+        Limits::default(),
+        Tls::load(
+            replica_ha::certs::TlsFiles::for_node(&cluster.certs, NodeId(4)),
+            &cluster.cluster_id,
+            Party::Node(NodeId(4)),
+        )
+        .unwrap(),
+    );
+    let outsider = as_node_4
+        .channel(&cluster.addrs[&1].to_string(), Expect::Node(NodeId(1)))
+        .unwrap();
+    let refused = ReplicaClient::new(outsider.clone())
+        .fence(timed(pb::FenceRequest {
+            volume: volume(&cluster),
+            term: floor + 100,
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("not a member"), "{refused:?}");
+    let refused = RaftClient::new(outsider)
+        .vote(timed(claim(4)))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert_eq!(held(&cluster, 1).await.floor, floor);
+
     // A client dialling node 1 but reaching another node notices: the
     // server's certificate names node 2.
     let wrong = client_transport(&cluster.certs, "admin")

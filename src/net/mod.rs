@@ -100,12 +100,23 @@ pub struct Transport {
     limits: Limits,
     /// TLS credentials; `None` is the insecure mode.
     tls: Option<Arc<Tls>>,
+    /// The nodes whose certificates the members' services admit; `None`
+    /// admits any node of the cluster.
+    members: Option<Members>,
 }
+
+/// The cluster's members as the guard sees them: shared, so that a
+/// membership change is seen by every service at once.
+pub type Members = Arc<std::sync::RwLock<std::collections::BTreeSet<NodeId>>>;
 
 impl Transport {
     /// A plaintext transport with `limits`: no authentication at all.
     pub fn plain(limits: Limits) -> Self {
-        Self { limits, tls: None }
+        Self {
+            limits,
+            tls: None,
+            members: None,
+        }
     }
 
     /// A transport with `limits` whose every connection is mutual TLS with
@@ -114,7 +125,15 @@ impl Transport {
         Self {
             limits,
             tls: Some(tls),
+            members: None,
         }
+    }
+
+    /// The same transport, whose servers admit only `members`' node
+    /// certificates to the members' services (Raft, replica).
+    pub fn with_members(mut self, members: Members) -> Self {
+        self.members = Some(members);
+        self
     }
 
     /// The limits every connection uses.
@@ -180,6 +199,7 @@ impl Transport {
     ) -> InterceptedService<S, PeerGuard> {
         let guard = PeerGuard {
             audience,
+            members: self.members.clone(),
             cluster_id: self.tls.as_ref().map(|tls| Arc::from(tls.cluster_id())),
         };
         InterceptedService::new(self.limit(service), guard)
@@ -201,6 +221,8 @@ impl Transport {
 #[derive(Debug, Clone)]
 pub struct PeerGuard {
     audience: Audience,
+    /// Who may call the members' services, if only some nodes may.
+    members: Option<Members>,
     /// This cluster's id with TLS; `None` in the insecure mode.
     cluster_id: Option<Arc<str>>,
 }
@@ -220,6 +242,13 @@ impl PeerGuard {
             .and_then(|peer| peer.identity.as_deref())
             .ok_or_else(|| Status::unauthenticated("no client certificate"))?;
         match (identity, self.audience) {
+            (PeerIdentity::Node { cluster_id: c, id }, Audience::Members)
+                if **c == **cluster_id && !self.is_member(*id) =>
+            {
+                Err(Status::permission_denied(format!(
+                    "node {id} is not a member of this cluster"
+                )))
+            }
             (PeerIdentity::Node { cluster_id: c, id }, _) if **c == **cluster_id => {
                 Ok(Caller::Node(*id))
             }
@@ -243,6 +272,17 @@ impl PeerGuard {
                 "{identity} is not of cluster {cluster_id}"
             ))),
         }
+    }
+}
+
+impl PeerGuard {
+    fn is_member(&self, id: NodeId) -> bool {
+        self.members.as_ref().is_none_or(|members| {
+            members
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&id)
+        })
     }
 }
 

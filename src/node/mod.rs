@@ -127,7 +127,10 @@ impl Node {
         let db = open_data_dir(&config)?;
         let tls = load_tls(&config)?;
         let transport = match (&tls, config.insecure) {
-            (Some(tls), false) => Transport::secured(Limits::default(), Arc::clone(tls)),
+            (Some(tls), false) => Transport::secured(Limits::default(), Arc::clone(tls))
+                .with_members(Arc::new(std::sync::RwLock::new(
+                    config.peers.keys().copied().collect(),
+                ))),
             _ => {
                 tracing::warn!(
                     "running INSECURE (insecure = true): no connection is authenticated; \
