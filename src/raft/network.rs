@@ -105,6 +105,10 @@ pub struct Peers {
     behind_since: Mutex<Option<Instant>>,
     /// When this node last started a campaign.
     campaigned_at: Mutex<Option<Instant>>,
+    /// When this node's own pre-vote round began, while it runs.
+    pre_voting_since: Mutex<Option<Instant>>,
+    /// When this node last granted another node's pre-vote.
+    granted_pre_vote_at: Mutex<Option<Instant>>,
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
@@ -143,6 +147,8 @@ impl Peers {
             acked: tokio::sync::Notify::new(),
             behind_since: Mutex::new(None),
             campaigned_at: Mutex::new(None),
+            pre_voting_since: Mutex::new(None),
+            granted_pre_vote_at: Mutex::new(None),
             transfer: Mutex::default(),
             election_timeout_max,
             runtime: std::sync::OnceLock::new(),
@@ -242,24 +248,40 @@ impl Peers {
             return Some(why);
         }
         let metrics = raft.metrics().borrow().clone();
-        if metrics.state == openraft::ServerState::Leader {
-            return Some("this node leads".into());
-        }
-        // Two nodes that lost the leader at once: the one that campaigned
-        // first wins; the other backs off and votes for it.
+        let now = Instant::now();
         let own = *lock(&self.campaigned_at);
-        if own.is_some_and(|at| Instant::now().duration_since(at) < self.election_timeout_max / 4) {
-            return Some("campaigning myself".into());
-        }
-        let quiet = Instant::now().duration_since(self.last_leader_contact());
-        if quiet < self.election_timeout_max {
-            return Some(format!("heard a leader {quiet:?} ago"));
-        }
-        let mine = metrics.last_log_index.map_or(0, |i| i + 1);
-        if next_index < mine {
-            return Some(format!("log ends at {next_index}, mine at {mine}"));
-        }
-        None
+        let view = PreVoteView {
+            leads: metrics.state == openraft::ServerState::Leader,
+            campaigned_recently: own
+                .is_some_and(|at| now.duration_since(at) < self.election_timeout_max / 4),
+            asking: lock(&self.pre_voting_since).is_some(),
+            quiet: now.duration_since(self.last_leader_contact()),
+            log_end: metrics.last_log_index.map_or(0, |i| i + 1),
+        };
+        pre_vote_refusal(
+            self.self_id,
+            candidate,
+            next_index,
+            &view,
+            self.election_timeout_max,
+        )
+    }
+
+    /// Records that this node's own pre-vote round begins (`true`) or is
+    /// over (`false`).
+    pub fn note_pre_voting(&self, asking: bool) {
+        *lock(&self.pre_voting_since) = asking.then(Instant::now);
+    }
+
+    /// Whether this node granted another node's pre-vote at or after
+    /// `since`: that node is about to campaign, and this one holds off
+    /// rather than split the vote.
+    pub fn granted_pre_vote_since(&self, since: Instant) -> bool {
+        lock(&self.granted_pre_vote_at).is_some_and(|at| at >= since)
+    }
+
+    fn note_pre_vote_granted(&self) {
+        *lock(&self.granted_pre_vote_at) = Some(Instant::now());
     }
 
     /// Records that this node is starting a campaign now.
@@ -342,6 +364,54 @@ impl Peers {
         self.touch(from);
         Ok(from)
     }
+}
+
+/// What a node knows of itself when a peer asks for its pre-vote.
+#[derive(Debug, Clone, Copy)]
+struct PreVoteView {
+    /// It leads.
+    leads: bool,
+    /// It started a campaign of its own within `election_max / 4`.
+    campaigned_recently: bool,
+    /// Its own pre-vote round is running.
+    asking: bool,
+    /// How long since it heard a leader (or granted a vote).
+    quiet: Duration,
+    /// Where its log ends (the next index).
+    log_end: u64,
+}
+
+/// Why `me` would not grant `candidate`'s pre-vote (its log ending before
+/// `next_index`), if it would not. Of two nodes that lost the leader at
+/// once, the one that campaigned first wins; of two asking at the same
+/// moment, the longer log, or on a tie the lower id (the other grants it
+/// and holds off; see `detector`).
+fn pre_vote_refusal(
+    me: NodeId,
+    candidate: NodeId,
+    next_index: u64,
+    view: &PreVoteView,
+    election_max: Duration,
+) -> Option<String> {
+    if view.leads {
+        return Some("this node leads".into());
+    }
+    if view.campaigned_recently {
+        return Some("campaigning myself".into());
+    }
+    if view.asking && next_index <= view.log_end && candidate > me {
+        return Some("asking for votes myself; the lower id goes first".into());
+    }
+    if view.quiet < election_max {
+        return Some(format!("heard a leader {:?} ago", view.quiet));
+    }
+    if next_index < view.log_end {
+        return Some(format!(
+            "log ends at {next_index}, mine at {}",
+            view.log_end
+        ));
+    }
+    None
 }
 
 fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
@@ -616,6 +686,9 @@ impl raft_server::Raft for RaftService {
         self.on_raft(|raft, peers| async move {
             let from = peers.admit(&caller, &request.cluster_id, request.from)?;
             let refusal = peers.refuse_pre_vote(from, request.next_index, &raft);
+            if refusal.is_none() {
+                peers.note_pre_vote_granted();
+            }
             Ok(GrpcResponse::new(PreVoteReply {
                 granted: refusal.is_none(),
                 reason: refusal.unwrap_or_default(),
@@ -700,6 +773,43 @@ mod tests {
         );
         assert_eq!(peers.admit(&anyone, "c", 2).unwrap(), NodeId(2));
         assert_eq!(peers.heard_since(since), vec![NodeId(2)]);
+    }
+
+    #[test]
+    fn of_two_nodes_asking_at_once_the_longer_log_then_the_lower_id_goes_first() {
+        let max = Duration::from_millis(450);
+        let idle = PreVoteView {
+            leads: false,
+            campaigned_recently: false,
+            asking: false,
+            quiet: Duration::from_millis(500),
+            log_end: 10,
+        };
+        let asking = PreVoteView {
+            asking: true,
+            ..idle
+        };
+        let (one, two, three) = (NodeId(1), NodeId(2), NodeId(3));
+        // Not asking itself: anyone with a log as long is granted.
+        assert_eq!(pre_vote_refusal(one, two, 10, &idle, max), None);
+        // Asking: a higher id with no longer a log is refused...
+        assert!(pre_vote_refusal(one, two, 10, &asking, max).is_some());
+        assert!(pre_vote_refusal(two, three, 9, &asking, max).is_some());
+        // ...a lower id is granted, and so is a longer log.
+        assert_eq!(pre_vote_refusal(two, one, 10, &asking, max), None);
+        assert_eq!(pre_vote_refusal(one, three, 11, &asking, max), None);
+        // The other rules still hold.
+        let heard = PreVoteView {
+            quiet: Duration::from_millis(100),
+            ..idle
+        };
+        assert!(pre_vote_refusal(two, one, 10, &heard, max).is_some());
+        assert!(pre_vote_refusal(two, one, 9, &idle, max).is_some());
+        let campaigning = PreVoteView {
+            campaigned_recently: true,
+            ..idle
+        };
+        assert!(pre_vote_refusal(two, one, 10, &campaigning, max).is_some());
     }
 
     #[test]
