@@ -115,6 +115,7 @@ impl Admin for AdminService {
             reads_served: status.reads_refused.is_none(),
             reads_refused: status.reads_refused.clone().unwrap_or_default(),
             security: facts.security().to_string(),
+            data_address: facts.data.to_string(),
         }))
     }
 

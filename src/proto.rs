@@ -10,6 +10,11 @@ pub mod raft {
     tonic::include_proto!("replica_ha.raft.v1");
 }
 
+/// What a node tells its peers about itself (`proto/node.proto`).
+pub mod node {
+    tonic::include_proto!("replica_ha.node.v1");
+}
+
 /// The operator's service (`proto/admin.proto`).
 pub mod admin {
     tonic::include_proto!("replica_ha.admin.v1");
@@ -36,6 +41,8 @@ limited! {
     impl<T> replica::replica_server::ReplicaServer<T>;
     impl<> raft::raft_client::RaftClient<tonic::transport::Channel>;
     impl<T> raft::raft_server::RaftServer<T>;
+    impl<> node::node_client::NodeClient<tonic::transport::Channel>;
+    impl<T> node::node_server::NodeServer<T>;
     impl<> admin::admin_client::AdminClient<tonic::transport::Channel>;
     impl<T> admin::admin_server::AdminServer<T>;
 }

@@ -32,6 +32,8 @@ const INFO_TIMEOUT: Duration = Duration::from_millis(300);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeFacts {
     pub id: NodeId,
+    /// Where this node's replica service listens, as bound.
+    pub data: SocketAddr,
     pub cluster_id: String,
     pub volume: String,
     /// The configured size and `min_in_sync` (the cluster's recorded ones

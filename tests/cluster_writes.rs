@@ -210,6 +210,72 @@ async fn writes_continue_with_one_replica_down_and_fail_with_two() {
     }
 }
 
+/// The replica service listens apart from Raft, by default on a port the
+/// OS picks, and peers ask each node where. A follower that comes back on
+/// another port is found again: the writer rebuilds it and it is back in
+/// sync, without any address configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_back_on_another_data_port_is_found_and_rebuilt() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster.os_chosen_data_ports = true;
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    cluster.write(writer, 0, block(1)).await.unwrap();
+    let before = cluster.status(follower).await.unwrap().data_address;
+    assert!(!before.is_empty());
+    assert_ne!(before, cluster.addrs[&follower].to_string());
+
+    // Restart it until the OS hands it another port (almost always at
+    // once), writing meanwhile so that it has something to catch up on.
+    let mut after = before.clone();
+    for attempt in 0..5u64 {
+        cluster.kill(follower);
+        cluster
+            .write(writer, 4096 * (attempt + 1), block(10 + attempt))
+            .await
+            .unwrap();
+        cluster.spawn(follower);
+        let deadline = Instant::now() + WAIT;
+        after = loop {
+            if let Some(status) = cluster.status(follower).await {
+                break status.data_address;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {follower} did not come back"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if after != before {
+            break;
+        }
+    }
+    assert_ne!(after, before, "the OS gave the same port five times");
+
+    let deadline = Instant::now() + WAIT * 3;
+    loop {
+        let status = cluster.status(writer).await;
+        let back = status.as_ref().is_some_and(|s| {
+            s.replicas
+                .iter()
+                .any(|r| r.id == follower.to_string() && r.state == "in_sync" && r.reachable)
+        });
+        if back {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {follower} never came back in sync: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster.write(writer, 1 << 20, block(99)).await.unwrap();
+}
+
 /// S6: the writer is killed during concurrent overlapping writes that have
 /// reached one follower but not the other (the writer's link to the second
 /// is cut, so they wait there, unacknowledged). Once the next writer is
@@ -220,7 +286,7 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     let mut cluster = Cluster::start_with_proxies(3).await;
     let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
-    cluster.proxies[&(old, followers[1])].set_blocked(true);
+    cluster.block(old, followers[1], true);
     let mut writers = Vec::new();
     for worker in 0..4u64 {
         let channel = cluster.channel(old);
@@ -242,7 +308,7 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     // Less than the replica timeout: no shrink can have been committed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     cluster.kill(old);
-    cluster.proxies[&(old, followers[1])].set_blocked(false);
+    cluster.block(old, followers[1], false);
     for writer in writers {
         writer.await.unwrap();
     }

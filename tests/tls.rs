@@ -209,14 +209,16 @@ async fn strangers_are_refused_by_every_service_and_change_nothing() {
     ];
     for (who, transport) in &attackers {
         for id in &cluster.ids {
-            let channel = transport
-                .channel(&cluster.addrs[id].to_string(), Expect::AnyNode)
-                .unwrap();
-            for (call, outcome) in attack(&cluster, channel).await {
-                assert!(
-                    outcome.is_err(),
-                    "{who}: {call} on node {id} was not refused"
-                );
+            for addr in [cluster.addrs[id], cluster.data_addrs[id]] {
+                let channel = transport
+                    .channel(&addr.to_string(), Expect::AnyNode)
+                    .unwrap();
+                for (call, outcome) in attack(&cluster, channel).await {
+                    assert!(
+                        outcome.is_err(),
+                        "{who}: {call} on node {id} at {addr} was not refused"
+                    );
+                }
             }
         }
     }
@@ -273,7 +275,10 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
     // Replica requests carry no sender: a node certificate is what they
     // need, and a client's is refused, even an admin's.
     let floor = held(&cluster, 1).await.floor;
-    let mut replica = ReplicaClient::new(cluster.channel(1));
+    let admin_to_data = client_transport(&cluster.certs, "admin")
+        .channel(&cluster.data_addrs[&1].to_string(), Expect::Node(NodeId(1)))
+        .unwrap();
+    let mut replica = ReplicaClient::new(admin_to_data);
     let refused = replica
         .fence(timed(pb::FenceRequest {
             volume: volume(&cluster),
@@ -306,7 +311,10 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
     let outsider = as_node_4
         .channel(&cluster.addrs[&1].to_string(), Expect::Node(NodeId(1)))
         .unwrap();
-    let refused = ReplicaClient::new(outsider.clone())
+    let outsider_data = as_node_4
+        .channel(&cluster.data_addrs[&1].to_string(), Expect::Node(NodeId(1)))
+        .unwrap();
+    let refused = ReplicaClient::new(outsider_data)
         .fence(timed(pb::FenceRequest {
             volume: volume(&cluster),
             term: floor + 100,

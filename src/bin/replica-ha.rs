@@ -167,6 +167,14 @@ struct NodeArgs {
     /// A cluster member, ID=HOST:PORT; repeat for each (this node too).
     #[arg(long = "peer")]
     peers: Vec<String>,
+    /// The replica (block data) service's listen address, HOST:PORT.
+    /// Default: the gRPC host, with a port the OS picks; peers ask for it.
+    #[arg(long, value_name = "HOST:PORT")]
+    data_listen: Option<String>,
+    /// A peer's data address, ID=HOST:PORT, where it cannot be asked
+    /// (behind a proxy or NAT); repeat for each such peer.
+    #[arg(long = "peer-data", value_name = "ID=HOST:PORT")]
+    peer_data: Vec<String>,
     /// Where the node keeps its replica and Raft state.
     #[arg(long)]
     data_dir: Option<PathBuf>,
@@ -302,6 +310,8 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         id: args.id.map(NodeId),
         cluster_id: args.cluster_id,
         listen: args.listen,
+        data_listen: args.data_listen,
+        peer_data: args.peer_data,
         data_dir: args.data_dir,
         nbd: args.nbd,
         http: args.http,
@@ -419,6 +429,7 @@ fn status_json(reply: &StatusReply) -> String {
         "volume": reply.volume,
         "nbd_address": reply.nbd_address,
         "security": reply.security,
+        "data_address": reply.data_address,
         "reads": if reply.reads_served { "served" } else { "refused" },
         "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
         "replicas": reply.replicas.iter().map(|r| serde_json::json!({
@@ -464,6 +475,7 @@ fn print_status_table(reply: &StatusReply) {
         ("node", reply.node_id.to_string()),
         ("cluster", reply.cluster_id.clone()),
         ("security", reply.security.clone()),
+        ("data address", reply.data_address.clone()),
         ("role", reply.role.clone()),
         ("gate open", reply.gate_open.to_string()),
         ("raft state", reply.raft_state.clone()),

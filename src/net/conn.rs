@@ -213,7 +213,7 @@ pub fn incoming(
                             .await
                         {
                             Ok(outcome) => outcome,
-                            Err(_) => Err(format!("no handshake within {HANDSHAKE_TIMEOUT:?}")),
+                            Err(_) => Err(Refusal::TimedOut),
                         }
                     }
                 };
@@ -232,18 +232,33 @@ pub fn incoming(
     })
 }
 
+/// Why an accepted connection was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// The TLS handshake failed: not TLS, a certificate from another CA or
+    /// none, an expired one.
+    #[error("TLS handshake: {0}")]
+    Handshake(#[source] io::Error),
+    /// The certificate verified but names no identity of this cluster.
+    #[error("client certificate: {0}")]
+    Identity(#[source] crate::certs::CertError),
+    /// The client presented no certificate.
+    #[error("no client certificate")]
+    NoCertificate,
+    /// The handshake did not finish in time.
+    #[error("no handshake within {HANDSHAKE_TIMEOUT:?}")]
+    TimedOut,
+}
+
 /// The server's side of a TLS handshake, and the client's identity (T3 of
 /// [`super::tls`]).
-async fn handshake(tls: &Tls, tcp: TcpStream, remote: SocketAddr) -> Result<Accepted, String> {
+async fn handshake(tls: &Tls, tcp: TcpStream, remote: SocketAddr) -> Result<Accepted, Refusal> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.grpc_server());
-    let stream = acceptor
-        .accept(tcp)
-        .await
-        .map_err(|err| format!("TLS handshake: {err}"))?;
+    let stream = acceptor.accept(tcp).await.map_err(Refusal::Handshake)?;
     let identity = tls
         .client_identity(stream.get_ref().1.peer_certificates())
-        .map_err(|err| format!("client certificate: {err}"))?
-        .ok_or("no client certificate")?;
+        .map_err(Refusal::Identity)?
+        .ok_or(Refusal::NoCertificate)?;
     Ok(Accepted {
         stream: Stream::Tls(Box::new(stream.into())),
         peer: PeerInfo {

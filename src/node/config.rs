@@ -51,8 +51,14 @@ pub struct ConfigFile {
     pub cluster_id: Option<String>,
     /// The volume's name.
     pub volume: Option<String>,
-    /// gRPC listen address (Raft, replica and admin services).
+    /// gRPC listen address (Raft and admin services).
     pub listen: Option<String>,
+    /// The replica (block data) service's listen address; by default the
+    /// gRPC host with a port the OS picks.
+    pub data_listen: Option<String>,
+    /// Peers' data addresses, `ID=HOST:PORT`, where they cannot be asked
+    /// (a proxy, NAT); by default each peer is asked.
+    pub peer_data: Option<Vec<String>>,
     /// Where this node keeps its replica and its Raft state.
     pub data_dir: Option<PathBuf>,
     /// NBD listen address.
@@ -112,6 +118,9 @@ pub struct Overrides {
     pub id: Option<NodeId>,
     pub cluster_id: Option<String>,
     pub listen: Option<String>,
+    pub data_listen: Option<String>,
+    /// `ID=HOST:PORT`; replaces the file's entry for that id, or adds one.
+    pub peer_data: Vec<String>,
     pub data_dir: Option<PathBuf>,
     pub nbd: Option<String>,
     pub http: Option<String>,
@@ -151,6 +160,10 @@ pub struct NodeConfig {
     pub cluster_id: String,
     pub volume: String,
     pub listen: SocketAddr,
+    /// The replica service's listener (port 0: the OS picks).
+    pub data_listen: SocketAddr,
+    /// Peers' data addresses fixed by the configuration.
+    pub peer_data: BTreeMap<NodeId, String>,
     pub data_dir: PathBuf,
     pub nbd: Option<SocketAddr>,
     pub http: Option<SocketAddr>,
@@ -213,6 +226,20 @@ impl NodeConfig {
                 ConfigError("no listen address: set `listen` or pass --listen".into())
             })?,
         )?;
+        let data_listen = match flags.data_listen.or(file.data_listen) {
+            Some(text) => parse_addr("data_listen", &text)?,
+            None => SocketAddr::new(listen.ip(), 0),
+        };
+        let mut peer_data = BTreeMap::new();
+        for entry in file
+            .peer_data
+            .unwrap_or_default()
+            .into_iter()
+            .chain(flags.peer_data)
+        {
+            let (peer, addr) = parse_peer(&entry)?;
+            peer_data.insert(peer, addr.to_string());
+        }
         let data_dir = flags
             .data_dir
             .or(file.data_dir)
@@ -336,11 +363,19 @@ impl NodeConfig {
             return fail("nbd_client_auth needs nbd_tls = \"optional\" or \"require\"");
         }
 
+        if let Some(unknown) = peer_data.keys().find(|id| !peers.contains_key(id)) {
+            return fail(format!(
+                "peer_data names node {unknown}, which is not a peer"
+            ));
+        }
+
         Ok(NodeConfig {
             id,
             cluster_id,
             volume: file.volume.unwrap_or_else(|| "vol0".into()),
             listen,
+            data_listen,
+            peer_data,
             data_dir,
             nbd,
             http,
@@ -482,6 +517,8 @@ mod tests {
         assert_eq!(config.peers.len(), 3);
         assert_eq!(config.timing.heartbeat, Duration::from_millis(20));
         assert_eq!(config.volume, "vol0");
+        assert_eq!(config.data_listen, "127.0.0.1:0".parse().unwrap());
+        assert!(config.peer_data.is_empty());
         let tls = config.tls.expect("tls files");
         assert_eq!(tls.cert(), Path::new("certs/node-2.crt"));
         assert_eq!(tls.ca(), Path::new("certs/ca.crt"));
@@ -621,6 +658,16 @@ mod tests {
         assert!(error("size = true", flags(1)).contains("not a size"));
         assert!(error("peers = [\"x\"]", flags(1)).contains("not ID=HOST:PORT"));
         assert!(error("[raft]\nlease_margin_ms = 900", flags(1)).contains("lease_margin"));
+        assert!(error("peer_data = [\"7=127.0.0.1:1\"]", flags(1)).contains("node 7"));
+        assert!(error("data_listen = \"x\"", flags(1)).contains("data_listen"));
+        let data = Overrides {
+            data_listen: Some("0.0.0.0:7101".into()),
+            peer_data: vec!["2=10.0.0.2:7102".into()],
+            ..flags(1)
+        };
+        let config = NodeConfig::build(ConfigFile::default(), data).unwrap();
+        assert_eq!(config.data_listen.port(), 7101);
+        assert_eq!(config.peer_data[&NodeId(2)], "10.0.0.2:7102");
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("99999999999T").is_err());
         assert!(parse_size("GiB").is_err());

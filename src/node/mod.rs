@@ -35,6 +35,7 @@
 //! service reports NOT_SERVING from the first step on.
 
 pub mod config;
+pub mod hello;
 pub mod journal;
 pub mod reads;
 pub mod tasks;
@@ -61,6 +62,7 @@ use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine};
 use crate::replica::service::ReplicaService;
 use crate::status::{NodeFacts, NodeParts, NodeView};
 use crate::volume::VolumeSpec;
+use hello::HelloService;
 use tasks::Tasks;
 use volume::{MARK_RETIREMENT, Volume};
 
@@ -101,7 +103,8 @@ pub struct Node {
     raft: RaftParts,
     controller: Arc<Controller>,
     stop_server: watch::Sender<bool>,
-    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The gRPC server and the data listener's.
+    servers: [JoinHandle<Result<(), tonic::transport::Error>>; 2],
     health: tonic_health::server::HealthReporter,
     tasks: Tasks,
 }
@@ -117,6 +120,8 @@ struct RaftParts {
 /// The listeners, bound before anything is served.
 struct Listeners {
     grpc: tokio::net::TcpListener,
+    /// The replica service's, apart from Raft and admin.
+    data: tokio::net::TcpListener,
     nbd: Option<tokio::net::TcpListener>,
     http: Option<tokio::net::TcpListener>,
 }
@@ -140,10 +145,15 @@ impl Node {
                 Transport::plain(Limits::default())
             }
         };
+        let listeners = Listeners::bind(&config).await?;
+        let data_addr = listeners
+            .data
+            .local_addr()
+            .map_err(|e| failed(format!("the data listener: {e}")))?;
         let raft = start_raft(&config, &db, &transport).await?;
         let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
         let view = Arc::new(NodeView::new(NodeParts {
-            facts: facts(&config),
+            facts: facts(&config, data_addr),
             coordinator: Arc::clone(&raft.coordinator),
             controller: Arc::clone(&volume.controller),
             replicas: Arc::clone(&volume.replicas),
@@ -152,8 +162,13 @@ impl Node {
             io: Arc::clone(&volume.io),
             nbd: Arc::default(),
         }));
-        let listeners = Listeners::bind(&config).await?;
-        let grpc = serve_grpc(&transport, &raft, &volume, &view, listeners.grpc)?;
+        let grpc = serve_grpc(
+            &transport,
+            &raft,
+            &volume,
+            &view,
+            (listeners.grpc, listeners.data),
+        )?;
         bootstrap(&raft.raft, &config).await?;
         let mut tasks = Tasks::default();
         tasks.spawn(
@@ -174,6 +189,7 @@ impl Node {
         tracing::info!(
             node = %config.id,
             listen = %config.listen,
+            data = %data_addr,
             nbd = ?config.nbd,
             http = ?config.http,
             "node started"
@@ -185,7 +201,7 @@ impl Node {
             raft,
             controller: volume.controller,
             stop_server: grpc.stop,
-            server: grpc.task,
+            servers: grpc.tasks,
             health: grpc.health,
             tasks,
         })
@@ -282,7 +298,7 @@ impl Node {
             tracing::warn!(%err, "raft shutdown");
         }
         self.stop_server.send_replace(true);
-        let _ = tokio::time::timeout(STOP_DEADLINE, self.server).await;
+        let _ = tokio::time::timeout(STOP_DEADLINE, futures::future::join_all(self.servers)).await;
         let RaftParts {
             runtime,
             coordinator,
@@ -420,6 +436,7 @@ async fn start_raft(
 impl Listeners {
     async fn bind(config: &NodeConfig) -> Result<Self, NodeError> {
         let grpc = bind("gRPC", config.listen).await?;
+        let data = bind("the replica service", config.data_listen).await?;
         let nbd = match config.nbd {
             Some(addr) => Some(bind("NBD", addr).await?),
             None => None,
@@ -428,58 +445,77 @@ impl Listeners {
             Some(addr) => Some(bind("HTTP", addr).await?),
             None => None,
         };
-        Ok(Self { grpc, nbd, http })
+        Ok(Self {
+            grpc,
+            data,
+            nbd,
+            http,
+        })
     }
 }
 
 /// The running gRPC server.
 struct GrpcServer {
     stop: watch::Sender<bool>,
-    task: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The gRPC listener's server and the data listener's.
+    tasks: [JoinHandle<Result<(), tonic::transport::Error>>; 2],
     /// The standard health service's reporter (see [`report_health`]).
     health: tonic_health::server::HealthReporter,
 }
 
-/// The gRPC server: Raft and replica services for members, admin for
-/// operators, health and reflection.
+/// The servers: on the gRPC listener, Raft and `Node` for members, admin
+/// for operators, health and reflection; on the data listener, the replica
+/// service for members.
 fn serve_grpc(
     transport: &Transport,
     raft: &RaftParts,
     volume: &Volume,
     view: &Arc<NodeView>,
-    listener: tokio::net::TcpListener,
+    (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
 ) -> Result<GrpcServer, NodeError> {
-    let (stop_server, mut stopped) = watch::channel(false);
+    let (stop_server, stopped) = watch::channel(false);
     let admin = AdminService::new(Arc::clone(view));
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
+    let facts = view.facts();
+    let hello = HelloService::new(facts.id, facts.cluster_id.clone(), facts.data);
     let replica_service = ReplicaService::new(Arc::clone(&volume.store))
-        .on_node(view.facts().id.to_string())
+        .on_node(facts.id.to_string())
         .on_fenced({
             let controller = Arc::clone(&volume.controller);
             Arc::new(move |floor| controller.step_down(floor))
         });
-    let task = tokio::spawn(
+    let until_stopped = |mut stopped: watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+    let control = tokio::spawn(
         transport
             .server()
             .add_service(transport.serve(
                 Audience::Members,
                 RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
             ))
-            .add_service(transport.serve(Audience::Members, replica_service.into_server()))
+            .add_service(transport.serve(Audience::Members, hello.into_server()))
             .add_service(transport.serve(Audience::Operators, admin.into_server()))
             .add_service(health_service)
             .add_service(reflection)
-            .serve_with_incoming_shutdown(transport.incoming(listener), async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            }),
+            .serve_with_incoming_shutdown(
+                transport.incoming(listener),
+                until_stopped(stopped.clone()),
+            ),
+    );
+    let data = tokio::spawn(
+        transport
+            .server()
+            .add_service(transport.serve(Audience::Members, replica_service.into_server()))
+            .serve_with_incoming_shutdown(transport.incoming(data), until_stopped(stopped)),
     );
     Ok(GrpcServer {
         stop: stop_server,
-        task,
+        tasks: [control, data],
         health,
     })
 }
@@ -645,10 +681,12 @@ async fn report_health(health: tonic_health::server::HealthReporter, view: Arc<N
 /// How often the writer health status is refreshed.
 const HEALTH_POLL: Duration = Duration::from_millis(50);
 
-/// What status repeats of the configuration.
-fn facts(config: &NodeConfig) -> NodeFacts {
+/// What status repeats of the configuration, and where the data listener
+/// was bound.
+fn facts(config: &NodeConfig, data: std::net::SocketAddr) -> NodeFacts {
     NodeFacts {
         id: config.id,
+        data,
         cluster_id: config.cluster_id.clone(),
         volume: config.volume.clone(),
         size: config.size,

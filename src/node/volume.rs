@@ -16,6 +16,7 @@ use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGa
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::net::Transport;
 use crate::raft::RaftCoordinator;
+use crate::replica::channels::Channels;
 use crate::replica::fencer::TokenFencer;
 use crate::replica::remote::RemoteReplica;
 use crate::replica::resync::{ResyncConfig, Resyncer};
@@ -140,31 +141,39 @@ async fn open_store(config: &NodeConfig, spec: &VolumeSpec) -> Result<ReplicaSto
 }
 
 /// Every replica of the volume: this node's own without a network hop, the
-/// peers' over `transport`.
+/// peers' over `transport`, through one channel pool that learns each
+/// peer's data address from the peer (or from `peer_data`).
 fn replica_set(
     config: &NodeConfig,
     transport: &Transport,
     store: &Arc<ReplicaStore>,
 ) -> Result<ReplicaSet, NodeError> {
     let local_id = config.id;
+    let channels = Arc::new(Channels::new(
+        transport.clone(),
+        &config.cluster_id,
+        local_id,
+        REPLICA_TIMEOUT,
+    ));
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(local_id, Arc::clone(store)))];
     for (id, addr) in &config.peers {
         if *id != config.id {
-            let remote = RemoteReplica::new(
+            channels.add(*id, addr.to_string(), config.peer_data.get(id).cloned());
+            let remote = RemoteReplica::through(
                 *id,
-                transport,
-                &addr.to_string(),
+                Arc::clone(&channels),
                 &config.cluster_id,
                 &config.volume,
                 // The engine and the fencer give up on a silent replica
                 // after REPLICA_TIMEOUT; the transport allows a busy one to
                 // take as long as they may wait.
                 crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
-            )
-            .map_err(|e| ConfigError(e.to_string()))?;
+            );
             replicas.push(Arc::new(remote));
         }
     }
-    Ok(ReplicaSet::new(local_id, replicas).map_err(|e| ConfigError(e.to_string()))?)
+    Ok(ReplicaSet::new(local_id, replicas)
+        .map_err(|e| ConfigError(e.to_string()))?
+        .with_channels(channels))
 }

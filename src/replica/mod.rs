@@ -12,11 +12,14 @@
 //!   the engine, fencer, resync and status, and edited at run time; and
 //!   [`quorum`], the counting rules (S1, S5) as pure functions.
 //! - [`engine`]: the synchronous mirror.
-//! - [`service`] and [`remote`]: a store served over gRPC, and the
-//!   [`Replica`] client that reaches it (S2 and S3 hold over the wire).
+//! - [`service`] and [`remote`]: a store served over gRPC on the node's
+//!   data listener, and the [`Replica`] client that reaches it (S2 and S3
+//!   hold over the wire), dialling through [`channels`], the pool that
+//!   learns each peer's data address.
 //! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
 //! - [`resync`]: online rebuild of a replica that is out of sync (S5).
 
+pub mod channels;
 pub mod engine;
 pub mod fencer;
 pub mod liveness;

@@ -8,12 +8,14 @@
 //! raising the replica's generation (see [`super::Stamp`]), since the peer
 //! may still apply it. A timeout is never taken for a success.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use tonic::transport::Channel;
 
+use super::channels::Channels;
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::ids::{NodeId, Term};
@@ -25,15 +27,36 @@ use crate::volume::MAX_REQUEST;
 /// A replica on another node.
 pub struct RemoteReplica {
     id: NodeId,
-    client: ReplicaClient<Channel>,
+    channels: Arc<Channels>,
     volume: pb::VolumeRef,
     timeout: Duration,
 }
 
 impl RemoteReplica {
-    /// A replica of node `id` at `addr` (`HOST:PORT`), reached through
-    /// `transport`, for `cluster_id`'s `volume`, whose calls time out after
-    /// `timeout`.
+    /// Node `id`'s replica of `cluster_id`'s `volume`, reached through the
+    /// pool `channels` (which must know the peer), whose calls time out
+    /// after `timeout`.
+    pub fn through(
+        id: NodeId,
+        channels: Arc<Channels>,
+        cluster_id: &str,
+        volume: &str,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            id,
+            channels,
+            volume: pb::VolumeRef {
+                cluster_id: cluster_id.to_string(),
+                volume: volume.to_string(),
+            },
+            timeout,
+        }
+    }
+
+    /// A replica of node `id` whose replica service is at `addr`
+    /// (`HOST:PORT`), reached through `transport` on a pool of its own:
+    /// for a replica served alone, with nothing to ask its address of.
     pub fn new(
         id: NodeId,
         transport: &Transport,
@@ -42,16 +65,33 @@ impl RemoteReplica {
         volume: &str,
         timeout: Duration,
     ) -> Result<Self, TransportError> {
-        let client = transport.client(addr, Expect::Node(id), ReplicaClient::new)?;
-        Ok(Self {
+        // Fails now, not at the first call, on an address that is no
+        // address.
+        transport.channel(addr, Expect::Node(id))?;
+        let channels = Channels::new(transport.clone(), cluster_id, NodeId(0), timeout);
+        channels.add(id, addr, Some(addr.to_string()));
+        Ok(Self::through(
             id,
-            client,
-            volume: pb::VolumeRef {
-                cluster_id: cluster_id.to_string(),
-                volume: volume.to_string(),
-            },
+            Arc::new(channels),
+            cluster_id,
+            volume,
             timeout,
-        })
+        ))
+    }
+
+    /// A client on the pool's channel to this replica.
+    async fn client(&self) -> Result<ReplicaClient<Channel>, ReplicaError> {
+        let channel = self.channels.data(self.id).await?;
+        Ok(self.channels.transport().limit(ReplicaClient::new(channel)))
+    }
+
+    /// The error of a failed call. One that failed in transport drops the
+    /// pool's channel, so the next call asks the peer where it listens.
+    fn failed(&self, status: &tonic::Status, stamp: impl Into<Stamp>) -> ReplicaError {
+        if status.code() == tonic::Code::Unavailable {
+            self.channels.forget(self.id);
+        }
+        error_of(status, stamp)
     }
 
     fn request<T>(&self, message: T) -> tonic::Request<T> {
@@ -86,12 +126,12 @@ impl Replica for RemoteReplica {
             fua,
             generation: stamp.generation,
         });
-        self.client
-            .clone()
+        self.client()
+            .await?
             .write(request)
             .await
             .map(|_| ())
-            .map_err(|status| error_of(&status, stamp))
+            .map_err(|status| self.failed(&status, stamp))
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
@@ -102,11 +142,11 @@ impl Replica for RemoteReplica {
             length,
         });
         let reply = self
-            .client
-            .clone()
+            .client()
+            .await?
             .read(request)
             .await
-            .map_err(|status| error_of(&status, Term::ZERO))?
+            .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
         if reply.data.len() as u64 != len {
             return Err(ReplicaError::Unavailable(format!(
@@ -123,12 +163,12 @@ impl Replica for RemoteReplica {
             term: stamp.term.0,
             generation: stamp.generation,
         });
-        self.client
-            .clone()
+        self.client()
+            .await?
             .flush(request)
             .await
             .map(|_| ())
-            .map_err(|status| error_of(&status, stamp))
+            .map_err(|status| self.failed(&status, stamp))
     }
 
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
@@ -137,11 +177,11 @@ impl Replica for RemoteReplica {
             term: term.0,
         });
         let reply = self
-            .client
-            .clone()
+            .client()
+            .await?
             .fence(request)
             .await
-            .map_err(|status| error_of(&status, term))?
+            .map_err(|status| self.failed(&status, term))?
             .into_inner();
         Ok(FenceReply {
             floor: Term(reply.floor),
@@ -163,12 +203,12 @@ impl Replica for RemoteReplica {
             volume: self.volume(),
             term: term.0,
         });
-        self.client
-            .clone()
+        self.client()
+            .await?
             .clear_dirty(request)
             .await
             .map(|_| ())
-            .map_err(|status| error_of(&status, term))
+            .map_err(|status| self.failed(&status, term))
     }
 
     async fn retire_marks(
@@ -185,11 +225,11 @@ impl Replica for RemoteReplica {
             extents: extents.to_vec(),
         });
         let reply = self
-            .client
-            .clone()
+            .client()
+            .await?
             .retire_marks(request)
             .await
-            .map_err(|status| error_of(&status, stamp))?
+            .map_err(|status| self.failed(&status, stamp))?
             .into_inner();
         Ok(usize::try_from(reply.retired).unwrap_or(usize::MAX))
     }
@@ -199,11 +239,11 @@ impl Replica for RemoteReplica {
             volume: self.volume(),
         });
         let reply = self
-            .client
-            .clone()
+            .client()
+            .await?
             .status(request)
             .await
-            .map_err(|status| error_of(&status, Term::ZERO))?
+            .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
         Ok(ReplicaInfo {
             floor: Term(reply.floor),
@@ -220,11 +260,11 @@ impl Replica for RemoteReplica {
             length: len,
         });
         let reply = self
-            .client
-            .clone()
+            .client()
+            .await?
             .digest(request)
             .await
-            .map_err(|status| error_of(&status, Term::ZERO))?
+            .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
         Ok((reply.first_extent, reply.digests))
     }

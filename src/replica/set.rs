@@ -11,7 +11,9 @@
 //! node drives it yet (Raft membership change is not built). It also owns the one [`Liveness`] record of
 //! when each replica last answered, so a replica that falls silent to the
 //! engine is silent to the fencer too, and every call to a member is
-//! bounded the same way ([`ReplicaSet::bounded`], [`ReplicaSet::fan_out`]).
+//! bounded the same way ([`ReplicaSet::bounded`], [`ReplicaSet::fan_out`]),
+//! and the channel pool ([`super::channels`]) its remote members dial
+//! through.
 //!
 //! Invariants:
 //! - ids are unique, and this node's own replica is always a member (it
@@ -34,6 +36,7 @@ use futures::future::join_all;
 
 use crate::ids::NodeId;
 
+use super::channels::Channels;
 use super::liveness::Liveness;
 use super::{Replica, ReplicaError};
 
@@ -43,6 +46,9 @@ pub struct ReplicaSet {
     /// This node's replica first, then the others in the order added.
     members: RwLock<Arc<Vec<Arc<dyn Replica>>>>,
     liveness: Liveness,
+    /// The channels the remote members dial through, when the set was
+    /// given them (see [`super::channels`]).
+    channels: Option<Arc<Channels>>,
 }
 
 /// Why a member could not be added or removed.
@@ -82,7 +88,20 @@ impl ReplicaSet {
             local,
             members: RwLock::new(Arc::new(ordered)),
             liveness: Liveness::default(),
+            channels: None,
         })
+    }
+
+    /// The same set, owning the channel pool its remote members dial
+    /// through; a member added later is reached through it too.
+    pub fn with_channels(mut self, channels: Arc<Channels>) -> Self {
+        self.channels = Some(channels);
+        self
+    }
+
+    /// The channel pool, if the set has one.
+    pub fn channels(&self) -> Option<&Arc<Channels>> {
+        self.channels.as_ref()
     }
 
     /// This node's id.

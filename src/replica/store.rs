@@ -730,19 +730,25 @@ fn decode_u64(bytes: &[u8], what: &str) -> Result<u64, ReplicaError> {
     Ok(u64::from_be_bytes(array))
 }
 
+/// The identity field `key`, decoded by `decode`, if it is there.
+fn identity_field<T>(
+    tree: &sled::Tree,
+    key: &str,
+    decode: impl FnOnce(&[u8]) -> Option<T>,
+) -> Result<Option<T>, ReplicaError> {
+    tree.get(key)?
+        .map(|v| {
+            decode(&v).ok_or_else(|| ReplicaError::Io(format!("corrupt identity field {key}")))
+        })
+        .transpose()
+}
+
 fn read_identity(tree: &sled::Tree) -> Result<Option<StoreIdentity>, ReplicaError> {
-    let text = |key: &str| -> Result<Option<String>, ReplicaError> {
-        tree.get(key)?
-            .map(|v| {
-                String::from_utf8(v.to_vec())
-                    .map_err(|_| ReplicaError::Io(format!("corrupt identity field {key}")))
-            })
-            .transpose()
-    };
-    let number = |key: &str| -> Result<Option<u64>, ReplicaError> {
-        tree.get(key)?
-            .map(|v| decode_u64(&v, &format!("identity field {key}")))
-            .transpose()
+    let text = |key| identity_field(tree, key, |v| String::from_utf8(v.to_vec()).ok());
+    let number = |key| {
+        identity_field(tree, key, |v| {
+            <[u8; 8]>::try_from(v).ok().map(u64::from_be_bytes)
+        })
     };
     match (
         text("cluster_id")?,

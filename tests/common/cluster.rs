@@ -64,8 +64,14 @@ pub struct Cluster {
     /// Each node's NBD and HTTP addresses.
     pub nbd_addrs: BTreeMap<u64, SocketAddr>,
     pub http_addrs: BTreeMap<u64, SocketAddr>,
-    /// `proxies[(from, to)]`, when the cluster routes through proxies.
+    /// Each node's replica (data) listener, a fixed port so that proxies
+    /// can front it.
+    pub data_addrs: BTreeMap<u64, SocketAddr>,
+    /// `proxies[(from, to)]`, when the cluster routes through proxies:
+    /// the gRPC link (Raft, hello).
     pub proxies: BTreeMap<(u64, u64), Proxy>,
+    /// The same for the data link (the replica service).
+    pub data_proxies: BTreeMap<(u64, u64), Proxy>,
     children: BTreeMap<u64, Child>,
     pub cluster_id: String,
     pub extra_args: Vec<String>,
@@ -76,6 +82,9 @@ pub struct Cluster {
     pub certs: PathBuf,
     /// The test's own client: the `admin` certificate.
     admin: replica_ha::net::Transport,
+    /// Let each node's data listener take a port the OS picks (the default
+    /// outside tests) instead of `data_addrs`; no data proxies then.
+    pub os_chosen_data_ports: bool,
 }
 
 impl Cluster {
@@ -116,6 +125,8 @@ impl Cluster {
                 if from != to {
                     let proxy = Proxy::start(self.addrs[&to]).await;
                     self.proxies.insert((from, to), proxy);
+                    let proxy = Proxy::start(self.data_addrs[&to]).await;
+                    self.data_proxies.insert((from, to), proxy);
                 }
             }
         }
@@ -128,7 +139,7 @@ impl Cluster {
                 .map(|id| (*id, SocketAddr::from(([127, 0, 0, 1], free_port()))))
                 .collect::<BTreeMap<_, _>>()
         };
-        let (addrs, nbd_addrs, http_addrs) = (ports(), ports(), ports());
+        let (addrs, nbd_addrs, http_addrs, data_addrs) = (ports(), ports(), ports(), ports());
         let dir = tempfile::tempdir().unwrap();
         let cluster_id = "test-cluster".to_string();
         let certs = make_certs(dir.path(), &cluster_id, &ids);
@@ -139,13 +150,16 @@ impl Cluster {
             addrs,
             nbd_addrs,
             http_addrs,
+            data_addrs,
             proxies: BTreeMap::new(),
+            data_proxies: BTreeMap::new(),
             children: BTreeMap::new(),
             cluster_id,
             extra_args: vec!["--size".into(), "16MiB".into()],
             env: Vec::new(),
             certs,
             admin,
+            os_chosen_data_ports: false,
         }
     }
 
@@ -171,8 +185,9 @@ impl Cluster {
         ]
     }
 
-    /// A channel to node `id` that presents `id`'s own node certificate, for
-    /// the node-to-node services (replica, Raft), which refuse a client's.
+    /// A channel to node `id`'s replica service (its data listener) that
+    /// presents `id`'s own node certificate: the replica service refuses a
+    /// client's.
     pub fn peer_channel(&self, id: u64) -> tonic::transport::Channel {
         let node = replica_ha::ids::NodeId(id);
         let files = replica_ha::certs::TlsFiles::for_node(&self.certs, node);
@@ -184,7 +199,7 @@ impl Cluster {
         .expect("node credentials");
         replica_ha::net::Transport::secured(replica_ha::net::Limits::default(), tls)
             .channel(
-                &self.addrs[&id].to_string(),
+                &self.data_addrs[&id].to_string(),
                 replica_ha::net::Expect::Node(node),
             )
             .expect("a loopback address")
@@ -253,6 +268,10 @@ impl Cluster {
             "--tls-dir".into(),
             self.certs.display().to_string(),
         ];
+        if !self.os_chosen_data_ports {
+            args.push("--data-listen".into());
+            args.push(self.data_addrs[&id].to_string());
+        }
         for peer in &self.ids {
             let addr = match self.proxies.get(&(id, *peer)) {
                 Some(proxy) => proxy.addr,
@@ -260,6 +279,10 @@ impl Cluster {
             };
             args.push("--peer".into());
             args.push(format!("{peer}={addr}"));
+            if let Some(proxy) = self.data_proxies.get(&(id, *peer)) {
+                args.push("--peer-data".into());
+                args.push(format!("{peer}={}", proxy.addr));
+            }
         }
         args.extend(self.extra_args.iter().cloned());
         args
@@ -330,10 +353,24 @@ impl Cluster {
         self.signal(id, "-CONT");
     }
 
+    /// Every proxied link, gRPC and data, by `(from, to)`.
+    fn links(&self) -> impl Iterator<Item = (&(u64, u64), &Proxy)> {
+        self.proxies.iter().chain(self.data_proxies.iter())
+    }
+
     /// Cuts node `id` off from every peer, both ways (proxied clusters).
     pub fn isolate(&self, id: u64, cut: bool) {
-        for ((from, to), proxy) in &self.proxies {
+        for ((from, to), proxy) in self.links() {
             if *from == id || *to == id {
+                proxy.set_blocked(cut);
+            }
+        }
+    }
+
+    /// Cuts (or restores) what `from` sends to `to`, gRPC and data alike.
+    pub fn block(&self, from: u64, to: u64, cut: bool) {
+        for (link, proxy) in self.links() {
+            if *link == (from, to) {
                 proxy.set_blocked(cut);
             }
         }
@@ -341,7 +378,7 @@ impl Cluster {
 
     /// Cuts (or restores) the link between `a` and `b`, both ways.
     pub fn cut_link(&self, a: u64, b: u64, cut: bool) {
-        for ((from, to), proxy) in &self.proxies {
+        for ((from, to), proxy) in self.links() {
             if (*from, *to) == (a, b) || (*from, *to) == (b, a) {
                 proxy.set_blocked(cut);
             }

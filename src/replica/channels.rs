@@ -1,0 +1,238 @@
+//! The channel pool: how this node reaches each peer's replica service.
+//!
+//! A node's replica service has a listener of its own (its *data*
+//! listener), apart from the gRPC listener that carries Raft and the admin
+//! API, so that block data and elections do not share a socket. The peer
+//! list names only each node's gRPC address; a peer's data address is
+//! asked of the peer itself (`Node.Hello` on its gRPC listener), unless the
+//! configuration fixes it (`peer_data`, for proxies and NAT). A host of
+//! `0.0.0.0` or `::` in the answer means the host the peer was reached at.
+//!
+//! [`Channels`] keeps one lazily connecting channel per peer and hands out
+//! clones; every [`super::remote::RemoteReplica`] of the set dials through
+//! it. A call that fails in transport makes the pool forget that peer's
+//! channel ([`Channels::forget`]), so the next call asks again: a peer that
+//! restarted listens on a new port when its data listener's port is chosen
+//! by the OS.
+//!
+//! Both the question and the data channel go through the node's
+//! [`Transport`], so they are mutual TLS, and each checks that the server
+//! is the node asked for.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tonic::transport::Channel;
+
+use super::ReplicaError;
+use crate::ids::NodeId;
+use crate::net::{Expect, Transport};
+use crate::proto::node::HelloRequest;
+use crate::proto::node::node_client::NodeClient;
+
+/// One channel slot per peer; a resolution in progress holds its lock.
+type Slot = Arc<tokio::sync::Mutex<Option<Channel>>>;
+
+/// How to reach a peer.
+#[derive(Debug, Clone)]
+struct Peer {
+    /// Its gRPC address, where its data address is asked for.
+    control: String,
+    /// Its data address, when the configuration fixes it.
+    fixed: Option<String>,
+    slot: Slot,
+}
+
+/// See the module docs.
+pub struct Channels {
+    transport: Transport,
+    cluster_id: String,
+    local: NodeId,
+    /// How long asking a peer for its data address may take.
+    timeout: Duration,
+    peers: Mutex<BTreeMap<NodeId, Peer>>,
+}
+
+impl Channels {
+    /// A pool for node `local` of `cluster_id`, dialling through
+    /// `transport`; asking a peer gives up after `timeout`.
+    pub fn new(
+        transport: Transport,
+        cluster_id: impl Into<String>,
+        local: NodeId,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            transport,
+            cluster_id: cluster_id.into(),
+            local,
+            timeout,
+            peers: Mutex::default(),
+        }
+    }
+
+    /// The transport every channel is made by.
+    pub fn transport(&self) -> &Transport {
+        &self.transport
+    }
+
+    /// Knows peer `id` from now on: its gRPC address `control` and, if the
+    /// configuration fixes it, its data address.
+    pub fn add(&self, id: NodeId, control: impl Into<String>, fixed: Option<String>) {
+        self.lock().insert(
+            id,
+            Peer {
+                control: control.into(),
+                fixed,
+                slot: Slot::default(),
+            },
+        );
+    }
+
+    /// Forgets peer `id` altogether.
+    pub fn remove(&self, id: NodeId) {
+        self.lock().remove(&id);
+    }
+
+    /// Drops peer `id`'s channel, so the next call asks for its address
+    /// again.
+    pub fn forget(&self, id: NodeId) {
+        if let Some(peer) = self.lock().get_mut(&id) {
+            peer.slot = Slot::default();
+        }
+    }
+
+    /// A channel to peer `id`'s replica service.
+    pub async fn data(&self, id: NodeId) -> Result<Channel, ReplicaError> {
+        let peer =
+            self.lock().get(&id).cloned().ok_or_else(|| {
+                ReplicaError::Unavailable(format!("node {id} is not a known peer"))
+            })?;
+        let mut slot = peer.slot.lock().await;
+        if let Some(channel) = slot.as_ref() {
+            return Ok(channel.clone());
+        }
+        let addr = match &peer.fixed {
+            Some(addr) => addr.clone(),
+            None => self.ask(id, &peer.control).await?,
+        };
+        let channel = self
+            .transport
+            .channel(&addr, Expect::Node(id))
+            .map_err(|err| ReplicaError::Unavailable(err.to_string()))?;
+        tracing::debug!(peer = %id, %addr, "replica channel");
+        *slot = Some(channel.clone());
+        Ok(channel)
+    }
+
+    /// Asks peer `id` at `control` where its data listener is.
+    async fn ask(&self, id: NodeId, control: &str) -> Result<String, ReplicaError> {
+        let unreachable = |why: String| {
+            ReplicaError::Unavailable(format!(
+                "cannot learn node {id}'s data address at {control}: {why}"
+            ))
+        };
+        let mut client = self
+            .transport
+            .client(control, Expect::Node(id), NodeClient::new)
+            .map_err(|err| unreachable(err.to_string()))?;
+        let mut request = tonic::Request::new(HelloRequest {
+            cluster_id: self.cluster_id.clone(),
+            from: self.local.0,
+        });
+        request.set_timeout(self.timeout);
+        let reply = client
+            .hello(request)
+            .await
+            .map_err(|status| unreachable(status.message().to_string()))?
+            .into_inner();
+        if reply.node_id != id.0 {
+            return Err(unreachable(format!("node {} answered", reply.node_id)));
+        }
+        data_address(&reply.data_address, control).ok_or_else(|| {
+            unreachable(format!(
+                "its data address {:?} is not HOST:PORT",
+                reply.data_address
+            ))
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeId, Peer>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The address to dial for a data listener that says it is at `bound`,
+/// on a node reached at `control`: an unspecified host becomes
+/// `control`'s host.
+fn data_address(bound: &str, control: &str) -> Option<String> {
+    let bound: SocketAddr = bound.parse().ok()?;
+    if !bound.ip().is_unspecified() {
+        return Some(bound.to_string());
+    }
+    let (host, _) = control.rsplit_once(':')?;
+    Some(format!("{host}:{}", bound.port()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unspecified_host_is_the_one_the_peer_was_reached_at() {
+        assert_eq!(
+            data_address("0.0.0.0:4000", "10.0.0.7:7001").unwrap(),
+            "10.0.0.7:4000"
+        );
+        assert_eq!(
+            data_address("[::]:4000", "[fd00::7]:7001").unwrap(),
+            "[fd00::7]:4000"
+        );
+        assert_eq!(
+            data_address("127.0.0.1:4000", "10.0.0.7:7001").unwrap(),
+            "127.0.0.1:4000"
+        );
+        assert_eq!(data_address("nowhere", "10.0.0.7:7001"), None);
+    }
+
+    #[tokio::test]
+    async fn an_unknown_peer_is_unavailable_and_a_forgotten_one_is_asked_again() {
+        let channels = Channels::new(
+            Transport::default(),
+            "c",
+            NodeId(1),
+            Duration::from_millis(100),
+        );
+        assert!(matches!(
+            channels.data(NodeId(2)).await,
+            Err(ReplicaError::Unavailable(_))
+        ));
+        channels.add(NodeId(2), "127.0.0.1:1", Some("127.0.0.1:2".into()));
+        let first = channels.data(NodeId(2)).await.unwrap();
+        let again = channels.data(NodeId(2)).await.unwrap();
+        drop((first, again));
+        channels.forget(NodeId(2));
+        assert!(
+            channels.lock()[&NodeId(2)]
+                .slot
+                .try_lock()
+                .unwrap()
+                .is_none()
+        );
+        channels.data(NodeId(2)).await.unwrap();
+        assert!(
+            channels.lock()[&NodeId(2)]
+                .slot
+                .try_lock()
+                .unwrap()
+                .is_some()
+        );
+        // Without a fixed address the peer is asked; nothing listens on
+        // port 1, so that fails, and says so.
+        channels.add(NodeId(3), "127.0.0.1:1", None);
+        let err = channels.data(NodeId(3)).await.unwrap_err();
+        assert!(err.to_string().contains("node 3's data address"), "{err}");
+    }
+}
