@@ -332,10 +332,17 @@ pub fn fill_file_system(path: &std::path::Path) {
 pub async fn serve_replica(
     service: replica_ha::replica::service::ReplicaService,
 ) -> std::net::SocketAddr {
-    use replica_ha::net::{Audience, Transport};
+    serve_replica_with(service, replica_ha::net::Transport::default()).await
+}
+
+/// [`serve_replica`] over `transport` (mutual TLS, for one).
+pub async fn serve_replica_with(
+    service: replica_ha::replica::service::ReplicaService,
+    transport: replica_ha::net::Transport,
+) -> std::net::SocketAddr {
+    use replica_ha::net::Audience;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let transport = Transport::default();
     tokio::spawn(
         transport
             .server()
