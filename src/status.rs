@@ -184,7 +184,7 @@ impl NodeView {
 
     /// Hands leadership to node `to` and waits until it leads.
     pub async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
-        self.coordinator.transfer_to(to).await
+        self.controller.hand_over(to).await
     }
 
     /// Everything this node reports now.

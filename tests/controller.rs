@@ -451,6 +451,70 @@ async fn stop_is_idempotent_resigns_once_and_run_after_stop_is_refused() {
     assert_eq!(a.controller.run().await, Err(HaError::Stopped));
 }
 
+/// A planned hand-over (design C1): writes that passed the gate before it
+/// closed all finish, successfully, before the transfer is asked for; no
+/// write passes after; the target is the one asked for; and the old
+/// leader does not promote again meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_drains_the_writes_in_flight_before_it_transfers() {
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
+    let a = Arc::new(nodes.into_iter().next().unwrap());
+    let term = cluster.elect(NodeId(1)).unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    a.engine.set_delay(Duration::from_millis(200));
+    let mut writes = Vec::new();
+    for _ in 0..4 {
+        let a = Arc::clone(&a);
+        writes.push(tokio::spawn(async move {
+            let outcome = a.write().await;
+            (outcome, Instant::now())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let handing = tokio::spawn({
+        let a = Arc::clone(&a);
+        async move { a.controller.hand_over(NodeId(2)).await }
+    });
+    until("the gate closed", || !a.controller.status().active).await;
+    assert_eq!(a.write().await, Err(DeviceError::NotLeader));
+    handing.await.unwrap().unwrap();
+    let transfers = cluster.transfers();
+    assert_eq!(transfers.len(), 1);
+    let (to, asked_at) = transfers[0];
+    assert_eq!(to, NodeId(2));
+    for write in writes {
+        let (outcome, finished_at) = write.await.unwrap();
+        assert_eq!(outcome, Ok(()), "a write in flight was cut short");
+        assert!(
+            finished_at <= asked_at,
+            "a write finished after the transfer"
+        );
+    }
+    assert_eq!(a.engine.writes().len(), 4);
+    assert!(a.engine.writes().iter().all(|(t, _)| *t == term));
+    assert_eq!(a.role(), Role::Follower);
+    assert_eq!(a.engine.term(), None);
+}
+
+/// A hand-over on a node that does not lead changes nothing and says so.
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_by_a_follower_is_refused() {
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
+    let mut nodes = nodes.into_iter();
+    let (a, b) = (nodes.next().unwrap(), nodes.next().unwrap());
+    cluster.elect(NodeId(1)).unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    assert_eq!(
+        b.controller.hand_over(NodeId(1)).await,
+        Err(HaError::NotLeader)
+    );
+    assert!(cluster.transfers().is_empty());
+    always("a keeps leading", Duration::from_millis(300), || {
+        a.role() == Role::Leader
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_run_loop_returns_stopped_after_stop() {
     let (cluster, script, nodes) = setup(&[NodeId(1)]);

@@ -36,8 +36,17 @@
 //!   as well.
 //! - **Demotion is immediate.** `!is_self`, a newer term, or a lease that ran
 //!   out without an observation closes the gate before anything else.
-//! - **Stop** closes the gate, deactivates the engine and resigns, once;
-//!   later calls are no-ops, and `run` after `stop` returns `Stopped`.
+//! - **Hand-over drains** (design C1). A planned hand-over
+//!   ([`Controller::hand_over`], and [`Controller::stop`] on SIGTERM)
+//!   closes the gate to new requests, waits for the ones that passed it to
+//!   finish (at most [`DRAIN_LIMIT`]), settles (every acknowledged write
+//!   durable everywhere, its marks retired, so the next writer has nothing
+//!   to converge), deactivates the engine, and only then asks the
+//!   coordinator to transfer. While it runs the controller does not
+//!   promote; if the transfer fails and this node still leads, the one-stint
+//!   rule has it resign for a fresh term.
+//! - **Stop** hands over as above, once; later calls are no-ops, and `run`
+//!   after `stop` returns `Stopped`.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -50,6 +59,11 @@ use super::{
     WriterEngine,
 };
 use crate::ids::{NodeId, Term};
+
+/// The longest a hand-over waits for the requests in flight to finish. A
+/// write takes far less unless a replica stalls; then the hand-over goes on
+/// and the stalled request is left to the replicas' fences (S2, S3).
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(1);
 
 /// Timing of the controller.
 #[derive(Debug, Clone, Copy)]
@@ -130,6 +144,8 @@ struct Inner {
     last_recorded: Option<Term>,
     /// The last term this controller opened its gate for.
     last_opened: Option<Term>,
+    /// A planned hand-over is running: do not promote.
+    handing_over: bool,
 }
 
 /// What the run loop does after a reconcile step.
@@ -150,6 +166,8 @@ pub struct Controller {
     config: ControllerConfig,
     inner: Mutex<Inner>,
     stop: watch::Sender<bool>,
+    /// Wakes the run loop to look at leadership again (after a hand-over).
+    wake: watch::Sender<()>,
 }
 
 impl Controller {
@@ -182,8 +200,10 @@ impl Controller {
                 spent_terms: 0,
                 last_recorded: None,
                 last_opened: None,
+                handing_over: false,
             }),
             stop: watch::channel(false).0,
+            wake: watch::channel(()).0,
         }
     }
 
@@ -254,17 +274,40 @@ impl Controller {
         }
     }
 
-    /// Closes the gate, deactivates the engine and resigns. Idempotent.
+    /// Hands leadership to `to` (see the module docs): close the gate,
+    /// drain, settle, deactivate, transfer. Returns once `to` leads, or the
+    /// transfer's error.
+    pub async fn hand_over(&self, to: NodeId) -> Result<(), HaError> {
+        {
+            let mut inner = self.lock();
+            if inner.stopped {
+                return Err(HaError::Stopped);
+            }
+            inner.handing_over = true;
+        }
+        self.quiesce("handing over").await;
+        let outcome = self.coordinator.transfer_to(to).await;
+        self.lock().handing_over = false;
+        // Look at leadership again, whatever came of it.
+        self.wake.send_replace(());
+        outcome
+    }
+
+    /// Hands over to the best successor (see the module docs) and stops
+    /// for good. Idempotent.
     pub async fn stop(&self) -> Result<(), HaError> {
         let first = {
             let mut inner = self.lock();
             let first = !inner.stopped;
             inner.stopped = true;
-            self.device.close();
-            inner.role = Role::Follower;
+            inner.handing_over = true;
             first
         };
-        self.engine.deactivate();
+        if first {
+            // Before the run loop hears of the stop: its exit would close
+            // the gate without draining.
+            self.quiesce("stopping").await;
+        }
         self.stop.send_replace(true);
         if first {
             tracing::info!(
@@ -272,12 +315,39 @@ impl Controller {
                 "controller stopped; resigning"
             );
             self.coordinator.resign().await?;
+        } else {
+            self.demote(None, "stopped");
         }
         Ok(())
     }
 
+    /// Closes the gate to new requests, lets the ones in flight finish,
+    /// settles, and deactivates: this writer is done, and the next one has
+    /// nothing to converge of it.
+    async fn quiesce(&self, why: &str) {
+        let was_open = self.device.open_term();
+        self.device.close();
+        let left = self.device.drained(DRAIN_LIMIT).await;
+        if left > 0 {
+            tracing::warn!(
+                left,
+                "requests still in flight after {DRAIN_LIMIT:?}; handing over"
+            );
+        }
+        if let Some(term) = was_open {
+            match self.engine.settle().await {
+                Ok(()) => tracing::info!(%term, "drained and settled before handing over"),
+                Err(err) => {
+                    tracing::warn!(%term, %err, "could not settle; the next writer converges")
+                }
+            }
+        }
+        self.demote(None, why);
+    }
+
     async fn run_loop(&self) -> Result<(), HaError> {
         let mut stop = self.stop.subscribe();
+        let mut nudged = self.wake.subscribe();
         let mut observations = self.coordinator.observe();
         let campaign = self.coordinator.campaign();
         tokio::pin!(campaign);
@@ -298,6 +368,7 @@ impl Controller {
                     }
                 }
                 _ = stop.changed() => {}
+                _ = nudged.changed() => {}
                 result = &mut campaign, if campaigning => {
                     campaigning = false;
                     if let Err(err) = result {
@@ -318,6 +389,10 @@ impl Controller {
     ) -> Result<Next, HaError> {
         if !seen.is_self {
             self.demote(Some(seen), "not the leader");
+            return Ok(Next::Wait(None));
+        }
+        if self.lock().handing_over {
+            // The hand-over closed the gate; it wakes the loop when done.
             return Ok(Next::Wait(None));
         }
         let lease = self
@@ -444,6 +519,10 @@ impl Controller {
         if inner.stopped {
             self.engine.deactivate();
             return Err(HaError::Stopped);
+        }
+        if inner.handing_over {
+            self.engine.deactivate();
+            return Ok(Next::Wait(None));
         }
         if observations.has_changed().unwrap_or(true) {
             self.engine.deactivate();

@@ -80,6 +80,12 @@ pub trait Coordinator: Send + Sync {
     /// controller closes its gate before it calls this.
     async fn resign(&self) -> Result<(), HaError>;
 
+    /// Hands leadership to node `to` and returns once it leads; fails with
+    /// [`HaError::NotLeader`] if this node does not lead. The controller
+    /// closes (and drains) its gate before it calls this, so the target
+    /// may campaign at once.
+    async fn transfer_to(&self, to: NodeId) -> Result<(), HaError>;
+
     /// Whether this node is the only voter: no other node could lead, hold
     /// a replica, or be handed leadership.
     fn sole_voter(&self) -> bool;

@@ -64,6 +64,8 @@ struct ClusterState {
     fail_promotions: bool,
     fail_prev_writer: bool,
     resigns: u64,
+    /// Every transfer asked for: to whom, and when.
+    transfers: Vec<(NodeId, Instant)>,
 }
 
 impl ClusterState {
@@ -240,6 +242,11 @@ impl FakeCluster {
     pub fn resigns(&self) -> u64 {
         lock(&self.state).resigns
     }
+
+    /// Every transfer a leader asked for: to whom, and when.
+    pub fn transfers(&self) -> Vec<(NodeId, Instant)> {
+        lock(&self.state).transfers.clone()
+    }
 }
 
 /// One node's view of a [`FakeCluster`].
@@ -289,6 +296,17 @@ impl Coordinator for FakeCoordinator {
             state.notify();
         }
         Ok(())
+    }
+
+    async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
+        {
+            let mut state = lock(&self.cluster.state);
+            if state.leader != Some(self.id) {
+                return Err(HaError::NotLeader);
+            }
+            state.transfers.push((to, Instant::now()));
+        }
+        self.resign().await
     }
 
     fn observe(&self) -> watch::Receiver<Leadership> {
@@ -566,6 +584,10 @@ impl WriterEngine for MemoryEngine {
 
     fn deactivate(&self) {
         *lock(&self.term) = None;
+    }
+
+    async fn settle(&self) -> Result<(), DeviceError> {
+        self.term().map(|_| ()).ok_or(DeviceError::Inactive)
     }
 
     fn replicas(&self) -> Vec<ReplicaStatus> {

@@ -21,6 +21,12 @@
 //! session as soon as the gate no longer grants that term (design C1), so a
 //! deposed writer's sessions neither write nor read.
 //!
+//! **Draining.** The gate counts the writes and flushes that passed it and
+//! have not finished; [`ActiveDevice::drained`] waits for that count to
+//! reach zero. A planned hand-over closes the gate, then drains, so that
+//! every request a client sent before is answered by this writer, under
+//! its lease, before another is elected.
+//!
 //! A [`GateJournal`], when one is attached, is told of every opening and
 //! closing and of each write admitted, with the lease deadline it was
 //! admitted under. From that record an auditor (the fault campaign) can
@@ -57,7 +63,25 @@ pub struct ActiveDevice {
     coordinator: Arc<dyn Coordinator>,
     /// The term the gate is open for; 0 when closed (0 is never a term).
     open_term: AtomicU64,
+    /// Writes and flushes that passed the gate and have not finished.
+    in_flight: tokio::sync::watch::Sender<usize>,
     journal: OnceLock<Arc<dyn GateJournal>>,
+}
+
+/// One request that passed the gate, until it finishes (or is dropped).
+struct Passing<'a>(&'a tokio::sync::watch::Sender<usize>);
+
+impl<'a> Passing<'a> {
+    fn new(in_flight: &'a tokio::sync::watch::Sender<usize>) -> Self {
+        in_flight.send_modify(|n| *n += 1);
+        Self(in_flight)
+    }
+}
+
+impl Drop for Passing<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 impl ActiveDevice {
@@ -66,6 +90,7 @@ impl ActiveDevice {
             engine,
             coordinator,
             open_term: AtomicU64::new(0),
+            in_flight: tokio::sync::watch::channel(0).0,
             journal: OnceLock::new(),
         }
     }
@@ -91,6 +116,15 @@ impl ActiveDevice {
         if let (Some(journal), true) = (self.journal.get(), term != 0) {
             journal.closed(Term(term));
         }
+    }
+
+    /// Waits until no write or flush that passed the gate is still running,
+    /// or `within` has passed; returns how many still are (0 when
+    /// drained). Close the gate first, or new requests keep it busy.
+    pub async fn drained(&self, within: std::time::Duration) -> usize {
+        let mut count = self.in_flight.subscribe();
+        let _ = tokio::time::timeout(within, count.wait_for(|n| *n == 0)).await;
+        *count.borrow()
     }
 
     /// Whether the controller has the gate open (the lease may still have
@@ -140,11 +174,13 @@ impl Device for ActiveDevice {
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         self.admit_and_record()?;
+        let _passing = Passing::new(&self.in_flight);
         self.engine.write_at(offset, data, fua).await
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
         self.admit_and_record()?;
+        let _passing = Passing::new(&self.in_flight);
         self.engine.flush().await
     }
 

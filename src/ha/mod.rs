@@ -59,6 +59,12 @@ pub trait WriterEngine: Device {
     async fn activate(&self, term: Term) -> Result<(), DeviceError>;
     /// Stops writing: every later write fails until the next activation.
     fn deactivate(&self);
+    /// Before a planned hand-over, with no write in flight: makes every
+    /// acknowledged write durable on every in-sync replica and drops the
+    /// marks that writes made (S6), so that the next writer has nothing
+    /// to converge. Best effort: what is left marked is converged as after
+    /// a crash.
+    async fn settle(&self) -> Result<(), DeviceError>;
     /// The state of each replica, for status.
     fn replicas(&self) -> Vec<ReplicaStatus>;
 }

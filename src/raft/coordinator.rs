@@ -236,7 +236,7 @@ impl RaftCoordinator {
     }
 
     /// Hands leadership to `to` and waits until it leads (or fails).
-    pub async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
+    async fn hand_leadership_to(&self, to: NodeId) -> Result<(), HaError> {
         let metrics = self.raft.metrics().borrow().clone();
         if metrics.current_leader != Some(self.id) {
             return Err(HaError::NotLeader);
@@ -467,6 +467,10 @@ impl Coordinator for RaftCoordinator {
         }
     }
 
+    async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
+        self.hand_leadership_to(to).await
+    }
+
     async fn resign(&self) -> Result<(), HaError> {
         if self.raft.metrics().borrow().current_leader != Some(self.id) {
             return Ok(());
@@ -475,7 +479,7 @@ impl Coordinator for RaftCoordinator {
         // does not take over in time is passed over for the next.
         let mut last = Ok(());
         for to in self.successors() {
-            match self.transfer_to(to).await {
+            match self.hand_leadership_to(to).await {
                 Ok(()) => return Ok(()),
                 Err(err) => {
                     tracing::warn!(%to, %err, "transfer failed; trying the next peer");

@@ -22,10 +22,12 @@
 //!   `election_timeout_max` a node refuses votes (and the coordinator keeps
 //!   elections off).
 //! - **Transfer.** openraft 0.9 has no leader transfer, so we build one: the
-//!   leader stops heartbeats and asks the target to campaign; the target
-//!   waits `election_timeout_max` (every follower's lease on the old leader
-//!   has then run out) and starts an election. Meanwhile the old leader
-//!   refuses votes from any other node, so only the target can win.
+//!   leader's controller closes and drains its write gate, then the leader
+//!   stops heartbeats and asks the target to campaign, at once (see
+//!   [`campaign_for_transfer`]): the old leader's vote and the target's own
+//!   make a majority of three, and the old leader has nothing left to
+//!   protect with a lease. Meanwhile the old leader refuses votes from any
+//!   other node, so only the target can win.
 //! - **Liveness.** Every successful exchange with a peer, in either
 //!   direction, is recorded; `members` lists the peers heard from within a
 //!   lease.
@@ -578,6 +580,44 @@ fn accepts_leader(response: &AppendEntriesResponse<NodeId>) -> bool {
     }
 }
 
+/// The target of a transfer campaigns at once: the old leader closed and
+/// drained its gate and stopped its heartbeats before it asked, so there is
+/// no lease of its to wait out, and it votes for the target as soon as its
+/// own openraft vote lease allows (at once when it has led longer than
+/// `election_timeout_max`). Another follower's openraft lease runs until
+/// `election_timeout_max` after the last heartbeat, so where the old
+/// leader's vote is not enough (five nodes, a leader elected moments ago),
+/// the target tries again every two heartbeats until then, and once more
+/// after it.
+async fn campaign_for_transfer(raft: Raft, peers: Arc<Peers>) {
+    let started = Instant::now();
+    let until = started + peers.election_timeout_max + Duration::from_millis(20);
+    let retry = Duration::from_millis(100);
+    loop {
+        if let Err(err) = raft.trigger().elect().await {
+            tracing::warn!(%err, "could not start the transfer election");
+            return;
+        }
+        let won = raft
+            .wait(Some(retry))
+            .state(openraft::ServerState::Leader, "transfer election")
+            .await
+            .is_ok();
+        if won {
+            tracing::info!(took = ?started.elapsed(), "took leadership over");
+            return;
+        }
+        let now = Instant::now();
+        if now >= until {
+            tracing::warn!("the transfer election did not win; the failure detector takes over");
+            return;
+        }
+        // Campaign again, at the latest just after every follower's
+        // openraft lease on the old leader has run out.
+        tokio::time::sleep_until((now + retry).min(until)).await;
+    }
+}
+
 /// The server side: hands Raft's RPCs to the local openraft instance. Each
 /// handler runs on the Raft runtime when there is one.
 pub struct RaftService {
@@ -715,18 +755,12 @@ impl raft_server::Raft for RaftService {
             }
             peers.begin_transfer(target);
             if target == peers.self_id {
-                let wait = peers.election_timeout_max + Duration::from_millis(20);
                 tracing::info!(
                     %from,
                     term = request.term,
-                    "leadership offered; campaigning after {wait:?}"
+                    "leadership offered; campaigning now"
                 );
-                tokio::spawn(async move {
-                    tokio::time::sleep(wait).await;
-                    if let Err(err) = raft.trigger().elect().await {
-                        tracing::warn!(%err, "could not start the transfer election");
-                    }
-                });
+                tokio::spawn(campaign_for_transfer(raft, Arc::clone(&peers)));
             } else {
                 tracing::info!(
                     %from,

@@ -1233,6 +1233,12 @@ impl WriterEngine for Engine {
         state.rebuilding.clear();
     }
 
+    async fn settle(&self) -> Result<(), DeviceError> {
+        self.repair_unsure().await?;
+        self.retire_marks().await?;
+        Ok(())
+    }
+
     fn replicas(&self) -> Vec<ReplicaStatus> {
         let state = self.lock();
         self.replicas
