@@ -116,6 +116,16 @@ impl Admin for AdminService {
             reads_refused: status.reads_refused.clone().unwrap_or_default(),
             security: facts.security().to_string(),
             data_address: facts.data.to_string(),
+            io_suspended_requests: status.suspended.as_ref().map_or(0, |s| s.waiting as u64),
+            io_suspended_seconds: status
+                .suspended
+                .as_ref()
+                .map_or(0.0, |s| s.for_how_long.as_secs_f64()),
+            io_suspended_why: status
+                .suspended
+                .as_ref()
+                .map(|s| s.why.clone())
+                .unwrap_or_default(),
         }))
     }
 

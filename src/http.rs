@@ -84,7 +84,26 @@ pub fn render(status: &NodeStatus) -> String {
         let value = u8::from(status.role.as_str() == role);
         text.sample("replica_ha_role", &[("node", &node), ("role", role)], value);
     }
+    let held = status.suspended.as_ref();
     text.single(
+        "replica_ha_io_suspended",
+        "gauge",
+        "1 while writes are held because too few replicas are in sync.",
+        u8::from(held.is_some()),
+    )
+    .single(
+        "replica_ha_io_suspended_requests",
+        "gauge",
+        "Writes and flushes held because too few replicas are in sync.",
+        held.map_or(0, |s| s.waiting) as f64,
+    )
+    .single(
+        "replica_ha_io_suspended_seconds",
+        "gauge",
+        "How long writes have been held without a break.",
+        held.map_or(0.0, |s| s.for_how_long.as_secs_f64()),
+    )
+    .single(
         "replica_ha_insecure",
         "gauge",
         "1 while this node runs without TLS (insecure = true): nothing is authenticated.",

@@ -98,6 +98,18 @@ pub struct ReplicaReport {
     pub resync: Option<Progress>,
 }
 
+/// I/O held because too few replicas are in sync.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuspendedIo {
+    /// Requests waiting.
+    pub waiting: usize,
+    /// How long requests have been waiting without a break.
+    pub for_how_long: Duration,
+    /// Why, and what will end it: "1 in-sync replica of the 2 needed;
+    /// waiting for node 3's rebuild, 62%".
+    pub why: String,
+}
+
 /// One node of the cluster as this node sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberReport {
@@ -141,6 +153,8 @@ pub struct NodeStatus {
     pub replicas: Vec<ReplicaReport>,
     /// Why this node refuses reads now; `None` while it serves them.
     pub reads_refused: Option<String>,
+    /// Writes held below `min_in_sync` (design C2), and what will end it.
+    pub suspended: Option<SuspendedIo>,
     /// The data path's and the NBD server's counters (live).
     pub io: Arc<DeviceMetrics>,
     pub nbd: Arc<NbdStats>,
@@ -189,6 +203,37 @@ impl NodeView {
 
     /// Everything this node reports now.
     pub async fn status(&self) -> NodeStatus {
+        let mut status = self.snapshot().await;
+        status.suspended = self.suspended(&status.replicas);
+        status
+    }
+
+    /// The writes held below `min_in_sync`, with what will end the wait:
+    /// a rebuild's progress, or a replica coming back.
+    fn suspended(&self, replicas: &[ReplicaReport]) -> Option<SuspendedIo> {
+        let held = self.controller.device().suspension();
+        let since = held.since.filter(|_| held.waiting > 0)?;
+        let rebuilds: Vec<String> = replicas
+            .iter()
+            .filter_map(|r| {
+                let progress = r.resync.filter(|p| p.running)?;
+                let percent = 100 * progress.done / progress.total.max(1);
+                Some(format!("node {}'s rebuild, {percent}%", r.id))
+            })
+            .collect();
+        let until = if rebuilds.is_empty() {
+            "waiting for a replica to answer or come back".to_string()
+        } else {
+            format!("waiting for {}", rebuilds.join(" and "))
+        };
+        Some(SuspendedIo {
+            waiting: held.waiting,
+            for_how_long: since.elapsed(),
+            why: format!("{}; {until}", held.why),
+        })
+    }
+
+    async fn snapshot(&self) -> NodeStatus {
         let raft = self.coordinator.status();
         let controller = self.controller.status();
         let control = raft.applied.control.clone();
@@ -215,6 +260,7 @@ impl NodeView {
             promotions: controller.promotions,
             replicas: self.replica_reports().await,
             reads_refused: self.reads_refused(),
+            suspended: None,
             io: Arc::clone(&self.io),
             nbd: Arc::clone(&self.nbd),
         }

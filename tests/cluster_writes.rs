@@ -276,6 +276,115 @@ async fn a_follower_back_on_another_data_port_is_found_and_rebuilt() {
     cluster.write(writer, 1 << 20, block(99)).await.unwrap();
 }
 
+/// A proxied cluster started with `extra` arguments.
+async fn proxied(extra: &[&str]) -> Cluster {
+    let mut cluster = Cluster::new(3);
+    cluster
+        .extra_args
+        .extend(extra.iter().map(|a| a.to_string()));
+    cluster.add_proxies().await;
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    cluster
+}
+
+/// A write through `id`'s gate that may take up to `within`.
+async fn slow_write(
+    cluster: &Cluster,
+    id: u64,
+    offset: u64,
+    tag: u64,
+    within: Duration,
+) -> Result<(), tonic::Status> {
+    let mut request = tonic::Request::new(replica_ha::proto::admin::WriteRequest {
+        offset,
+        data: block(tag),
+        fua: true,
+    });
+    request.set_timeout(within);
+    cluster.admin(id).write(request).await.map(|_| ())
+}
+
+/// Leaves the writer with one follower down and the other's replica
+/// unreachable (its data link cut, Raft still up): one in-sync copy of the
+/// two needed. Returns (writer, the cut follower).
+async fn one_copy_short(cluster: &mut Cluster) -> (u64, u64) {
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != writer).collect();
+    cluster.write(writer, 0, block(1)).await.unwrap();
+    cluster.kill(followers[0]);
+    cluster.write(writer, 4096, block(2)).await.unwrap();
+    cluster.block_data(writer, followers[1], true);
+    (writer, followers[1])
+}
+
+/// Design C2, degraded not failed: below `min_in_sync` a write is held,
+/// not failed, and `status` says so; it completes once a replica answers
+/// again, and reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn below_min_in_sync_a_write_waits_and_completes_when_a_replica_returns() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = proxied(&["--suspend-timeout", "60"]).await;
+    let (writer, cut) = one_copy_short(&mut cluster).await;
+    let held = tokio::spawn({
+        let channel = cluster.channel(writer);
+        async move {
+            let mut request = tonic::Request::new(replica_ha::proto::admin::WriteRequest {
+                offset: 8192,
+                data: block(3),
+                fua: true,
+            });
+            request.set_timeout(Duration::from_secs(50));
+            replica_ha::proto::admin::admin_client::AdminClient::new(channel)
+                .write(request)
+                .await
+                .map(|_| ())
+        }
+    });
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        let status = cluster.status(writer).await;
+        if let Some(status) = status.filter(|s| s.io_suspended_requests > 0) {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the write was never held");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.io_suspended_why.contains("in-sync"), "{status:?}");
+    assert!(!held.is_finished(), "the held write was answered");
+    assert!(cluster.log(writer).contains("I/O suspended"));
+    // Reads go on meanwhile.
+    assert_eq!(cluster.read(writer, 0, 4096).await.unwrap(), block(1));
+
+    cluster.block_data(writer, cut, false);
+    held.await
+        .unwrap()
+        .expect("the held write completes once the replica is back");
+    assert_eq!(cluster.read(writer, 8192, 4096).await.unwrap(), block(3));
+    let status = cluster.status(writer).await.unwrap();
+    assert_eq!(status.io_suspended_requests, 0, "{status:?}");
+    assert!(cluster.log(writer).contains("I/O resumed"));
+}
+
+/// With a short `suspend_timeout`, a held write fails after that time,
+/// and not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_write_fails_after_the_suspend_timeout_and_not_before() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = proxied(&["--suspend-timeout", "3"]).await;
+    let (writer, _) = one_copy_short(&mut cluster).await;
+    let started = Instant::now();
+    let err = slow_write(&cluster, writer, 8192, 3, Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("in-sync"), "{err:?}");
+    assert!(took >= Duration::from_secs(3), "failed after {took:?}");
+    assert!(took < Duration::from_secs(10), "failed only after {took:?}");
+}
+
 /// S6: the writer is killed during concurrent overlapping writes that have
 /// reached one follower but not the other (the writer's link to the second
 /// is cut, so they wait there, unacknowledged). Once the next writer is

@@ -37,6 +37,7 @@ impl Node {
             ControllerConfig {
                 fence_timeout: Duration::from_millis(500),
                 retry_interval: Duration::from_millis(100),
+                suspend_timeout: Duration::ZERO,
             },
         ));
         let run = tokio::spawn({

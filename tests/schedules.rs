@@ -119,6 +119,7 @@ impl World {
                 ControllerConfig {
                     fence_timeout: Duration::from_millis(500),
                     retry_interval: Duration::from_millis(100),
+                    suspend_timeout: Duration::ZERO,
                 },
             ));
             let journal = Arc::new(Openings::default());

@@ -190,6 +190,11 @@ struct NodeArgs {
     /// The fewest in-sync replicas a write is acknowledged on.
     #[arg(long)]
     min_in_sync: Option<usize>,
+    /// How many seconds the writer holds a write or flush while too few
+    /// replicas are in sync before failing it with EIO (0: fail at once).
+    /// Default 120.
+    #[arg(long, value_name = "SECONDS")]
+    suspend_timeout: Option<u64>,
     /// The most bytes per second a resync copies to a returning replica
     /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
     #[arg(long)]
@@ -320,6 +325,7 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         min_in_sync: args.min_in_sync,
         resync_rate: args.resync_rate,
         gate_journal: args.gate_journal,
+        suspend_timeout: args.suspend_timeout,
         insecure: args.insecure,
         tls: TlsFile {
             dir: args.tls_dir,
@@ -429,6 +435,12 @@ fn status_json(reply: &StatusReply) -> String {
         "volume": reply.volume,
         "nbd_address": reply.nbd_address,
         "security": reply.security,
+        "io": if reply.io_suspended_requests > 0 { "suspended" } else { "flowing" },
+        "io_suspended": (reply.io_suspended_requests > 0).then(|| serde_json::json!({
+            "requests": reply.io_suspended_requests,
+            "seconds": reply.io_suspended_seconds,
+            "why": reply.io_suspended_why,
+        })),
         "data_address": reply.data_address,
         "reads": if reply.reads_served { "served" } else { "refused" },
         "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
@@ -452,6 +464,18 @@ fn status_json(reply: &StatusReply) -> String {
         })).collect::<Vec<_>>(),
     })
     .to_string()
+}
+
+/// "flowing", or "suspended: 3 requests waiting 1.2 s (1 in-sync replica
+/// of the 2 needed; waiting for node 3's rebuild, 62%)".
+fn io_line(reply: &StatusReply) -> String {
+    if reply.io_suspended_requests == 0 {
+        return "flowing".into();
+    }
+    format!(
+        "suspended: {} requests waiting {:.1} s ({})",
+        reply.io_suspended_requests, reply.io_suspended_seconds, reply.io_suspended_why
+    )
 }
 
 /// "served", or "refused (replica not in sync)".
@@ -496,6 +520,7 @@ fn print_status_table(reply: &StatusReply) {
         ),
         ("in sync", reply.in_sync.join(", ")),
         ("reads", reads_line(reply)),
+        ("I/O", io_line(reply)),
         ("fence floor", reply.fence_floor.to_string()),
         ("volume size", reply.volume_size.to_string()),
         ("min in sync", reply.min_in_sync.to_string()),

@@ -73,6 +73,10 @@ pub struct ControllerConfig {
     /// How soon a failed promotion step is tried again without a new
     /// observation.
     pub retry_interval: Duration,
+    /// How long the gate holds a write or flush that too few in-sync
+    /// replicas cannot acknowledge before it fails (design C2); zero fails
+    /// at once.
+    pub suspend_timeout: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -80,6 +84,7 @@ impl Default for ControllerConfig {
         Self {
             fence_timeout: Duration::from_secs(2),
             retry_interval: Duration::from_millis(200),
+            suspend_timeout: Duration::ZERO,
         }
     }
 }
@@ -181,6 +186,7 @@ impl Controller {
         let device = Arc::new(ActiveDevice::new(
             Arc::clone(&engine),
             Arc::clone(&coordinator),
+            config.suspend_timeout,
         ));
         Self {
             coordinator,

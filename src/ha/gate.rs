@@ -27,6 +27,15 @@
 //! every request a client sent before is answered by this writer, under
 //! its lease, before another is elected.
 //!
+//! **Degraded, not failed (design C2).** A write or flush that the engine
+//! cannot acknowledge because the in-sync set is below `min_in_sync`
+//! ([`DeviceError::InsufficientReplicas`]) is held, not failed: it is tried
+//! again, each time through the gate again (so never past a closed gate or
+//! a lapsed lease), until it succeeds or the suspend timeout passes, and
+//! only then fails. Retrying is safe: the client has no answer yet, so it
+//! has sent nothing that depends on this write. [`ActiveDevice::suspension`]
+//! says how many requests wait, since when, and why.
+//!
 //! A [`GateJournal`], when one is attached, is told of every opening and
 //! closing and of each write admitted, with the lease deadline it was
 //! admitted under. From that record an auditor (the fault campaign) can
@@ -34,7 +43,8 @@
 //! intervals overlapped.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -65,7 +75,61 @@ pub struct ActiveDevice {
     open_term: AtomicU64,
     /// Writes and flushes that passed the gate and have not finished.
     in_flight: tokio::sync::watch::Sender<usize>,
+    /// How long a request is held below `min_in_sync` before it fails.
+    suspend_timeout: Duration,
+    /// The requests held now.
+    suspended: Mutex<Suspended>,
     journal: OnceLock<Arc<dyn GateJournal>>,
+}
+
+/// How often a held request is tried again.
+pub const SUSPEND_RETRY: Duration = Duration::from_millis(50);
+
+/// The requests held below `min_in_sync` (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Suspension {
+    /// How many wait.
+    pub waiting: usize,
+    /// Since when requests have been waiting without a break.
+    pub since: Option<Instant>,
+    /// Why, in words: "1 in-sync replica of the 2 needed".
+    pub why: String,
+}
+
+#[derive(Debug, Default)]
+struct Suspended {
+    now: Suspension,
+}
+
+/// One held request, until it is released (or dropped).
+struct Held<'a>(&'a ActiveDevice);
+
+impl<'a> Held<'a> {
+    fn new(device: &'a ActiveDevice, why: &DeviceError) -> Self {
+        let mut suspended = device.lock_suspended();
+        let now = &mut suspended.now;
+        if now.waiting == 0 {
+            now.since = Some(Instant::now());
+            tracing::warn!(%why, "I/O suspended: writes are held until enough replicas are in sync");
+        }
+        now.waiting += 1;
+        now.why = why.to_string();
+        Self(device)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut suspended = self.0.lock_suspended();
+        let now = &mut suspended.now;
+        now.waiting = now.waiting.saturating_sub(1);
+        if now.waiting == 0 {
+            if let Some(since) = now.since.take() {
+                tracing::info!(held = ?since.elapsed(), "I/O resumed");
+            }
+            now.why.clear();
+        }
+    }
 }
 
 /// One request that passed the gate, until it finishes (or is dropped).
@@ -85,12 +149,18 @@ impl Drop for Passing<'_> {
 }
 
 impl ActiveDevice {
-    pub(super) fn new(engine: Arc<dyn WriterEngine>, coordinator: Arc<dyn Coordinator>) -> Self {
+    pub(super) fn new(
+        engine: Arc<dyn WriterEngine>,
+        coordinator: Arc<dyn Coordinator>,
+        suspend_timeout: Duration,
+    ) -> Self {
         Self {
             engine,
             coordinator,
             open_term: AtomicU64::new(0),
             in_flight: tokio::sync::watch::channel(0).0,
+            suspend_timeout,
+            suspended: Mutex::default(),
             journal: OnceLock::new(),
         }
     }
@@ -125,6 +195,41 @@ impl ActiveDevice {
         let mut count = self.in_flight.subscribe();
         let _ = tokio::time::timeout(within, count.wait_for(|n| *n == 0)).await;
         *count.borrow()
+    }
+
+    /// The requests held below `min_in_sync` now.
+    pub fn suspension(&self) -> Suspension {
+        self.lock_suspended().now.clone()
+    }
+
+    fn lock_suspended(&self) -> std::sync::MutexGuard<'_, Suspended> {
+        self.suspended.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `request` through the gate; while the engine cannot
+    /// acknowledge it for too few in-sync replicas, holds it and tries
+    /// again, through the gate each time, until the suspend timeout.
+    async fn held<F, Fut>(&self, request: F) -> Result<(), DeviceError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<(), DeviceError>>,
+    {
+        self.admit_and_record()?;
+        let _passing = Passing::new(&self.in_flight);
+        let deadline = Instant::now() + self.suspend_timeout;
+        let mut held = None;
+        loop {
+            match request().await {
+                Err(err @ DeviceError::InsufficientReplicas { .. })
+                    if Instant::now() < deadline =>
+                {
+                    held.get_or_insert_with(|| Held::new(self, &err));
+                    tokio::time::sleep_until((Instant::now() + SUSPEND_RETRY).min(deadline)).await;
+                    self.admit_and_record()?;
+                }
+                outcome => return outcome,
+            }
+        }
     }
 
     /// Whether the controller has the gate open (the lease may still have
@@ -173,15 +278,12 @@ impl Device for ActiveDevice {
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        self.admit_and_record()?;
-        let _passing = Passing::new(&self.in_flight);
-        self.engine.write_at(offset, data, fua).await
+        self.held(|| self.engine.write_at(offset, data.clone(), fua))
+            .await
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
-        self.admit_and_record()?;
-        let _passing = Passing::new(&self.in_flight);
-        self.engine.flush().await
+        self.held(|| self.engine.flush()).await
     }
 
     fn size(&self) -> u64 {

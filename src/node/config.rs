@@ -77,6 +77,9 @@ pub struct ConfigFile {
     pub gate_journal: Option<PathBuf>,
     /// Raft timing, in milliseconds.
     pub raft: Option<RaftFile>,
+    /// Seconds a write is held while too few replicas are in sync, before
+    /// it fails (0: fail at once).
+    pub suspend_timeout: Option<u64>,
     /// Run without TLS: no authentication on any connection.
     pub insecure: Option<bool>,
     /// The node's certificate files.
@@ -131,6 +134,8 @@ pub struct Overrides {
     /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for none.
     pub resync_rate: Option<String>,
     pub gate_journal: Option<PathBuf>,
+    /// `--suspend-timeout SECONDS`.
+    pub suspend_timeout: Option<u64>,
     /// `--insecure`: no TLS.
     pub insecure: bool,
     /// `--tls-dir`, `--tls-ca`, `--tls-cert`, `--tls-key`.
@@ -176,6 +181,8 @@ pub struct NodeConfig {
     /// Where the gate journal goes, if anywhere.
     pub gate_journal: Option<PathBuf>,
     pub timing: RaftTiming,
+    /// How long a write is held below `min_in_sync` before it fails.
+    pub suspend_timeout: Duration,
     /// The node's certificate files, when configured.
     pub tls: Option<TlsFiles>,
     /// No TLS between nodes and on the admin API (`insecure = true`).
@@ -184,6 +191,15 @@ pub struct NodeConfig {
     /// NBD clients must present a certificate from the cluster CA.
     pub nbd_client_auth: bool,
 }
+
+/// How long a write is held, by default, while too few replicas are in
+/// sync (design C2): long enough to ride out a node's restart and the
+/// rebuild of what it missed, as DRBD's `suspend-io` and multipath's
+/// `queue_if_no_path` ride out a lost path; short enough that an
+/// application whose cluster lost a replica for good hears of it within
+/// two minutes instead of hanging. Linux's own SCSI command timeout is 30
+/// s; a held write is not a stuck one, so this allows four times that.
+pub const DEFAULT_SUSPEND_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The default resync copy limit: 128 MiB/s, well under a disk's speed so
 /// client I/O keeps its share.
@@ -385,6 +401,10 @@ impl NodeConfig {
             resync_rate,
             gate_journal: flags.gate_journal.or(file.gate_journal),
             timing,
+            suspend_timeout: flags
+                .suspend_timeout
+                .or(file.suspend_timeout)
+                .map_or(DEFAULT_SUSPEND_TIMEOUT, Duration::from_secs),
             tls,
             insecure,
             nbd_tls,
@@ -518,6 +538,7 @@ mod tests {
         assert_eq!(config.timing.heartbeat, Duration::from_millis(20));
         assert_eq!(config.volume, "vol0");
         assert_eq!(config.data_listen, "127.0.0.1:0".parse().unwrap());
+        assert_eq!(config.suspend_timeout, DEFAULT_SUSPEND_TIMEOUT);
         assert!(config.peer_data.is_empty());
         let tls = config.tls.expect("tls files");
         assert_eq!(tls.cert(), Path::new("certs/node-2.crt"));

@@ -88,6 +88,7 @@ impl Volume {
             ControllerConfig {
                 fence_timeout: FENCE_TIMEOUT,
                 retry_interval: Duration::from_millis(200),
+                suspend_timeout: config.suspend_timeout,
             },
         ));
         if let Some(path) = &config.gate_journal {

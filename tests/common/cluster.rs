@@ -367,6 +367,14 @@ impl Cluster {
         }
     }
 
+    /// Cuts (or restores) only the data link (replica service) from `from`
+    /// to `to`: Raft between them goes on.
+    pub fn block_data(&self, from: u64, to: u64, cut: bool) {
+        if let Some(proxy) = self.data_proxies.get(&(from, to)) {
+            proxy.set_blocked(cut);
+        }
+    }
+
     /// Cuts (or restores) what `from` sends to `to`, gRPC and data alike.
     pub fn block(&self, from: u64, to: u64, cut: bool) {
         for (link, proxy) in self.links() {
