@@ -8,12 +8,17 @@
 //! node's gated device exactly as NBD requests do — never around the gate —
 //! so a passive node refuses writes here too.
 //!
+//! `WatchLeader` streams this node's view of who writes, at every change
+//! and at least every [`WATCH_KEEPALIVE`]: `replica-ha attach` follows the
+//! writer by it.
+//!
 //! Who may call what (S9; the transport's guard has already admitted only
 //! certificates of this cluster): `Status`, `Members` and `Read` any
 //! client or node certificate; `TransferLeader` and `Write` change the
 //! cluster or the volume and need a client certificate with role `admin`.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tonic::{Request, Response, Status};
@@ -23,10 +28,11 @@ use crate::ids::NodeId;
 use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
-    Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus, StatusReply,
-    StatusRequest, TransferReply, TransferRequest, WriteReply, WriteRequest,
+    LeaderUpdate, Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus,
+    StatusReply, StatusRequest, TransferReply, TransferRequest, WatchLeaderRequest, WriteReply,
+    WriteRequest,
 };
-use crate::status::{NodeView, ReplicaReport};
+use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
 /// The admin service of one node.
@@ -60,7 +66,7 @@ pub fn device_status(err: DeviceError) -> Status {
         | DeviceError::InSyncCommit(_)
         | DeviceError::NoReadableReplica(_)
         | DeviceError::NotInSync => Status::unavailable(message),
-        DeviceError::Io(_) => Status::internal(message),
+        DeviceError::Io(_) | DeviceError::Remote { .. } => Status::internal(message),
     }
 }
 
@@ -73,8 +79,57 @@ pub fn status_of(err: HaError) -> Status {
     }
 }
 
+/// How often `WatchLeader` looks for a change, and the longest it stays
+/// silent: a watcher that hears nothing for a few of these knows the node
+/// is gone or frozen.
+pub const WATCH_POLL: Duration = Duration::from_millis(20);
+pub const WATCH_KEEPALIVE: Duration = Duration::from_millis(100);
+
 #[tonic::async_trait]
 impl Admin for AdminService {
+    type WatchLeaderStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<LeaderUpdate, Status>> + Send>>;
+
+    async fn watch_leader(
+        &self,
+        _: Request<WatchLeaderRequest>,
+    ) -> Result<Response<Self::WatchLeaderStream>, Status> {
+        let view = Arc::clone(&self.view);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut last: Option<(LeaderView, Instant)> = None;
+            loop {
+                let now = view.leader_view();
+                let due = match last {
+                    Some((seen, at)) => seen != now || at.elapsed() >= WATCH_KEEPALIVE,
+                    None => true,
+                };
+                if due {
+                    let facts = view.facts();
+                    let update = LeaderUpdate {
+                        node_id: facts.id.0,
+                        term: now.term.0,
+                        leader: now.leader.map_or(0, |id| id.0),
+                        writer: now.writer_term.is_some(),
+                        writer_term: now.writer_term.map_or(0, |t| t.0),
+                        nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
+                        volume: facts.volume.clone(),
+                        size: now.size,
+                    };
+                    if tx.send(Ok(update)).await.is_err() {
+                        return;
+                    }
+                    last = Some((now, Instant::now()));
+                }
+                tokio::time::sleep(WATCH_POLL).await;
+            }
+        });
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
         let status = self.view.status().await;
         let facts = &status.facts;

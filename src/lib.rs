@@ -3,7 +3,11 @@
 //! The design, its invariants (S1–S10) and what the system does not do yet
 //! are in `docs/design.md`; each module's doc restates the invariants it
 //! enforces. The modules, from the edges inward:
-//! - [`nbd`]: the NBD server through which programs use the volume;
+//! - [`attach`]: the client side, on the client's host: serves the volume
+//!   to local NBD clients and follows the writer, replaying what had no
+//!   answer when it changes;
+//! - [`nbd`]: the NBD server through which programs use the volume (and
+//!   the client side `attach` speaks to it with);
 //! - [`admin`] and [`http`]: the operator's gRPC service, and metrics and
 //!   health over HTTP; they render what [`status`] computes, and
 //!   [`metrics`] counts;
@@ -33,6 +37,7 @@ compile_error!(
 );
 
 pub mod admin;
+pub mod attach;
 pub mod certs;
 pub mod ha;
 pub mod http;

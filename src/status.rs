@@ -98,6 +98,17 @@ pub struct ReplicaReport {
     pub resync: Option<Progress>,
 }
 
+/// Who a node sees writing (see [`NodeView::leader_view`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaderView {
+    pub term: Term,
+    pub leader: Option<NodeId>,
+    /// The term this node writes under, while it is the active writer.
+    pub writer_term: Option<Term>,
+    /// The volume's size.
+    pub size: u64,
+}
+
 /// I/O held because too few replicas are in sync.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuspendedIo {
@@ -194,6 +205,27 @@ impl NodeView {
     /// active writer, fenced and within its lease.
     pub fn is_active_writer(&self) -> bool {
         self.controller.device().is_writable()
+    }
+
+    /// Who this node sees writing, in brief: what `WatchLeader` streams.
+    pub fn leader_view(&self) -> LeaderView {
+        let raft = self.coordinator.status();
+        let writer_term = match self.controller.device().access() {
+            crate::volume::Access::ReadWrite { term } => Some(term),
+            _ => None,
+        };
+        let size = raft
+            .applied
+            .control
+            .volume
+            .as_ref()
+            .map_or(self.facts.size, |v| v.size);
+        LeaderView {
+            term: raft.term,
+            leader: raft.leader,
+            writer_term,
+            size,
+        }
     }
 
     /// Hands leadership to node `to` and waits until it leads.

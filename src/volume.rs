@@ -188,6 +188,9 @@ pub enum DeviceError {
     /// A local I/O error.
     #[error("I/O error: {0}")]
     Io(String),
+    /// The writer behind `attach` answered with this NBD error number.
+    #[error("the writer answered with NBD error {errno}")]
+    Remote { errno: u32 },
 }
 
 #[cfg(test)]

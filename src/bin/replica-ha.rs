@@ -70,6 +70,12 @@ enum Command {
         #[command(flatten)]
         tls: ClientTls,
     },
+    /// Serve the volume to local NBD clients, following the writer: run it
+    /// on the client's host and point qemu, nbdcopy, nbdfuse or nbd-client
+    /// at its unix socket. When the writer changes it sends what had no
+    /// answer again to the next writer, so the client sees a pause, never
+    /// an error. Stops on SIGTERM.
+    Attach(Box<AttachArgs>),
     /// Show a replica data directory offline: identity, fence floor and the
     /// extents each writer's term may have left dirty. The node that owns
     /// the directory must be stopped (the metadata is locked while it runs).
@@ -148,6 +154,29 @@ impl ClientTls {
         let tls = Tls::load(files, &cluster, Party::Client).map_err(|e| e.to_string())?;
         Ok(Transport::secured(Limits::default(), tls))
     }
+}
+
+#[derive(Args)]
+struct AttachArgs {
+    /// A node of the cluster, ID=HOST:PORT of its gRPC address; repeat for
+    /// each (any one that answers is enough to start).
+    #[arg(long = "peer", value_name = "ID=HOST:PORT", required = true)]
+    peers: Vec<String>,
+    /// The volume (export) name.
+    #[arg(long, default_value = "vol0")]
+    volume: String,
+    /// The unix socket to serve on (mode 0600).
+    #[arg(long, value_name = "PATH")]
+    socket: PathBuf,
+    /// Also serve on this local TCP address.
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: Option<std::net::SocketAddr>,
+    /// How many seconds a request waits for a writer before it fails with
+    /// EIO.
+    #[arg(long, value_name = "SECONDS", default_value_t = 120)]
+    suspend_timeout: u64,
+    #[command(flatten)]
+    tls: ClientTls,
 }
 
 #[derive(Args)]
@@ -259,6 +288,7 @@ async fn dispatch(cli: Cli) -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Command::Attach(args) => attach(*args).await,
         Command::Status { addr, json, tls } => status(&addr, json, &tls).await,
         Command::Transfer { addr, to, tls } => transfer(&addr, to, &tls).await,
         Command::Inspect {
@@ -303,7 +333,7 @@ async fn inspect(dir: PathBuf, identity: StoreIdentity) -> ExitCode {
     }
 }
 
-async fn run_node(args: NodeArgs) -> ExitCode {
+fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -311,6 +341,62 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+async fn attach(args: AttachArgs) -> ExitCode {
+    init_logging();
+    let mut peers = std::collections::BTreeMap::new();
+    for entry in &args.peers {
+        let parsed = entry
+            .split_once('=')
+            .and_then(|(id, addr)| Some((id.trim().parse::<NodeId>().ok()?, addr.trim())));
+        match parsed {
+            Some((id, addr)) if id != NodeId(0) && addr.parse::<std::net::SocketAddr>().is_ok() => {
+                peers.insert(id, addr.to_string());
+            }
+            _ => {
+                eprintln!("replica-ha: peer {entry:?} is not ID=HOST:PORT");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let transport = match args.tls.transport() {
+        Ok(transport) => transport,
+        Err(err) => {
+            eprintln!("replica-ha: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = replica_ha::attach::AttachConfig {
+        peers,
+        volume: args.volume,
+        socket: args.socket,
+        listen: args.listen,
+        suspend_timeout: Duration::from_secs(args.suspend_timeout),
+        transport,
+    };
+    let stop = async {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    match replica_ha::attach::run(config, stop).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("replica-ha: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_node(args: NodeArgs) -> ExitCode {
+    init_logging();
     let overrides = Overrides {
         id: args.id.map(NodeId),
         cluster_id: args.cluster_id,

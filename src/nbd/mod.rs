@@ -36,6 +36,7 @@
 //!   an error reply, a malformed request header closes the connection after
 //!   the requests before it are answered.
 
+pub mod client;
 mod handshake;
 mod transmission;
 pub mod wire;
@@ -49,7 +50,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
-pub use transmission::errno;
+pub use transmission::{CLOSE_GRACE, errno};
 
 use crate::net::Tls;
 use crate::net::tls::NbdClientAuth;
@@ -196,10 +197,39 @@ pub struct NbdStats {
     pub refused: AtomicU64,
 }
 
+/// Where NBD clients connect: a TCP port (the node's export) or a unix
+/// socket (`attach`'s).
+pub trait Listener: Send + Sync + 'static {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    /// The next connection and who made it, in words.
+    fn accept(
+        &self,
+    ) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, String)>> + Send;
+}
+
+impl Listener for TcpListener {
+    type Stream = tokio::net::TcpStream;
+
+    async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
+        let (stream, peer) = TcpListener::accept(self).await?;
+        let _ = stream.set_nodelay(true);
+        Ok((stream, peer.to_string()))
+    }
+}
+
+impl Listener for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+
+    async fn accept(&self) -> std::io::Result<(Self::Stream, String)> {
+        let (stream, _) = tokio::net::UnixListener::accept(self).await?;
+        Ok((stream, "a unix socket client".into()))
+    }
+}
+
 /// Serves `export` on `listener` until `stop` turns true; then drops every
 /// connection.
-pub async fn serve(
-    listener: TcpListener,
+pub async fn serve<L: Listener>(
+    listener: L,
     export: Arc<Export>,
     stats: Arc<NbdStats>,
     mut stop: watch::Receiver<bool>,
@@ -225,7 +255,6 @@ pub async fn serve(
             tracing::warn!(%peer, "NBD connection refused: {MAX_CONNECTIONS} already open");
             continue;
         };
-        let _ = stream.set_nodelay(true);
         stats.accepted.fetch_add(1, Ordering::Relaxed);
         let (export, stats) = (Arc::clone(&export), Arc::clone(&stats));
         connections.spawn(async move {
@@ -245,9 +274,7 @@ pub async fn serve(
     connections.shutdown().await;
 }
 
-/// A client's connection, plain or upgraded to TLS.
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+use client::Io;
 
 /// Serves one client on `stream`: the handshake (upgraded to TLS on
 /// `STARTTLS`), then requests.

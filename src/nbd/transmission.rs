@@ -369,6 +369,7 @@ pub fn errno(err: &DeviceError, write: bool) -> Option<u32> {
         | DeviceError::NoReadableReplica(_)
         | DeviceError::NotInSync
         | DeviceError::Io(_) => wire::EIO,
+        DeviceError::Remote { errno } => *errno,
     })
 }
 

@@ -1,5 +1,6 @@
 //! The NBD wire format: constants, and pure parsers and encoders for the
-//! messages this server reads and writes.
+//! messages this server reads and writes, and for those `attach`'s client
+//! side writes and reads (see [`super::client`]).
 //!
 //! Numbers follow the NBD protocol document (`doc/proto.md` of the NBD
 //! project). Everything is big-endian. Parsers take byte slices and return
@@ -153,6 +154,19 @@ pub enum Command {
 }
 
 impl Command {
+    /// The command's type number on the wire.
+    pub fn to_type(self) -> u16 {
+        match self {
+            Command::Read => 0,
+            Command::Write => 1,
+            Command::Disconnect => 2,
+            Command::Flush => 3,
+            Command::Trim => 4,
+            Command::WriteZeroes => 6,
+            Command::Other(kind) => kind,
+        }
+    }
+
     fn from_type(kind: u16) -> Self {
         match kind {
             0 => Command::Read,
@@ -214,6 +228,104 @@ pub fn parse_request(buf: &[u8; REQUEST_LEN]) -> Result<Request, WireError> {
         offset: u64::from_be_bytes(array(&buf[16..24])),
         len: u32::from_be_bytes(array(&buf[24..28])),
     })
+}
+
+/// A request header, as a client sends it.
+pub fn request(request: &Request) -> [u8; REQUEST_LEN] {
+    let mut buf = [0u8; REQUEST_LEN];
+    buf[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    buf[4..6].copy_from_slice(&request.flags.to_be_bytes());
+    buf[6..8].copy_from_slice(&request.command.to_type().to_be_bytes());
+    buf[8..16].copy_from_slice(&request.cookie.to_be_bytes());
+    buf[16..24].copy_from_slice(&request.offset.to_be_bytes());
+    buf[24..28].copy_from_slice(&request.len.to_be_bytes());
+    buf
+}
+
+/// A simple reply's header, as a client reads it: `(error, cookie)`.
+pub fn parse_simple_reply(buf: &[u8; 16]) -> Result<(u32, u64), WireError> {
+    let magic = u32::from_be_bytes(array(&buf[0..4]));
+    if magic != SIMPLE_REPLY_MAGIC {
+        return Err(WireError::BadMagic(u64::from(magic)));
+    }
+    Ok((
+        u32::from_be_bytes(array(&buf[4..8])),
+        u64::from_be_bytes(array(&buf[8..16])),
+    ))
+}
+
+/// The server's greeting, as a client reads it: its handshake flags.
+pub fn parse_greeting(buf: &[u8; 18]) -> Result<u16, WireError> {
+    let magic = u64::from_be_bytes(array(&buf[0..8]));
+    if magic != NBD_MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    let newstyle = u64::from_be_bytes(array(&buf[8..16]));
+    if newstyle != IHAVEOPT {
+        return Err(WireError::BadMagic(newstyle));
+    }
+    Ok(u16::from_be_bytes(array(&buf[16..18])))
+}
+
+/// An option, as a client sends it.
+pub fn option(option: u32, data: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(16 + data.len());
+    buf.put_u64(IHAVEOPT);
+    buf.put_u32(option);
+    buf.put_u32(u32::try_from(data.len()).unwrap_or(u32::MAX));
+    buf.put_slice(data);
+    buf.freeze()
+}
+
+/// The data of an `NBD_OPT_GO` for export `name`, asking for no extra
+/// information.
+pub fn go_data(name: &str) -> Vec<u8> {
+    let mut data = Vec::with_capacity(6 + name.len());
+    data.extend_from_slice(&u32::try_from(name.len()).unwrap_or(u32::MAX).to_be_bytes());
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&0u16.to_be_bytes());
+    data
+}
+
+/// An option reply's header, as a client reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionReplyHeader {
+    pub option: u32,
+    pub kind: u32,
+    pub len: u32,
+}
+
+impl OptionReplyHeader {
+    /// Whether the reply is an error (`NBD_REP_ERR_*`).
+    pub fn is_error(&self) -> bool {
+        self.kind & REP_ERROR != 0
+    }
+}
+
+/// Parses an option reply's header.
+pub fn parse_option_reply(buf: &[u8; 20]) -> Result<OptionReplyHeader, WireError> {
+    let magic = u64::from_be_bytes(array(&buf[0..8]));
+    if magic != OPTION_REPLY_MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    Ok(OptionReplyHeader {
+        option: u32::from_be_bytes(array(&buf[8..12])),
+        kind: u32::from_be_bytes(array(&buf[12..16])),
+        len: u32::from_be_bytes(array(&buf[16..20])),
+    })
+}
+
+/// The body of `NBD_INFO_EXPORT`, as a client reads it: `(size, flags)`;
+/// `None` for another information type or a short body.
+pub fn parse_info_export(data: &[u8]) -> Option<(u64, u16)> {
+    let (kind, rest) = split_u16(data)?;
+    if kind != INFO_EXPORT || rest.len() < 10 {
+        return None;
+    }
+    Some((
+        u64::from_be_bytes(array(&rest[0..8])),
+        u16::from_be_bytes(array(&rest[8..10])),
+    ))
 }
 
 /// The server's greeting.

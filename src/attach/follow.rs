@@ -1,0 +1,481 @@
+//! The device `attach` serves: every request goes to the writer's NBD
+//! export, over one connection, and one that has no answer when that
+//! connection ends is sent again, in the order it was first sent, to the
+//! writer that comes next (design C3).
+//!
+//! One task, the driver, owns the upstream connection and the requests
+//! without an answer (by sequence number, which is also their NBD cookie).
+//! It connects to the writer the watchers report, sends every unanswered
+//! request again, then forwards new ones, and hands each answer back. It
+//! drops the connection as soon as the watchers report another writer (a
+//! newer term), without waiting for TCP to notice a frozen or vanished one.
+//!
+//! Why sending again is safe:
+//! - A request without an answer has nothing the client sent after it
+//!   depend on it: the client sends a dependent write only after the
+//!   answer. So only the order among unanswered requests matters, and it
+//!   is kept.
+//! - To another writer (a newer term): that writer fenced the replicas
+//!   before it opened its gate, and a fence drains every write of an older
+//!   term (S1, S3), so nothing the old connection sent can land after what
+//!   is sent again.
+//! - To the same writer at the same term (the connection broke, the writer
+//!   did not change): what the old connection sent may still be running
+//!   there, so the driver waits [`SAME_WRITER_GRACE`] (the server's own
+//!   grace for requests in flight) before it sends again, or less if the
+//!   writer changes meanwhile. A write stuck in the writer for longer than
+//!   that could still land after the replay; see the design's caveats.
+//!
+//! An error the writer answers (`EIO` after its own suspend timeout,
+//! `EINVAL`) is the answer, passed on as it is. While no writer can be
+//! reached, requests wait up to the suspend timeout, then fail with `EIO`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::io::AsyncReadExt;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::watch::{Seen, Writer};
+use crate::ids::Term;
+use crate::nbd::client::{self, ClientError, Connection, Io};
+use crate::nbd::wire::{self, Command, Request};
+use crate::net::{Expect, Tls};
+use crate::volume::{Access, Device, DeviceError, MAX_REQUEST};
+
+/// How long the driver waits before it sends requests again to the writer
+/// whose connection broke, at the same term.
+pub const SAME_WRITER_GRACE: Duration = crate::nbd::CLOSE_GRACE;
+/// How soon a failed connection attempt is made again.
+const RECONNECT: Duration = Duration::from_millis(50);
+/// How often requests waiting for a writer are checked against the
+/// suspend timeout.
+const EXPIRY_TICK: Duration = Duration::from_millis(100);
+
+/// How the driver reaches writers.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    /// The export to open.
+    pub export: String,
+    /// The client certificate, for NBD over TLS; plaintext without.
+    pub tls: Option<Arc<Tls>>,
+    /// How long a request waits for a writer before it fails.
+    pub suspend_timeout: Duration,
+}
+
+/// One request from a local client.
+struct Job {
+    command: Command,
+    offset: u64,
+    len: u32,
+    flags: u16,
+    payload: Option<Bytes>,
+    queued: Instant,
+    reply: oneshot::Sender<Result<Bytes, DeviceError>>,
+}
+
+/// The device; see the module docs.
+pub struct Following {
+    jobs: mpsc::UnboundedSender<Job>,
+    size: u64,
+}
+
+impl Following {
+    /// Starts the driver on `tasks`, following `seen`, for a volume of
+    /// `size` bytes.
+    pub fn start(
+        seen: watch::Receiver<Seen>,
+        size: u64,
+        upstream: Upstream,
+        tasks: &mut JoinSet<()>,
+    ) -> Self {
+        let (jobs, queue) = mpsc::unbounded_channel();
+        let driver = Driver {
+            jobs: queue,
+            seen,
+            upstream,
+            pending: BTreeMap::new(),
+            next: 1,
+            disconnected_at: Some(Instant::now()),
+        };
+        tasks.spawn(driver.run());
+        Self { jobs, size }
+    }
+
+    async fn submit(
+        &self,
+        command: Command,
+        offset: u64,
+        len: u32,
+        flags: u16,
+        payload: Option<Bytes>,
+    ) -> Result<Bytes, DeviceError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            command,
+            offset,
+            len,
+            flags,
+            payload,
+            queued: Instant::now(),
+            reply,
+        };
+        self.jobs
+            .send(job)
+            .map_err(|_| DeviceError::Io("attach is stopping".into()))?;
+        answer
+            .await
+            .map_err(|_| DeviceError::Io("attach stopped".into()))?
+    }
+}
+
+#[async_trait]
+impl Device for Following {
+    async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        crate::volume::check_request(offset, len, self.size)?;
+        let len = u32::try_from(len.min(MAX_REQUEST)).unwrap_or(u32::MAX);
+        self.submit(Command::Read, offset, len, 0, None).await
+    }
+
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
+        crate::volume::check_request(offset, data.len() as u64, self.size)?;
+        let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
+        let flags = if fua { wire::CMD_FLAG_FUA } else { 0 };
+        self.submit(Command::Write, offset, len, flags, Some(data))
+            .await
+            .map(|_| ())
+    }
+
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.submit(Command::Flush, 0, 0, 0, None).await.map(|_| ())
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn is_writable(&self) -> bool {
+        true
+    }
+
+    /// Always writable, under one term of its own: a local client's
+    /// session outlives every writer change.
+    fn access(&self) -> Access {
+        Access::ReadWrite { term: Term(1) }
+    }
+}
+
+/// How a session with one writer ended.
+enum Ended {
+    /// The watchers report another writer.
+    WriterChanged,
+    /// The connection failed.
+    Lost(ClientError),
+    /// `attach` is stopping and nothing waits.
+    Stopped,
+}
+
+/// An answer read from the writer: `(cookie, error, read data)`.
+type Answer = Result<(u64, u32, Bytes), ClientError>;
+
+struct Driver {
+    jobs: mpsc::UnboundedReceiver<Job>,
+    seen: watch::Receiver<Seen>,
+    upstream: Upstream,
+    /// Requests without an answer, by sequence number (= cookie).
+    pending: BTreeMap<u64, Job>,
+    next: u64,
+    /// Since when no writer has been connected.
+    disconnected_at: Option<Instant>,
+}
+
+impl Driver {
+    async fn run(mut self) {
+        let mut broke: Option<(Writer, Instant)> = None;
+        loop {
+            let Some(writer) = self.next_writer(&broke).await else {
+                return;
+            };
+            let conn = match client::connect(&writer.nbd, &self.upstream.export, self.tls(&writer))
+                .await
+            {
+                Ok(conn) => conn,
+                Err(err) => {
+                    tracing::warn!(writer = %writer.node, addr = %writer.nbd, %err, "cannot open the writer's export");
+                    if !self.idle(Instant::now() + RECONNECT).await {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            tracing::info!(
+                writer = %writer.node,
+                term = %writer.term,
+                resending = self.pending.len(),
+                "following the writer"
+            );
+            self.disconnected_at = None;
+            let ended = self.session(conn, &writer).await;
+            self.disconnected_at = Some(Instant::now());
+            match ended {
+                Ended::Stopped => return,
+                Ended::WriterChanged => broke = None,
+                Ended::Lost(err) => {
+                    tracing::info!(writer = %writer.node, %err, waiting = self.pending.len(), "lost the writer's connection");
+                    broke = Some((writer, Instant::now()));
+                }
+            }
+        }
+    }
+
+    /// The client TLS configuration for `writer`'s export.
+    fn tls(
+        &self,
+        writer: &Writer,
+    ) -> Option<(
+        Arc<rustls::ClientConfig>,
+        rustls::pki_types::ServerName<'static>,
+    )> {
+        let tls = self.upstream.tls.as_ref()?;
+        let config = tls.client(Expect::Node(writer.node)).ok()?;
+        Some((config, crate::net::tls::server_name(&writer.nbd)))
+    }
+
+    /// The writer to connect to next; `None` once `attach` stops with
+    /// nothing waiting. Not the one whose connection just broke at the
+    /// same term, until [`SAME_WRITER_GRACE`] has passed.
+    async fn next_writer(&mut self, broke: &Option<(Writer, Instant)>) -> Option<Writer> {
+        loop {
+            let writer = self.seen.borrow_and_update().writer.clone();
+            let now = Instant::now();
+            let until = match (writer, broke) {
+                (None, _) => now + EXPIRY_TICK,
+                (Some(writer), Some((lost, at)))
+                    if writer == *lost && *at + SAME_WRITER_GRACE > now =>
+                {
+                    *at + SAME_WRITER_GRACE
+                }
+                (Some(writer), _) => return Some(writer),
+            };
+            if !self.idle(until).await {
+                return None;
+            }
+        }
+    }
+
+    /// Waits until `until` or a change of writer, taking new requests and
+    /// failing those that waited longer than the suspend timeout; false
+    /// once `attach` stops with nothing waiting.
+    async fn idle(&mut self, until: Instant) -> bool {
+        loop {
+            self.expire();
+            let tick = (Instant::now() + EXPIRY_TICK).min(until);
+            tokio::select! {
+                job = self.jobs.recv() => match job {
+                    Some(job) => {
+                        self.queue(job);
+                    }
+                    None if self.pending.is_empty() => return false,
+                    None => tokio::time::sleep_until(tick).await,
+                },
+                changed = self.seen.changed() => {
+                    if changed.is_err() {
+                        return false;
+                    }
+                    return true;
+                }
+                () = tokio::time::sleep_until(tick) => {
+                    if Instant::now() >= until {
+                        return true;
+                    }
+                }
+            }
+        }
+    }
+
+    fn queue(&mut self, job: Job) -> u64 {
+        let seq = self.next;
+        self.next += 1;
+        self.pending.insert(seq, job);
+        seq
+    }
+
+    /// Fails the requests that have waited for a writer longer than the
+    /// suspend timeout.
+    fn expire(&mut self) {
+        let Some(since) = self.disconnected_at else {
+            return;
+        };
+        let now = Instant::now();
+        let limit = self.upstream.suspend_timeout;
+        let expired: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, job)| now.duration_since(job.queued.max(since)) >= limit)
+            .map(|(seq, _)| *seq)
+            .collect();
+        if !expired.is_empty() {
+            tracing::warn!(
+                requests = expired.len(),
+                "no writer within the suspend timeout; failing them"
+            );
+        }
+        for seq in expired {
+            if let Some(job) = self.pending.remove(&seq) {
+                let _ = job.reply.send(Err(DeviceError::Io(format!(
+                    "no writer could be reached within {limit:?}"
+                ))));
+            }
+        }
+    }
+
+    /// Serves through one connection to `writer` until it ends.
+    async fn session(&mut self, conn: Connection, writer: &Writer) -> Ended {
+        let Connection {
+            reader,
+            writer: mut out,
+            ..
+        } = conn;
+        let reads: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
+        for (seq, job) in &self.pending {
+            if let Err(err) = send(&mut out, &reads, *seq, job).await {
+                return Ended::Lost(err);
+            }
+        }
+        let (answers, mut answered) = mpsc::channel::<Answer>(64);
+        let reading = tokio::spawn(read_answers(reader, Arc::clone(&reads), answers));
+        let _stop_reading = AbortOnDrop(reading);
+        loop {
+            tokio::select! {
+                answer = answered.recv() => match answer {
+                    Some(Ok((cookie, error, data))) => {
+                        let Some(job) = self.pending.remove(&cookie) else {
+                            return Ended::Lost(ClientError::Protocol(wire::WireError::Malformed {
+                                what: "answer to no request",
+                            }));
+                        };
+                        let outcome = match error {
+                            0 => Ok(data),
+                            errno => Err(DeviceError::Remote { errno }),
+                        };
+                        let _ = job.reply.send(outcome);
+                    }
+                    Some(Err(err)) => return Ended::Lost(err),
+                    None => return Ended::Lost(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+                },
+                job = self.jobs.recv() => match job {
+                    Some(job) => {
+                        let seq = self.queue(job);
+                        let sent = match self.pending.get(&seq) {
+                            Some(job) => send(&mut out, &reads, seq, job).await,
+                            None => Ok(()),
+                        };
+                        if let Err(err) = sent {
+                            return Ended::Lost(err);
+                        }
+                    }
+                    None if self.pending.is_empty() => return Ended::Stopped,
+                    None => {
+                        // Stopping: serve what waits, then end.
+                        while let Some(answer) = answered.recv().await {
+                            let Ok((cookie, error, data)) = answer else { break };
+                            if let Some(job) = self.pending.remove(&cookie) {
+                                let _ = job.reply.send(match error {
+                                    0 => Ok(data),
+                                    errno => Err(DeviceError::Remote { errno }),
+                                });
+                            }
+                            if self.pending.is_empty() {
+                                break;
+                            }
+                        }
+                        return Ended::Stopped;
+                    }
+                },
+                changed = self.seen.changed() => {
+                    if changed.is_err() {
+                        return Ended::Stopped;
+                    }
+                    let now = self.seen.borrow_and_update().writer.clone();
+                    let moved = now.is_some_and(|w| w.node != writer.node || w.term > writer.term);
+                    if moved {
+                        tracing::info!(from = %writer.node, term = %writer.term, waiting = self.pending.len(), "the writer changed");
+                        return Ended::WriterChanged;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sends request `seq` of `job`; a read's length is noted for its answer.
+async fn send(
+    out: &mut tokio::io::WriteHalf<Box<dyn Io>>,
+    reads: &Mutex<HashMap<u64, u32>>,
+    seq: u64,
+    job: &Job,
+) -> Result<(), ClientError> {
+    if job.command == Command::Read {
+        reads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq, job.len);
+    }
+    let request = Request {
+        flags: job.flags,
+        command: job.command,
+        cookie: seq,
+        offset: job.offset,
+        len: job.len,
+    };
+    client::send(out, &request, job.payload.as_ref()).await?;
+    use tokio::io::AsyncWriteExt;
+    out.flush().await?;
+    Ok(())
+}
+
+/// Reads answers until the connection fails; a read's data follows its
+/// header when it succeeded.
+async fn read_answers(
+    mut reader: tokio::io::ReadHalf<Box<dyn Io>>,
+    reads: Arc<Mutex<HashMap<u64, u32>>>,
+    answers: mpsc::Sender<Answer>,
+) {
+    loop {
+        let answer = async {
+            let (error, cookie) = client::receive(&mut reader).await?;
+            let len = reads
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&cookie);
+            let data = match (error, len) {
+                (0, Some(len)) => {
+                    let mut data = vec![0u8; len as usize];
+                    reader.read_exact(&mut data).await?;
+                    Bytes::from(data)
+                }
+                _ => Bytes::new(),
+            };
+            Ok((cookie, error, data))
+        }
+        .await;
+        let failed = answer.is_err();
+        if answers.send(answer).await.is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

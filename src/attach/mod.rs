@@ -1,0 +1,174 @@
+//! `replica-ha attach`: the client side of the volume (design C3).
+//!
+//! It runs on the client's host and serves the volume to any unmodified NBD
+//! client, on a unix socket and, if asked, on a local TCP port. It finds
+//! the writer itself, from every peer's `WatchLeader` stream ([`watch`]),
+//! and sends each request to that writer's NBD export ([`follow`]). When
+//! the writer changes (a crash, a transfer, a restart), the requests that
+//! have no answer are sent again, in order, to the next writer, and the
+//! local client sees nothing but a pause: never an error for a writer
+//! change, never a dropped connection. A request waits at most the
+//! suspend timeout for a writer; then it fails with `EIO`.
+//!
+//! Downstream it offers one fixed export, whatever node it talks to: the
+//! volume's name and size, writable, with flush, FUA, trim and write
+//! zeroes, multi-connection safe. It shares the NBD server and wire code
+//! with the node ([`crate::nbd`]); Raft and the replica store stay out of
+//! it.
+//!
+//! With TLS (the default) it presents a client certificate of the cluster
+//! CA: to `WatchLeader` (a viewer's is enough), and to the writer's export,
+//! which it opens with `NBD_OPT_STARTTLS` (the nodes need `nbd_tls =
+//! "optional"` or `"require"`), checking that the server is the node the
+//! watchers named.
+
+pub mod follow;
+pub mod watch;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use crate::ids::NodeId;
+use crate::nbd::{Export, NbdStats};
+use crate::net::Transport;
+use follow::{Following, Upstream};
+
+/// How long `attach` waits at start for any node to tell it the volume's
+/// size.
+pub const FIRST_CONTACT: Duration = Duration::from_secs(30);
+
+/// What `attach` runs with.
+#[derive(Debug, Clone)]
+pub struct AttachConfig {
+    /// Every node it may ask, by id: their gRPC addresses.
+    pub peers: BTreeMap<NodeId, String>,
+    /// The export to open on the writer and to offer locally.
+    pub volume: String,
+    /// The unix socket to serve on.
+    pub socket: PathBuf,
+    /// A local TCP address to serve on as well.
+    pub listen: Option<SocketAddr>,
+    /// How long a request waits for a writer before it fails.
+    pub suspend_timeout: Duration,
+    /// How it reaches the nodes (TLS with a client certificate, or plain).
+    pub transport: Transport,
+}
+
+/// Why `attach` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("no node of {0} answered within {FIRST_CONTACT:?}")]
+    NoContact(String),
+    #[error("{what} {path}: {source}")]
+    Socket {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Serves the volume until `stop` resolves; then stops taking connections,
+/// and removes the socket.
+pub async fn run(
+    config: AttachConfig,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), AttachError> {
+    let mut tasks = JoinSet::new();
+    let mut seen = watch::spawn(&config.transport, &config.peers, &mut tasks);
+    let peers = config
+        .peers
+        .values()
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let size = tokio::time::timeout(FIRST_CONTACT, seen.wait_for(|s| s.size.is_some()))
+        .await
+        .ok()
+        .and_then(|seen| seen.ok().and_then(|s| s.size))
+        .ok_or(AttachError::NoContact(peers))?;
+    let following = Following::start(
+        seen,
+        size,
+        Upstream {
+            export: config.volume.clone(),
+            tls: config.transport.tls().cloned(),
+            suspend_timeout: config.suspend_timeout,
+        },
+        &mut tasks,
+    );
+    let export = Arc::new(Export::new(
+        &config.volume,
+        format!("replica-ha volume {} through attach", config.volume),
+        Arc::new(following),
+    ));
+    let unix = bind_socket(&config.socket)?;
+    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let stats = Arc::new(NbdStats::default());
+    let mut servers = JoinSet::new();
+    servers.spawn(crate::nbd::serve(
+        unix,
+        Arc::clone(&export),
+        Arc::clone(&stats),
+        stopped.clone(),
+    ));
+    if let Some(addr) = config.listen {
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| AttachError::Listen { addr, source })?;
+        servers.spawn(crate::nbd::serve(tcp, export, stats, stopped));
+    }
+    tracing::info!(
+        socket = %config.socket.display(),
+        listen = ?config.listen,
+        size,
+        "serving the volume; following the writer"
+    );
+    stop.await;
+    stopping.send_replace(true);
+    while servers.join_next().await.is_some() {}
+    tasks.shutdown().await;
+    let _ = std::fs::remove_file(&config.socket);
+    Ok(())
+}
+
+/// Binds the unix socket, replacing a stale one (a socket file nothing
+/// listens on); only this user may connect.
+fn bind_socket(path: &std::path::Path) -> Result<tokio::net::UnixListener, AttachError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let failed = |what, source| AttachError::Socket {
+        what,
+        path: path.to_owned(),
+        source,
+    };
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(failed(
+                "refusing to replace",
+                std::io::Error::new(std::io::ErrorKind::AlreadyExists, "not a socket"),
+            ));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(failed(
+                "another attach serves on",
+                std::io::Error::new(std::io::ErrorKind::AddrInUse, "in use"),
+            ));
+        }
+        std::fs::remove_file(path).map_err(|e| failed("removing the stale socket", e))?;
+    }
+    let listener = tokio::net::UnixListener::bind(path).map_err(|e| failed("binding", e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| failed("restricting", e))?;
+    Ok(listener)
+}
