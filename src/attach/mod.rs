@@ -38,8 +38,8 @@ use crate::nbd::{Export, NbdStats};
 use crate::net::Transport;
 use follow::{Following, Upstream};
 
-/// How long `attach` waits at start for any node to tell it the volume's
-/// size.
+/// How long `attach` waits at start, by default, for any node to tell it
+/// the volume's size.
 pub const FIRST_CONTACT: Duration = Duration::from_secs(30);
 
 /// What `attach` runs with.
@@ -57,13 +57,17 @@ pub struct AttachConfig {
     pub suspend_timeout: Duration,
     /// How it reaches the nodes (TLS with a client certificate, or plain).
     pub transport: Transport,
+    /// How long it waits at start for a node to answer.
+    pub first_contact: Duration,
 }
 
 /// Why `attach` could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    #[error("no node of {0} answered within {FIRST_CONTACT:?}")]
-    NoContact(String),
+    #[error(
+        "no node of {peers} answered within {waited:?} (check the addresses and the certificate)"
+    )]
+    NoContact { peers: String, waited: Duration },
     #[error("{what} {path}: {source}")]
     Socket {
         what: &'static str,
@@ -93,11 +97,12 @@ pub async fn run(
         .cloned()
         .collect::<Vec<_>>()
         .join(", ");
-    let size = tokio::time::timeout(FIRST_CONTACT, seen.wait_for(|s| s.size.is_some()))
+    let waited = config.first_contact;
+    let size = tokio::time::timeout(waited, seen.wait_for(|s| s.size.is_some()))
         .await
         .ok()
         .and_then(|seen| seen.ok().and_then(|s| s.size))
-        .ok_or(AttachError::NoContact(peers))?;
+        .ok_or(AttachError::NoContact { peers, waited })?;
     let following = Following::start(
         seen,
         size,

@@ -175,6 +175,9 @@ struct AttachArgs {
     /// EIO.
     #[arg(long, value_name = "SECONDS", default_value_t = 120)]
     suspend_timeout: u64,
+    /// How many seconds to wait at start for a node to answer.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    first_contact: u64,
     #[command(flatten)]
     tls: ClientTls,
 }
@@ -374,6 +377,7 @@ async fn attach(args: AttachArgs) -> ExitCode {
         listen: args.listen,
         suspend_timeout: Duration::from_secs(args.suspend_timeout),
         transport,
+        first_contact: Duration::from_secs(args.first_contact),
     };
     let stop = async {
         let Ok(mut term) =
