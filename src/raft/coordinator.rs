@@ -305,20 +305,24 @@ impl RaftCoordinator {
         }
     }
 
-    /// The live peers to hand leadership to, the most caught-up first.
+    /// The live peers to hand leadership to: those whose replica is in the
+    /// committed in-sync set first, then the most caught-up in Raft.
     fn successors(&self) -> Vec<NodeId> {
         let metrics = self.raft.metrics().borrow().clone();
         let Some(replication) = metrics.replication else {
             return Vec::new();
         };
         let live = self.live_members();
-        let mut peers: Vec<(NodeId, Option<u64>)> = replication
+        let in_sync = self.state_machine.current().control.in_sync;
+        // A successor whose replica is in sync writes at once; one still
+        // being rebuilt would hold every write until its rebuild ends.
+        let mut peers: Vec<(bool, NodeId, Option<u64>)> = replication
             .into_iter()
             .filter(|(id, _)| *id != self.id && live.contains(id))
-            .map(|(id, matched)| (id, matched.map(|m| m.index)))
+            .map(|(id, matched)| (in_sync.contains(&id), id, matched.map(|m| m.index)))
             .collect();
-        peers.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        peers.into_iter().map(|(id, _)| id).collect()
+        peers.sort_by(|a, b| b.0.cmp(&a.0).then(b.2.cmp(&a.2)).then(a.1.cmp(&b.1)));
+        peers.into_iter().map(|(_, id, _)| id).collect()
     }
 
     /// Waits until the state machine has applied an entry of `term` (the
