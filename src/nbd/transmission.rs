@@ -17,8 +17,9 @@
 //! reply** — not `ESHUTDOWN`, which qemu and the kernel would hand straight
 //! to the guest's filesystem, while both retry on a dropped connection. The
 //! replies of requests that completed are still sent (requests in flight
-//! get [`CLOSE_GRACE`] to complete), then the connection closes, and the
-//! client retries the rest on the new writer. A write left unanswered may or
+//! get [`CLOSE_GRACE`] to complete), then, [`LINGER`] after the gate
+//! closed, the connection closes, and the client retries the rest on the
+//! new writer. A write left unanswered may or
 //! may not have landed; sending it again is safe.
 //!
 //! Every other error goes back as an NBD error code; see [`errno`]: range
@@ -53,6 +54,14 @@ pub const GATE_POLL: Duration = Duration::from_millis(20);
 /// How long a session whose gate closed waits for its requests in flight
 /// to complete before it closes without their replies.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// How long a session whose gate closed stays connected, answering nothing
+/// new, before it hangs up (unless the client hangs up first). A client
+/// behind a load balancer reconnects the moment the connection drops, and
+/// the balancer's health checks (every 100 ms in `cluster/haproxy.cfg`)
+/// need that long to stop routing to this node and start routing to the
+/// next writer; reconnecting sooner would land here again, fail, and cost
+/// qemu a second of back-off.
+pub const LINGER: Duration = Duration::from_millis(400);
 
 /// Why a request got no data back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,8 +134,9 @@ where
     written.map_err(ConnectionError::Io)
 }
 
-/// Resolves once a writable session's gate no longer grants its term, and
-/// marks the session closed; never for a read-only session.
+/// Resolves [`LINGER`] after a writable session's gate no longer grants
+/// its term, and marks the session closed at once; never for a read-only
+/// session.
 async fn gate_closed(device: &dyn Device, session: Session, closed: &watch::Sender<bool>) {
     if session.term.is_none() {
         return std::future::pending().await;
@@ -135,10 +145,11 @@ async fn gate_closed(device: &dyn Device, session: Session, closed: &watch::Send
     while session.open(device) {
         tokio::select! {
             () = tokio::time::sleep(GATE_POLL) => {}
-            _ = watched.wait_for(|closed| *closed) => return,
+            _ = watched.wait_for(|closed| *closed) => break,
         }
     }
     closed.send_replace(true);
+    tokio::time::sleep(LINGER).await;
 }
 
 /// Reads requests and spawns them; returns on `DISC`, end of stream or a

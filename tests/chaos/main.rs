@@ -15,6 +15,8 @@
 //! `CHAOS_SEED`, `CHAOS_SCHEDULES` and `CHAOS_FAULTS` for this test. Every
 //! schedule prints its own seed; `--seed S --schedules 1` replays it.
 //! `CHAOS_KEEP=1` keeps every schedule's evidence, not only a failed one's.
+//! `CHAOS_ATTACH=1` runs the clients through `replica-ha attach` (design
+//! C3) instead of letting them find the writer themselves.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -266,9 +268,43 @@ fn errno_name(errno: u32) -> &'static str {
     }
 }
 
+/// Starts `replica-ha attach` for `cluster` on a local TCP port, as the
+/// clients' host would run it; returns it and the address to connect to.
+async fn start_attach(cluster: &Cluster) -> (std::process::Child, std::net::SocketAddr) {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], common::cluster::free_port()));
+    let mut command = std::process::Command::new(common::cluster::BIN);
+    command
+        .arg("attach")
+        .arg("--socket")
+        .arg(cluster.dir.path().join("attach.sock"))
+        .arg("--listen")
+        .arg(addr.to_string());
+    for (id, node) in &cluster.addrs {
+        command.arg("--peer").arg(format!("{id}={node}"));
+    }
+    command.args(cluster.cli_tls("viewer"));
+    let log = std::fs::File::create(cluster.dir.path().join("attach.log")).expect("attach log");
+    let child = command.stderr(log).spawn().expect("attach");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "attach never listened"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (child, addr)
+}
+
 async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut cluster = Cluster::new(NODES);
     cluster.extra_args = vec!["--size".into(), (SIZE + FILL).to_string()];
+    let through_attach = std::env::var_os("CHAOS_ATTACH").is_some();
+    if through_attach {
+        cluster
+            .extra_args
+            .extend(["--nbd-tls".into(), "optional".into()]);
+    }
     let shim = fsync_shim();
     if let Some(shim) = &shim {
         cluster.env = vec![
@@ -300,7 +336,15 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         stuck = Some(format!("the new cluster elected no writer: {why}"));
     }
 
-    let workload = Workload::start(LAYOUT, cluster.nbd_addrs.clone(), seed);
+    let mut attach = None;
+    let targets = if through_attach {
+        let (child, addr) = start_attach(&cluster).await;
+        attach = Some(child);
+        BTreeMap::from([(0, addr)])
+    } else {
+        cluster.nbd_addrs.clone()
+    };
+    let workload = Workload::start(LAYOUT, targets, seed);
     wait_for_acks(&workload, 20, Duration::from_secs(20)).await;
     let mut injected = Vec::new();
     let mut crashes = Vec::new();
@@ -316,6 +360,10 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         stuck = Some("no writes acknowledged within 30 s of the heal".into());
     }
     let history = workload.stop().await;
+    if let Some(mut attach) = attach {
+        let _ = attach.kill();
+        let _ = attach.wait();
+    }
     crashes.extend(cluster.exited());
     if !crashes.is_empty() {
         // A node that exits by itself is a bug whatever the checker says.

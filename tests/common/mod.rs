@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod power;
 pub mod proxy;
+pub mod stack;
 pub mod tools;
 
 use std::collections::BTreeSet;
