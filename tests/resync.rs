@@ -38,31 +38,6 @@ async fn digests(cluster: &Cluster, id: u64) -> Vec<Bytes> {
     reply.digests
 }
 
-async fn in_sync(cluster: &Cluster, writer: u64) -> Vec<u64> {
-    match cluster.status(writer).await {
-        Some(status) => status
-            .in_sync
-            .iter()
-            .map(|id| id.parse().unwrap())
-            .collect(),
-        None => Vec::new(),
-    }
-}
-
-/// Waits until `writer` reports `id` in sync (or out of sync, `want`).
-async fn wait_in_sync(cluster: &Cluster, writer: u64, id: u64, want: bool, within: Duration) {
-    let deadline = Instant::now() + within;
-    while in_sync(cluster, writer).await.contains(&id) != want {
-        assert!(
-            Instant::now() < deadline,
-            "node {id} in sync = {} after {within:?}: {:?}",
-            !want,
-            cluster.status(writer).await
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Writes small blocks with distinct contents until told to stop; returns
 /// every acknowledged (offset, data).
 fn background_writes(
@@ -125,14 +100,16 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
         let data = Bytes::from(vec![(i + 1) as u8; 4 * MIB as usize]);
         cluster.write(writer, i * 4 * MIB, data).await.unwrap();
     }
-    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    cluster.wait_in_sync(writer, follower, false, WAIT).await;
 
     // 2. It comes back while writes keep flowing.
     cluster.spawn(follower);
     let cluster = Arc::new(cluster);
     let stop = Arc::new(Mutex::new(false));
     let writes = background_writes(Arc::clone(&cluster), writer, Arc::clone(&stop));
-    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(60))
+        .await;
     tokio::time::sleep(Duration::from_millis(300)).await; // writes after the return, too
     *stop.lock().unwrap() = true;
     let acked = writes.await.unwrap();
@@ -169,9 +146,11 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
         .write(writer, 0, Bytes::from(vec![0xee; 4096]))
         .await
         .unwrap();
-    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    cluster.wait_in_sync(writer, follower, false, WAIT).await;
     cluster.spawn(follower);
-    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(60))
+        .await;
     let copied = copied_bytes(&cluster, writer, follower).await;
     eprintln!("full rebuild: {} MiB copied", copied / MIB);
     assert!(
@@ -192,7 +171,7 @@ async fn slow_resync_cluster() -> (Cluster, u64, u64) {
         let data = Bytes::from(vec![(i + 7) as u8; 4 * MIB as usize]);
         cluster.write(writer, i * 4 * MIB, data).await.unwrap();
     }
-    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    cluster.wait_in_sync(writer, follower, false, WAIT).await;
     (cluster, writer, follower)
 }
 
@@ -248,9 +227,11 @@ async fn a_rebuild_interrupted_by_a_target_restart_finishes_correctly() {
             write().await.unwrap();
         }
     }
-    assert!(!in_sync(&cluster, writer).await.contains(&follower));
+    assert!(!cluster.in_sync(writer).await.contains(&follower));
     cluster.spawn(follower);
-    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(60))
+        .await;
     verify_identical(&cluster, writer).await;
 }
 
@@ -272,14 +253,9 @@ async fn a_rebuild_interrupted_by_a_failover_is_finished_by_the_new_writer() {
     // rebuilds its own replica from the one in-sync survivor. Until that
     // finishes only one replica is in sync, below min_in_sync, so writes
     // are refused (S5) — they succeed once the rebuild is done.
-    wait_in_sync(
-        &cluster,
-        new_writer,
-        follower,
-        true,
-        Duration::from_secs(60),
-    )
-    .await;
+    cluster
+        .wait_in_sync(new_writer, follower, true, Duration::from_secs(60))
+        .await;
     let data = Bytes::from(vec![0x77; 4096]);
     cluster
         .write(new_writer, 120 * MIB, data.clone())
@@ -304,7 +280,7 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
         .write(writer, 4096, Bytes::from(vec![0x22; 4096]))
         .await
         .unwrap();
-    wait_in_sync(&cluster, writer, follower, false, WAIT).await;
+    cluster.wait_in_sync(writer, follower, false, WAIT).await;
     // Bytes no writer acknowledged, on the down replica's disk (as a write
     // that reached only it before its writer died would leave).
     let image = cluster
@@ -320,7 +296,9 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
     file.write_all(&[0xbd; 8192]).unwrap();
     drop(file);
     cluster.spawn(follower);
-    wait_in_sync(&cluster, writer, follower, true, Duration::from_secs(60)).await;
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(60))
+        .await;
     verify_identical(&cluster, writer).await;
     assert_eq!(
         cluster.read(follower, 50 * MIB, 8192).await.unwrap(),

@@ -48,6 +48,11 @@
 //! fenced this one: the engine deactivates itself and fails the write, and
 //! never shrinks the set on that account.
 //!
+//! **S11, one order.** A write waits for its turn ([`super::order`]) before
+//! it takes its stripes: every earlier write that overlaps it must have
+//! finished on every replica first, so overlapping writes land in the same
+//! order everywhere. Copies (rebuild, repair) hold the stripe exclusively.
+//!
 //! Reads come from the local replica when it is in sync, else from the other
 //! in-sync replicas in turn.
 //!
@@ -75,6 +80,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
+use super::order::WriteOrder;
 use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
@@ -181,6 +187,8 @@ pub struct Engine {
     stripes: Vec<RwLock<()>>,
     /// The extent size the stripes are counted in.
     extent_size: u64,
+    /// One order for overlapping writes (S11, see [`super::order`]).
+    order: Arc<WriteOrder>,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
 }
@@ -339,6 +347,7 @@ impl Engine {
             shrink: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size,
+            order: Arc::default(),
             floors: Arc::default(),
         })
     }
@@ -1171,6 +1180,9 @@ impl Device for Engine {
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.volume.size)?;
+        // Its turn first, with no stripe held: an earlier overlapping write
+        // may itself wait for a stripe behind a rebuild's copy.
+        let _turn = self.order.enter(offset, data.len() as u64).await;
         let _span = self.lock_span(offset, data.len() as u64).await;
         let mut in_flight = self.begin_write(offset, data.len() as u64);
         let result = self

@@ -11,7 +11,8 @@
 //! - [`set`]: the [`ReplicaSet`], the volume's replicas by id, shared by
 //!   the engine, fencer, resync and status, and edited at run time; and
 //!   [`quorum`], the counting rules (S1, S5) as pure functions.
-//! - [`engine`]: the synchronous mirror.
+//! - [`engine`]: the synchronous mirror, and [`order`], one order for
+//!   overlapping writes on every replica (S11).
 //! - [`service`] and [`remote`]: a store served over gRPC on the node's
 //!   data listener, and the [`Replica`] client that reaches it (S2 and S3
 //!   hold over the wire), dialling through [`channels`], the pool that
@@ -24,6 +25,7 @@ pub mod engine;
 pub mod fencer;
 pub mod liveness;
 pub mod meta;
+pub mod order;
 pub mod predigest;
 pub mod quorum;
 pub mod remote;

@@ -437,6 +437,32 @@ impl Cluster {
 
     /// Waits until exactly one of `among` is the active writer (role leader,
     /// gate open) and returns it with its term.
+    /// The in-sync set as `writer` reports it (empty if it does not answer).
+    pub async fn in_sync(&self, writer: u64) -> Vec<u64> {
+        match self.status(writer).await {
+            Some(status) => status
+                .in_sync
+                .iter()
+                .map(|id| id.parse().unwrap())
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Waits until `writer` reports `id` in sync (or out of sync, `want`).
+    pub async fn wait_in_sync(&self, writer: u64, id: u64, want: bool, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        while self.in_sync(writer).await.contains(&id) != want {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node {id} in sync = {} after {within:?}: {:?}",
+                !want,
+                self.status(writer).await
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn wait_for_writer(&self, among: &[u64], within: Duration) -> (u64, u64) {
         let deadline = Instant::now() + within;
         loop {

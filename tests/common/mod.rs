@@ -42,6 +42,9 @@ pub enum Fault {
     /// Every flush takes this long before it reaches the store, as on a
     /// disk whose fsync stalls; everything else passes.
     SlowFlushes(Duration),
+    /// Writes whose data begins with this byte take this long before they
+    /// reach the store, as a request overtaken on the network would.
+    DelayWritesOf(u8, Duration),
 }
 
 /// A local replica with a switchable fault.
@@ -117,7 +120,7 @@ impl FaultyReplica {
                 Err(ReplicaError::Unavailable("injected".into()))
             }
             Fault::FailWritesAt(_) => Ok(()),
-            Fault::SlowFlushes(_) => Ok(()),
+            Fault::SlowFlushes(_) | Fault::DelayWritesOf(..) => Ok(()),
             Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
             Fault::HoldWrites { pass } => {
                 self.held.send_modify(|n| *n += 1);
@@ -162,6 +165,12 @@ impl Replica for FaultyReplica {
             return landing
                 .await
                 .unwrap_or_else(|e| Err(ReplicaError::Io(e.to_string())));
+        }
+        let fault = *self.fault.lock().unwrap();
+        if let Fault::DelayWritesOf(byte, delay) = fault {
+            if data.first() == Some(&byte) {
+                tokio::time::sleep(delay).await;
+            }
         }
         self.gate(Some(offset)).await?;
         self.inner.write(stamp, offset, data, fua).await
