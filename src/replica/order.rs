@@ -91,7 +91,7 @@ impl WriteOrder {
             let before: Vec<watch::Receiver<()>> = inner
                 .in_flight
                 .values()
-                .filter(|w| start < w.end && w.start < end)
+                .filter(|w| start < end && start < w.end && w.start < end)
                 .map(|w| w.left.clone())
                 .collect();
             let (leaving, left) = watch::channel(());
