@@ -14,8 +14,10 @@
 //!
 //! Who may call what (S9; the transport's guard has already admitted only
 //! certificates of this cluster): `Status`, `Members` and `Read` any
-//! client or node certificate; `TransferLeader` and `Write` change the
-//! cluster or the volume and need a client certificate with role `admin`.
+//! client or node certificate; `TransferLeader`, `Write` and `Scrub` change
+//! the cluster or the volume and need a client certificate with role
+//! `admin`. `Scrub` asks the writer for a pass of its scrub (see
+//! `replica::scrub`), and with `now` waits for its findings.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,8 +31,8 @@ use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     LeaderUpdate, Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus,
-    StatusReply, StatusRequest, TransferReply, TransferRequest, WatchLeaderRequest, WriteReply,
-    WriteRequest,
+    ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
+    WatchLeaderRequest, WriteReply, WriteRequest,
 };
 use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
@@ -64,6 +66,7 @@ pub fn device_status(err: DeviceError) -> Status {
         DeviceError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),
         DeviceError::InsufficientReplicas { .. }
         | DeviceError::InSyncCommit(_)
+        | DeviceError::Rejoining(_)
         | DeviceError::NoReadableReplica(_)
         | DeviceError::NotInSync => Status::unavailable(message),
         DeviceError::Io(_) | DeviceError::Remote { .. } => Status::internal(message),
@@ -181,6 +184,17 @@ impl Admin for AdminService {
                 .as_ref()
                 .map(|s| s.why.clone())
                 .unwrap_or_default(),
+            scrub_running: status.scrub.running,
+            scrub_done_bytes: status.scrub.done,
+            scrub_total_bytes: status.scrub.total,
+            scrub_last_finished_unix: status.scrub.last_finished.map_or(0, unix_seconds),
+            scrub_last_checked_extents: status.scrub.last_checked,
+            scrub_last_found: status.scrub.last_found,
+            scrub_last_repaired: status.scrub.last_repaired,
+            scrub_found: status.scrub.found,
+            scrub_repaired: status.scrub.repaired,
+            scrub_passes: status.scrub.passes,
+            scrub_rate_bytes_per_second: status.scrub_rate,
         }))
     }
 
@@ -222,6 +236,38 @@ impl Admin for AdminService {
         Ok(Response::new(ReadReply { data }))
     }
 
+    #[tracing::instrument(skip_all, fields(now = request.get_ref().now))]
+    async fn scrub(&self, request: Request<ScrubRequest>) -> Result<Response<ScrubReply>, Status> {
+        Caller::of(&request).require_admin("scrub the volume")?;
+        if !self.view.is_active_writer() {
+            return Err(Status::failed_precondition(
+                "this node is not the active writer; only the writer scrubs (ask the leader)",
+            ));
+        }
+        let scrubber = self.view.scrubber();
+        if !request.into_inner().now {
+            scrubber.request(false);
+            return Ok(Response::new(ScrubReply::default()));
+        }
+        let report = scrubber
+            .scrub_now()
+            .await
+            .map_err(|err| Status::failed_precondition(err.to_string()))?;
+        Ok(Response::new(ScrubReply {
+            checked: report.checked,
+            findings: report
+                .findings
+                .into_iter()
+                .map(|f| crate::proto::admin::ScrubFinding {
+                    extent: f.extent,
+                    differing: f.differing.iter().map(|id| id.0).collect(),
+                    source: f.source.0,
+                    repaired: f.repaired,
+                })
+                .collect(),
+        }))
+    }
+
     async fn transfer_leader(
         &self,
         request: Request<TransferRequest>,
@@ -239,6 +285,12 @@ impl Admin for AdminService {
             .map(|()| Response::new(TransferReply {}))
             .map_err(status_of)
     }
+}
+
+/// Seconds since the Unix epoch (0 for a time before it).
+fn unix_seconds(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn replica_status(report: ReplicaReport) -> ReplicaStatus {

@@ -104,6 +104,57 @@ pub fn render(status: &NodeStatus) -> String {
         held.map_or(0.0, |s| s.for_how_long.as_secs_f64()),
     )
     .single(
+        "replica_ha_scrub_running",
+        "gauge",
+        "1 while the writer's scrub compares the in-sync replicas.",
+        u8::from(status.scrub.running),
+    )
+    .single(
+        "replica_ha_scrub_progress_ratio",
+        "gauge",
+        "How far the running (or last) scrub pass got, 0 to 1.",
+        status.scrub.done as f64 / status.scrub.total.max(1) as f64,
+    )
+    .single(
+        "replica_ha_scrub_passes_total",
+        "counter",
+        "Scrub passes finished over the whole volume since start.",
+        status.scrub.passes as f64,
+    )
+    .single(
+        "replica_ha_scrub_last_finished_timestamp_seconds",
+        "gauge",
+        "When the last scrub pass finished (Unix time; 0: none yet).",
+        status.scrub.last_finished.map_or(0.0, |t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        }),
+    )
+    .single(
+        "replica_ha_scrub_last_checked_extents",
+        "gauge",
+        "Extents the last scrub pass compared.",
+        status.scrub.last_checked as f64,
+    )
+    .single(
+        "replica_ha_scrub_differences_found_total",
+        "counter",
+        "Extents whose in-sync copies differed, found by the scrub since start.",
+        status.scrub.found as f64,
+    )
+    .single(
+        "replica_ha_scrub_differences_repaired_total",
+        "counter",
+        "Differing extents the scrub repaired since start.",
+        status.scrub.repaired as f64,
+    )
+    .single(
+        "replica_ha_scrub_unchecked_extents_total",
+        "counter",
+        "Extents the scrub could not compare (a replica did not answer) since start.",
+        status.scrub.unchecked as f64,
+    )
+    .single(
         "replica_ha_insecure",
         "gauge",
         "1 while this node runs without TLS (insecure = true): nothing is authenticated.",

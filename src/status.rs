@@ -22,6 +22,7 @@ use crate::nbd::NbdStats;
 use crate::raft::coordinator::LogProgress;
 use crate::raft::{RaftCoordinator, WriterRecord};
 use crate::replica::resync::{Progress, Resyncer};
+use crate::replica::scrub::{ScrubStatus, Scrubber};
 use crate::replica::{ReplicaInfo, ReplicaSet};
 use crate::volume::{Access, Device, DeviceError};
 
@@ -62,6 +63,7 @@ pub struct NodeView {
     controller: Arc<Controller>,
     replicas: Arc<ReplicaSet>,
     resync: Arc<Resyncer>,
+    scrub: Arc<Scrubber>,
     device: Arc<dyn Device>,
     io: Arc<DeviceMetrics>,
     nbd: Arc<NbdStats>,
@@ -76,6 +78,8 @@ pub struct NodeParts {
     pub replicas: Arc<ReplicaSet>,
     /// The resync of out-of-sync replicas (progress).
     pub resync: Arc<Resyncer>,
+    /// The writer's scrub of the in-sync copies.
+    pub scrub: Arc<Scrubber>,
     /// The data path: the read gate in front of the write gate, counted.
     /// NBD and admin reads and writes use it.
     pub device: Arc<dyn Device>,
@@ -166,6 +170,10 @@ pub struct NodeStatus {
     pub reads_refused: Option<String>,
     /// Writes held below `min_in_sync` (design C2), and what will end it.
     pub suspended: Option<SuspendedIo>,
+    /// What this node's scrub has done (all zero unless it has written).
+    pub scrub: ScrubStatus,
+    /// The configured background scrub rate (bytes per second, 0: off).
+    pub scrub_rate: u64,
     /// The data path's and the NBD server's counters (live).
     pub io: Arc<DeviceMetrics>,
     pub nbd: Arc<NbdStats>,
@@ -180,6 +188,7 @@ impl NodeView {
             controller: parts.controller,
             replicas: parts.replicas,
             resync: parts.resync,
+            scrub: parts.scrub,
             device: parts.device,
             io: parts.io,
             nbd: parts.nbd,
@@ -226,6 +235,11 @@ impl NodeView {
             writer_term,
             size,
         }
+    }
+
+    /// The writer's scrub, for the admin API to ask for a pass.
+    pub fn scrubber(&self) -> &Arc<Scrubber> {
+        &self.scrub
     }
 
     /// Hands leadership to node `to` and waits until it leads.
@@ -293,6 +307,8 @@ impl NodeView {
             replicas: self.replica_reports().await,
             reads_refused: self.reads_refused(),
             suspended: None,
+            scrub: self.scrub.status(),
+            scrub_rate: self.scrub.rate(),
             io: Arc::clone(&self.io),
             nbd: Arc::clone(&self.nbd),
         }

@@ -24,7 +24,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::ids::Term;
+use crate::ids::{NodeId, Term};
 
 /// The largest single read or write, in bytes (32 MiB). NBD clients split
 /// larger transfers; a bigger request is refused with [`RangeError::TooLarge`].
@@ -175,6 +175,11 @@ pub enum DeviceError {
     /// The in-sync set could not be shrunk (the write is not acknowledged).
     #[error("could not commit the in-sync change: {0}")]
     InSyncCommit(String),
+    /// A replica failed the write while its return to the in-sync set was
+    /// being committed, so the write may not be acknowledged (S5) until
+    /// that return is settled one way or the other.
+    #[error("replica {0} failed the write while rejoining the in-sync set")]
+    Rejoining(NodeId),
     /// No replica could serve a read.
     #[error("no in-sync replica could serve the read: {0}")]
     NoReadableReplica(String),
@@ -191,6 +196,23 @@ pub enum DeviceError {
     /// The writer behind `attach` answered with this NBD error number.
     #[error("the writer answered with NBD error {errno}")]
     Remote { errno: u32 },
+}
+
+impl DeviceError {
+    /// Whether the request failed only because the in-sync set cannot take
+    /// it right now: too few members, a change of the set that did not
+    /// commit, or a replica's return still being settled. Nothing is wrong
+    /// with the request or the data, and sending it again is safe, so the
+    /// write gate holds it and tries again (design C2) instead of failing
+    /// it.
+    pub fn is_replica_shortfall(&self) -> bool {
+        matches!(
+            self,
+            DeviceError::InsufficientReplicas { .. }
+                | DeviceError::InSyncCommit(_)
+                | DeviceError::Rejoining(_)
+        )
+    }
 }
 
 #[cfg(test)]

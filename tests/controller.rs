@@ -28,6 +28,16 @@ struct Node {
 
 impl Node {
     fn start(cluster: &FakeCluster, script: &Arc<FenceScript>, id: NodeId) -> Node {
+        Self::start_holding(cluster, script, id, Duration::ZERO)
+    }
+
+    /// A node whose gate holds writes short of replicas for `suspend`.
+    fn start_holding(
+        cluster: &FakeCluster,
+        script: &Arc<FenceScript>,
+        id: NodeId,
+        suspend: Duration,
+    ) -> Node {
         let coordinator = cluster.coordinator(id);
         let engine = MemoryEngine::new(1 << 20);
         let controller = Arc::new(Controller::new(
@@ -37,7 +47,7 @@ impl Node {
             ControllerConfig {
                 fence_timeout: Duration::from_millis(500),
                 retry_interval: Duration::from_millis(100),
-                suspend_timeout: Duration::ZERO,
+                suspend_timeout: suspend,
             },
         ));
         let run = tokio::spawn({
@@ -715,4 +725,31 @@ async fn a_step_down_notice_for_a_newer_term_closes_the_gate() {
     assert_eq!(a.role(), Role::Follower);
     assert!(!a.controller.status().active);
     assert_eq!(a.write().await, Err(DeviceError::NotLeader));
+}
+
+/// Design C2: a write the engine cannot acknowledge only because the
+/// in-sync set cannot take it now (too few members, a change of the set
+/// that did not commit, a returning replica that failed it) is held and
+/// tried again, and completes; any other error fails at once.
+#[tokio::test(start_paused = true)]
+async fn a_write_short_of_replicas_is_held_and_other_errors_are_not() {
+    common::init_tracing();
+    let cluster = FakeCluster::new(LEASE);
+    let script = FenceScript::new();
+    let a = Node::start_holding(&cluster, &script, NodeId(1), Duration::from_secs(30));
+    let term = cluster.elect(NodeId(1)).unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    a.engine.fail_next_writes([
+        DeviceError::InsufficientReplicas { have: 1, need: 2 },
+        DeviceError::InSyncCommit("no quorum for the entry".into()),
+        DeviceError::Rejoining(NodeId(3)),
+    ]);
+    a.write().await.unwrap();
+    assert_eq!(a.engine.writes(), vec![(term, 0)], "written once, at last");
+    a.engine
+        .fail_next_writes([DeviceError::Io("the disk failed".into())]);
+    assert_eq!(
+        a.write().await,
+        Err(DeviceError::Io("the disk failed".into()))
+    );
 }

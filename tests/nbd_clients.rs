@@ -27,7 +27,7 @@ async fn run_ok(program: &str, args: &[&str]) -> String {
     common::tools::run_ok_within(program, args, TOOL_LIMIT).await
 }
 
-use common::tools::uri;
+use common::tools::{http_get, uri};
 
 /// A qemu-io command list against `addr`'s export (read-only with `-r`).
 async fn qemu_io(addr: SocketAddr, read_only: bool, commands: &[String]) -> Output {
@@ -223,22 +223,6 @@ async fn a_client_on_the_new_writer_reads_every_block_the_old_one_acknowledged()
 }
 
 /// A plain HTTP/1.0 GET; returns the status code and body.
-fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
-    (code, body)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {

@@ -16,7 +16,7 @@ use replica_ha::net::tls::Party;
 use replica_ha::net::{Expect, Limits, Tls, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides, TlsFile};
 use replica_ha::proto::admin::admin_client::AdminClient;
-use replica_ha::proto::admin::{StatusReply, StatusRequest, TransferRequest};
+use replica_ha::proto::admin::{ScrubRequest, StatusReply, StatusRequest, TransferRequest};
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
 #[derive(Parser)]
@@ -67,6 +67,22 @@ enum Command {
         /// The node id to hand leadership to.
         #[arg(long)]
         to: u64,
+        #[command(flatten)]
+        tls: ClientTls,
+    },
+    /// Ask the writer to scrub: compare every extent's BLAKE3 digest on all
+    /// in-sync replicas and repair a copy that differs from the majority
+    /// (or, with no majority, from the writer's copy). Without --now the
+    /// pass starts at once and runs at the node's scrub_rate; `status`
+    /// shows its progress. Ask the writer; needs an admin certificate.
+    Scrub {
+        /// The writer's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:7001")]
+        addr: String,
+        /// Run the pass at full speed, wait for it and print what differed.
+        /// Exit 0 when every copy agreed or was repaired, 1 otherwise.
+        #[arg(long)]
+        now: bool,
         #[command(flatten)]
         tls: ClientTls,
     },
@@ -231,6 +247,11 @@ struct NodeArgs {
     /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
     #[arg(long)]
     resync_rate: Option<String>,
+    /// How many bytes per second of each in-sync replica the writer's
+    /// background scrub compares (with KiB/MiB/GiB suffix; 0: only on
+    /// request, see `replica-ha scrub`). Default 4MiB.
+    #[arg(long)]
+    scrub_rate: Option<String>,
     /// Append a line to FILE each time the write gate opens or closes and
     /// each time a write passes it under a later lease deadline: an audit
     /// record of when this node could write (used by cluster/chaos).
@@ -294,6 +315,7 @@ async fn dispatch(cli: Cli) -> ExitCode {
         Command::Attach(args) => attach(*args).await,
         Command::Status { addr, json, tls } => status(&addr, json, &tls).await,
         Command::Transfer { addr, to, tls } => transfer(&addr, to, &tls).await,
+        Command::Scrub { addr, now, tls } => scrub(&addr, now, &tls).await,
         Command::Inspect {
             data_dir,
             cluster_id,
@@ -414,6 +436,7 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         size: args.size,
         min_in_sync: args.min_in_sync,
         resync_rate: args.resync_rate,
+        scrub_rate: args.scrub_rate,
         gate_journal: args.gate_journal,
         suspend_timeout: args.suspend_timeout,
         insecure: args.insecure,
@@ -532,6 +555,19 @@ fn status_json(reply: &StatusReply) -> String {
             "why": reply.io_suspended_why,
         })),
         "data_address": reply.data_address,
+        "scrub": serde_json::json!({
+            "running": reply.scrub_running,
+            "done_bytes": reply.scrub_done_bytes,
+            "total_bytes": reply.scrub_total_bytes,
+            "passes": reply.scrub_passes,
+            "last_finished_unix": optional(reply.scrub_last_finished_unix),
+            "last_checked_extents": reply.scrub_last_checked_extents,
+            "last_found": reply.scrub_last_found,
+            "last_repaired": reply.scrub_last_repaired,
+            "found": reply.scrub_found,
+            "repaired": reply.scrub_repaired,
+            "rate_bytes_per_second": reply.scrub_rate_bytes_per_second,
+        }),
         "reads": if reply.reads_served { "served" } else { "refused" },
         "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
         "replicas": reply.replicas.iter().map(|r| serde_json::json!({
@@ -566,6 +602,54 @@ fn io_line(reply: &StatusReply) -> String {
         "suspended: {} requests waiting {:.1} s ({})",
         reply.io_suspended_requests, reply.io_suspended_seconds, reply.io_suspended_why
     )
+}
+
+/// The writer's scrub: "42% of a pass (last pass ...; 4 MiB/s)", "last
+/// pass 2026-12-04 14:30:02 UTC: 64 extents, 1 differed, 1 repaired (4
+/// MiB/s)", or "-" on a node that is not the writer and never scrubbed.
+fn scrub_line(reply: &StatusReply) -> String {
+    if !reply.gate_open && reply.scrub_passes == 0 && !reply.scrub_running {
+        return "-".into();
+    }
+    let last = if reply.scrub_last_finished_unix == 0 {
+        "no pass finished yet".to_string()
+    } else {
+        format!(
+            "last pass {}: {} extents, {} differed, {} repaired",
+            utc(reply.scrub_last_finished_unix),
+            reply.scrub_last_checked_extents,
+            reply.scrub_last_found,
+            reply.scrub_last_repaired
+        )
+    };
+    let rate = match reply.scrub_rate_bytes_per_second {
+        0 => "on request".to_string(),
+        r => format!("{} MiB/s", r as f64 / 1048576.0),
+    };
+    if reply.scrub_running {
+        format!(
+            "{:.0}% of a pass ({last}; {rate})",
+            100.0 * reply.scrub_done_bytes as f64 / reply.scrub_total_bytes.max(1) as f64
+        )
+    } else {
+        format!("{last} ({rate})")
+    }
+}
+
+/// A Unix time as "YYYY-MM-DD HH:MM:SS UTC".
+fn utc(unix: u64) -> String {
+    match time::OffsetDateTime::from_unix_timestamp(unix as i64) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        ),
+        Err(_) => format!("{unix} (Unix time)"),
+    }
 }
 
 /// "served", or "refused (replica not in sync)".
@@ -612,6 +696,7 @@ fn print_status_table(reply: &StatusReply) {
         ("reads", reads_line(reply)),
         ("I/O", io_line(reply)),
         ("fence floor", reply.fence_floor.to_string()),
+        ("scrub", scrub_line(reply)),
         ("volume size", reply.volume_size.to_string()),
         ("min in sync", reply.min_in_sync.to_string()),
     ];
@@ -666,6 +751,57 @@ fn print_status_table(reply: &StatusReply) {
             note
         };
         println!("{:<8} {:<11} {floor:>11} {dirty:>6}  {note}", r.id, r.state);
+    }
+}
+
+async fn scrub(addr: &str, now: bool, tls: &ClientTls) -> ExitCode {
+    let outcome = async {
+        let mut client = admin_client(addr, tls)?;
+        let mut request = tonic::Request::new(ScrubRequest { now });
+        // A pass at full speed reads every replica once: allow an hour.
+        request.set_timeout(Duration::from_secs(if now { 3600 } else { 10 }));
+        client
+            .scrub(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| describe(&s))
+    }
+    .await;
+    let reply = match outcome {
+        Ok(reply) => reply,
+        Err(err) => {
+            eprintln!("replica-ha: scrub failed: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if !now {
+        println!("scrub started; `replica-ha status` shows its progress");
+        return ExitCode::SUCCESS;
+    }
+    for f in &reply.findings {
+        let differing: Vec<String> = f.differing.iter().map(u64::to_string).collect();
+        println!(
+            "extent {}: node(s) {} differed from node {}; {}",
+            f.extent,
+            differing.join(", "),
+            f.source,
+            if f.repaired {
+                "repaired"
+            } else {
+                "NOT repaired"
+            }
+        );
+    }
+    let repaired = reply.findings.iter().filter(|f| f.repaired).count();
+    println!(
+        "scrub: {} extents compared, {} differed, {repaired} repaired",
+        reply.checked,
+        reply.findings.len()
+    );
+    if repaired == reply.findings.len() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

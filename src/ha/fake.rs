@@ -484,6 +484,8 @@ pub struct MemoryEngine {
     delay: Mutex<Duration>,
     activate_delay: Mutex<Duration>,
     fail_activate: AtomicBool,
+    /// Errors the next writes fail with, one each, before they touch data.
+    fail_writes: Mutex<std::collections::VecDeque<DeviceError>>,
 }
 
 impl MemoryEngine {
@@ -496,6 +498,7 @@ impl MemoryEngine {
             delay: Mutex::default(),
             activate_delay: Mutex::default(),
             fail_activate: AtomicBool::new(false),
+            fail_writes: Mutex::default(),
         })
     }
 
@@ -520,6 +523,11 @@ impl MemoryEngine {
     }
 
     /// Makes `activate` fail (`true`) or work again.
+    /// The next writes fail with `errors`, one each, in order.
+    pub fn fail_next_writes(&self, errors: impl IntoIterator<Item = DeviceError>) {
+        lock(&self.fail_writes).extend(errors);
+    }
+
     pub fn set_fail_activate(&self, fail: bool) {
         self.fail_activate.store(fail, Ordering::SeqCst);
     }
@@ -537,6 +545,9 @@ impl Device for MemoryEngine {
 
     async fn write_at(&self, offset: u64, bytes: Bytes, _fua: bool) -> Result<(), DeviceError> {
         let term = self.term().ok_or(DeviceError::Inactive)?;
+        if let Some(err) = lock(&self.fail_writes).pop_front() {
+            return Err(err);
+        }
         let delay = *lock(&self.delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;

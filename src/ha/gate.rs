@@ -28,8 +28,10 @@
 //! its lease, before another is elected.
 //!
 //! **Degraded, not failed (design C2).** A write or flush that the engine
-//! cannot acknowledge because the in-sync set is below `min_in_sync`
-//! ([`DeviceError::InsufficientReplicas`]) is held, not failed: it is tried
+//! cannot acknowledge only because the in-sync set cannot take it now
+//! ([`DeviceError::is_replica_shortfall`]: below `min_in_sync`, a change of
+//! the set that did not commit, a returning replica that failed it) is
+//! held, not failed: it is tried
 //! again, each time through the gate again (so never past a closed gate or
 //! a lapsed lease), until it succeeds or the suspend timeout passes, and
 //! only then fails. Retrying is safe: the client has no answer yet, so it
@@ -220,9 +222,7 @@ impl ActiveDevice {
         let mut held = None;
         loop {
             match request().await {
-                Err(err @ DeviceError::InsufficientReplicas { .. })
-                    if Instant::now() < deadline =>
-                {
+                Err(err) if err.is_replica_shortfall() && Instant::now() < deadline => {
                     held.get_or_insert_with(|| Held::new(self, &err));
                     tokio::time::sleep_until((Instant::now() + SUSPEND_RETRY).min(deadline)).await;
                     self.admit_and_record()?;

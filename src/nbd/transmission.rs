@@ -377,6 +377,7 @@ pub fn errno(err: &DeviceError, write: bool) -> Option<u32> {
         DeviceError::Range(_) => wire::EINVAL,
         DeviceError::InsufficientReplicas { .. }
         | DeviceError::InSyncCommit(_)
+        | DeviceError::Rejoining(_)
         | DeviceError::NoReadableReplica(_)
         | DeviceError::NotInSync
         | DeviceError::Io(_) => wire::EIO,

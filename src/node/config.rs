@@ -73,6 +73,8 @@ pub struct ConfigFile {
     pub min_in_sync: Option<usize>,
     /// The most bytes per second a resync copies ("0" for no limit).
     pub resync_rate: Option<toml::Value>,
+    /// Bytes per second the writer's background scrub compares ("0": off).
+    pub scrub_rate: Option<toml::Value>,
     /// Append the gate's history to this file (see `node::journal`).
     pub gate_journal: Option<PathBuf>,
     /// Raft timing, in milliseconds.
@@ -133,6 +135,8 @@ pub struct Overrides {
     pub min_in_sync: Option<usize>,
     /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for none.
     pub resync_rate: Option<String>,
+    /// Bytes per second, with an optional KiB/MiB/GiB suffix; "0" for off.
+    pub scrub_rate: Option<String>,
     pub gate_journal: Option<PathBuf>,
     /// `--suspend-timeout SECONDS`.
     pub suspend_timeout: Option<u64>,
@@ -178,6 +182,8 @@ pub struct NodeConfig {
     pub min_in_sync: usize,
     /// Bytes per second a resync may copy (0: no limit).
     pub resync_rate: u64,
+    /// Bytes per second the writer's scrub compares (0: only on request).
+    pub scrub_rate: u64,
     /// Where the gate journal goes, if anywhere.
     pub gate_journal: Option<PathBuf>,
     pub timing: RaftTiming,
@@ -204,6 +210,13 @@ pub const DEFAULT_SUSPEND_TIMEOUT: Duration = Duration::from_secs(120);
 /// The default resync copy limit: 128 MiB/s, well under a disk's speed so
 /// client I/O keeps its share.
 pub const DEFAULT_RESYNC_RATE: u64 = 128 * 1024 * 1024;
+
+/// The default scrub rate: 4 MiB of every in-sync replica compared per
+/// second. Gentle: a fraction of a percent of a disk's bandwidth, and a
+/// pass over 1 TiB takes about three days, about as often as Ceph
+/// deep-scrubs (weekly by default) and more often than a typical monthly
+/// RAID scrub.
+pub const DEFAULT_SCRUB_RATE: u64 = 4 * 1024 * 1024;
 
 impl NodeConfig {
     /// Reads `path` (if given), applies `overrides` and validates.
@@ -322,17 +335,18 @@ impl NodeConfig {
             ));
         }
 
-        let rate = flags
-            .resync_rate
-            .map(toml::Value::String)
-            .or(file.resync_rate);
-        let resync_rate = match rate {
-            None => DEFAULT_RESYNC_RATE,
-            Some(toml::Value::Integer(n)) if n >= 0 => n as u64,
-            Some(toml::Value::String(text)) if text.trim() == "0" => 0,
-            Some(toml::Value::String(text)) => parse_size(text.trim_end_matches("/s"))?,
-            Some(other) => return fail(format!("resync_rate {other} is not a rate")),
-        };
+        let resync_rate = parse_rate(
+            "resync_rate",
+            flags.resync_rate,
+            file.resync_rate,
+            DEFAULT_RESYNC_RATE,
+        )?;
+        let scrub_rate = parse_rate(
+            "scrub_rate",
+            flags.scrub_rate,
+            file.scrub_rate,
+            DEFAULT_SCRUB_RATE,
+        )?;
 
         let raft = file.raft.unwrap_or_default();
         let defaults = RaftTiming::default();
@@ -399,6 +413,7 @@ impl NodeConfig {
             size,
             min_in_sync,
             resync_rate,
+            scrub_rate,
             gate_journal: flags.gate_journal.or(file.gate_journal),
             timing,
             suspend_timeout: flags
@@ -410,6 +425,23 @@ impl NodeConfig {
             nbd_tls,
             nbd_client_auth,
         })
+    }
+}
+
+/// A rate in bytes per second from the flag (which wins) or the file:
+/// bytes, or with a KiB/MiB/GiB suffix and an optional "/s"; "0" is 0.
+fn parse_rate(
+    name: &str,
+    flag: Option<String>,
+    file: Option<toml::Value>,
+    default: u64,
+) -> Result<u64, ConfigError> {
+    match flag.map(toml::Value::String).or(file) {
+        None => Ok(default),
+        Some(toml::Value::Integer(n)) if n >= 0 => Ok(n as u64),
+        Some(toml::Value::String(text)) if text.trim() == "0" => Ok(0),
+        Some(toml::Value::String(text)) => parse_size(text.trim_end_matches("/s")),
+        Some(other) => fail(format!("{name} {other} is not a rate")),
     }
 }
 

@@ -158,6 +158,7 @@ impl Node {
             controller: Arc::clone(&volume.controller),
             replicas: Arc::clone(&volume.replicas),
             resync: Arc::clone(&volume.resync),
+            scrub: Arc::clone(&volume.scrub),
             device: Arc::clone(&volume.device),
             io: Arc::clone(&volume.io),
             nbd: Arc::default(),
@@ -546,6 +547,7 @@ fn spawn_background(
     http: Option<tokio::net::TcpListener>,
 ) {
     tasks.spawn("resync", Arc::clone(&volume.resync).run());
+    tasks.spawn("scrub", Arc::clone(&volume.scrub).run());
     tasks.spawn(
         "mark retirement",
         Arc::clone(&volume.engine).run_mark_retirement(MARK_RETIREMENT),

@@ -1,7 +1,7 @@
 //! The assembler of one volume on a node: its replica store, the replica
 //! set (this node's copy without a network hop, every peer's over the
 //! transport), the engine, the fencer, the controller and its write gate,
-//! the resync, and the data path that NBD and the admin API use (the read
+//! the resync and the scrub, and the data path that NBD and the admin API use (the read
 //! gate in front of the write gate, counted).
 //!
 //! A node serves one volume today; a node with several would assemble one
@@ -20,6 +20,7 @@ use crate::replica::channels::Channels;
 use crate::replica::fencer::TokenFencer;
 use crate::replica::remote::RemoteReplica;
 use crate::replica::resync::{ResyncConfig, Resyncer};
+use crate::replica::scrub::{ScrubConfig, Scrubber};
 use crate::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     StoreIdentity,
@@ -48,6 +49,8 @@ pub struct Volume {
     pub engine: Arc<Engine>,
     pub controller: Arc<Controller>,
     pub resync: Arc<Resyncer>,
+    /// The writer's comparison of the in-sync copies.
+    pub scrub: Arc<Scrubber>,
     /// The data path: the read gate in front of the write gate, counted.
     pub device: Arc<dyn Device>,
     /// The data path's counters.
@@ -106,6 +109,12 @@ impl Volume {
                 ..ResyncConfig::default()
             },
         ));
+        let scrub = Arc::new(Scrubber::new(
+            Arc::clone(&engine),
+            ScrubConfig {
+                rate: config.scrub_rate,
+            },
+        ));
         let io = Arc::new(DeviceMetrics::default());
         let local_copy = reads::RaftLocalCopy::new(
             config.id,
@@ -120,6 +129,7 @@ impl Volume {
             engine,
             controller,
             resync,
+            scrub,
             device,
             io,
         })

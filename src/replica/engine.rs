@@ -174,6 +174,34 @@ impl RebuildError {
     }
 }
 
+/// What the scrub found on one extent whose in-sync copies differed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrubFinding {
+    /// The extent's index.
+    pub extent: u64,
+    /// The in-sync replicas whose copy differed from the one kept.
+    pub differing: Vec<NodeId>,
+    /// The replica whose copy was kept: the majority's, or the writer's.
+    pub source: NodeId,
+    /// Whether every differing copy was overwritten and flushed.
+    pub repaired: bool,
+}
+
+/// Why the scrub could not check an extent; the pass goes on, or ends.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScrubError {
+    /// The engine has no term: this node is not the writer.
+    #[error("the engine is not active")]
+    Inactive,
+    /// A replica did not answer.
+    #[error("{step} {replica}: {cause}")]
+    Replica {
+        step: &'static str,
+        replica: NodeId,
+        cause: ReplicaError,
+    },
+}
+
 /// The mirroring engine. See the module docs.
 pub struct Engine {
     config: EngineConfig,
@@ -508,9 +536,7 @@ impl Engine {
             }
         }
         match joining_failed {
-            Some(id) => Err(DeviceError::Io(format!(
-                "replica {id} failed the write while rejoining the in-sync set"
-            ))),
+            Some(id) => Err(DeviceError::Rejoining(id)),
             None => Ok(()),
         }
     }
@@ -665,6 +691,103 @@ impl Engine {
             return Err(RebuildError::replica("draining", id, cause));
         }
         Ok(term)
+    }
+
+    /// Compares extent `extent` on every in-sync replica under the
+    /// extent's stripe (no write to it in flight) and, where the copies
+    /// differ, overwrites the odd ones from the copy kept: the one a
+    /// majority holds, or else the writer's own (the first in read order).
+    /// The repaired copies are flushed, and the extent's marks retired like
+    /// a write's. An extent with an unacknowledged write of this term is
+    /// left to [`Engine::repair_unsure`]. Returns `None` when the copies
+    /// agree.
+    pub async fn scrub_extent(&self, extent: u64) -> Result<Option<ScrubFinding>, ScrubError> {
+        let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
+        let term = self.term().ok_or(ScrubError::Inactive)?;
+        let offset = extent * self.extent_size;
+        if offset >= self.config.volume.size || self.lock().activity.unsure.contains(&extent) {
+            return Ok(None);
+        }
+        let len = self.extent_size.min(self.config.volume.size - offset);
+        let members = self.read_order();
+        let answers = join_all(
+            members
+                .iter()
+                .map(|r| self.bounded(r.id(), r.digests(offset, len))),
+        )
+        .await;
+        let mut copies = Vec::with_capacity(members.len());
+        for (replica, answer) in members.iter().zip(answers) {
+            let (_, digests) = answer.map_err(|cause| ScrubError::Replica {
+                step: "digesting",
+                replica: replica.id(),
+                cause,
+            })?;
+            copies.push((replica.id(), digests.into_iter().next().unwrap_or_default()));
+        }
+        let Some(kept) = super::scrub::copy_to_keep(&copies) else {
+            return Ok(None);
+        };
+        let differing: Vec<NodeId> = copies
+            .iter()
+            .filter(|(_, digest)| *digest != kept)
+            .map(|(id, _)| *id)
+            .collect();
+        if differing.is_empty() {
+            return Ok(None);
+        }
+        let source = copies
+            .iter()
+            .find(|(_, digest)| *digest == kept)
+            .and_then(|(id, _)| members.iter().find(|r| r.id() == *id))
+            .cloned()
+            .ok_or(ScrubError::Inactive)?;
+        let mut finding = ScrubFinding {
+            extent,
+            differing: differing.clone(),
+            source: source.id(),
+            repaired: false,
+        };
+        let read = self.bounded(source.id(), source.read(offset, len)).await;
+        let data = read.map_err(|cause| ScrubError::Replica {
+            step: "reading",
+            replica: source.id(),
+            cause,
+        })?;
+        if blake3::hash(&data).as_bytes()[..] != kept[..] {
+            // The source's bytes changed between the digest and the read
+            // (its disk, not a write: the stripe is held). Keep nothing.
+            return Ok(Some(finding));
+        }
+        let targets: Vec<&Arc<dyn Replica>> = members
+            .iter()
+            .filter(|r| differing.contains(&r.id()))
+            .collect();
+        let repairs = targets.iter().map(|replica| {
+            let (stamp, data) = (self.stamp(term, replica.id()), data.clone());
+            async move {
+                let written = self
+                    .bounded(replica.id(), replica.write(stamp, offset, data, false))
+                    .await;
+                self.disown_if_lost(replica.id(), stamp, &written);
+                written?;
+                let stamp = self.stamp(term, replica.id());
+                let flushed = self.bounded(replica.id(), replica.flush(stamp)).await;
+                self.disown_if_lost(replica.id(), stamp, &flushed);
+                flushed
+            }
+        });
+        finding.repaired = join_all(repairs).await.iter().all(Result::is_ok);
+        if finding.repaired {
+            // The repair marked the extent with this term on its targets.
+            self.lock().activity.done.insert(extent);
+        }
+        Ok(Some(finding))
+    }
+
+    /// The in-sync replicas, this node's own first (where reads go).
+    pub fn in_sync_replicas(&self) -> Vec<Arc<dyn Replica>> {
+        self.read_order()
     }
 
     /// Compares extent `extent` of the first in-sync replica and `id`

@@ -19,6 +19,8 @@
 //!   learns each peer's data address.
 //! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
 //! - [`resync`]: online rebuild of a replica that is out of sync (S5).
+//! - [`scrub`]: the writer's background comparison of the in-sync copies,
+//!   repairing one that differs (S11).
 
 pub mod channels;
 pub mod engine;
@@ -30,6 +32,7 @@ pub mod predigest;
 pub mod quorum;
 pub mod remote;
 pub mod resync;
+pub mod scrub;
 pub mod service;
 pub mod set;
 pub mod store;

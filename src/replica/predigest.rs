@@ -22,7 +22,9 @@
 //!   change to the file has even begun since the snapshot was taken.
 //!
 //! Any write at all (client data, a rebuild copy, a convergence copy)
-//! invalidates the whole snapshot. That is deliberately coarse: the
+//! invalidates the whole snapshot, and so does the end of the promotion
+//! (the new writer clearing the older terms' marks): the scrub must read
+//! the disk, which can change without a write (bit rot). That is deliberately coarse: the
 //! snapshot is for the quiet window between writers, not for steady use.
 
 use std::collections::HashMap;
@@ -110,6 +112,13 @@ impl DigestCache {
         (first..=last)
             .map(|extent| snapshot.digests.get(&extent).copied())
             .collect()
+    }
+
+    /// Drops the snapshot: the promotion it was taken for is over. From
+    /// then on every digest is read from the disk, so a change to the file
+    /// behind the store's back (bit rot) is seen by the next comparison.
+    pub fn forget(&self) {
+        *self.lock() = None;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<Snapshot>> {

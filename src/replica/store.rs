@@ -500,6 +500,8 @@ impl ReplicaStore {
             .await
             .map_err(|e| self.meta.failed(e))?;
         self.lock_marked().retain(|mark| mark.term >= term);
+        // The promotion that the predigests were for is over.
+        self.predigests.forget();
         Ok(())
     }
 

@@ -437,6 +437,26 @@ impl Cluster {
 
     /// Waits until exactly one of `among` is the active writer (role leader,
     /// gate open) and returns it with its term.
+    /// The BLAKE3 digests of node `id`'s replica, one per extent, over
+    /// `[offset, offset + length)`, asked of its replica service.
+    pub async fn digests(&self, id: u64, offset: u64, length: u64) -> Vec<bytes::Bytes> {
+        use replica_ha::proto::replica as pb;
+        let mut client = pb::replica_client::ReplicaClient::new(self.peer_channel(id));
+        let reply = client
+            .digest(pb::DigestRequest {
+                volume: Some(pb::VolumeRef {
+                    cluster_id: self.cluster_id.clone(),
+                    volume: "vol0".into(),
+                }),
+                offset,
+                length,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        reply.digests
+    }
+
     /// The in-sync set as `writer` reports it (empty if it does not answer).
     pub async fn in_sync(&self, writer: u64) -> Vec<u64> {
         match self.status(writer).await {

@@ -34,3 +34,22 @@ pub async fn run_ok_within(program: &str, args: &[&str], limit: Duration) -> Str
 pub fn uri(addr: SocketAddr) -> String {
     format!("nbd://{addr}/vol0")
 }
+
+/// A plain HTTP/1.0 GET of `path` on `addr`: the status code and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
+    (code, body)
+}

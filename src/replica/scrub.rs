@@ -1,0 +1,419 @@
+//! Scrub: proving that every in-sync replica holds the same bytes, and
+//! repairing the one that does not (design S11).
+//!
+//! One order (see [`super::order`]) keeps honest replicas identical; a
+//! disk can still return other bytes than were written (bit rot, a bad
+//! sector, a stray write by hand). Nothing else would notice: reads go to
+//! one copy, and a rebuild compares only replicas that are out of sync. So
+//! the active writer runs [`Scrubber::run`]:
+//!
+//! 1. a pass walks the volume 64 extents at a time and asks every in-sync
+//!    replica for their BLAKE3 digests, without holding anything, so client
+//!    writes go on;
+//! 2. an extent whose digests differ is compared again under its stripe,
+//!    where no write is in flight ([`Engine::scrub_extent`]); a difference
+//!    that was only a write in flight vanishes there;
+//! 3. a real difference is logged with the extent and the replicas, and the
+//!    odd copies are overwritten from the copy a majority holds, or from
+//!    the writer's own copy when no copy has a majority ([`copy_to_keep`]),
+//!    then flushed.
+//!
+//! Passes run back to back at `scrub_rate` bytes compared per second (`0`:
+//! only on request). `replica-ha scrub` asks for a pass now; `--now` runs
+//! it at full speed and waits for its findings. What the last pass found,
+//! and the progress of one running, go to status and `/metrics`.
+//!
+//! Implementation caveats:
+//! - Only the writer scrubs, and only while active: a pass ends at a change
+//!   of term, and the next writer starts over from extent 0.
+//! - A copy whose repair failed stays in the in-sync set; the next pass
+//!   finds it again. Reads prefer the writer's copy, so a rotten writer copy
+//!   is served until its repair succeeds (the optional end-to-end read check
+//!   of the design is not built).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use futures::future::join_all;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use super::engine::{ScrubError, ScrubFinding};
+use super::{Engine, Replica};
+use crate::ids::NodeId;
+use crate::volume::Device;
+
+/// How many extents one digest request covers.
+const EXTENTS_PER_REQUEST: u64 = 64;
+/// The pause between passes when scrubbing continuously.
+const BETWEEN_PASSES: Duration = Duration::from_secs(1);
+
+/// The digest to keep among the in-sync copies `(replica, digest)`, given
+/// in read order (the writer's own first): the one more than half of them
+/// hold, or else the first. `None` when there are no copies.
+pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<Bytes> {
+    let mut counts: BTreeMap<&Bytes, usize> = BTreeMap::new();
+    for (_, digest) in copies {
+        *counts.entry(digest).or_default() += 1;
+    }
+    let majority = counts
+        .into_iter()
+        .find(|(_, count)| 2 * count > copies.len())
+        .map(|(digest, _)| digest.clone());
+    majority.or_else(|| copies.first().map(|(_, digest)| digest.clone()))
+}
+
+/// What the scrub has done, for status and metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ScrubStatus {
+    /// A pass is running.
+    pub running: bool,
+    /// Bytes of the volume compared by the running (or last) pass, of
+    /// `total`.
+    pub done: u64,
+    pub total: u64,
+    /// Passes finished (all of the volume compared).
+    pub passes: u64,
+    /// When the last finished pass ended, and what it checked and found.
+    pub last_finished: Option<SystemTime>,
+    pub last_checked: u64,
+    pub last_found: u64,
+    pub last_repaired: u64,
+    /// Differences found and repaired since this node started.
+    pub found: u64,
+    pub repaired: u64,
+    /// Extents that could not be compared since this node started (a
+    /// replica did not answer).
+    pub unchecked: u64,
+}
+
+/// One pass's outcome.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// Extents compared.
+    pub checked: u64,
+    /// Extents whose in-sync copies differed.
+    pub findings: Vec<ScrubFinding>,
+    /// Whether the pass compared the whole volume (false: ended by a change
+    /// of term).
+    pub complete: bool,
+}
+
+/// How the scrub runs.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrubConfig {
+    /// Bytes compared per second while scrubbing in the background; 0 means
+    /// only on request.
+    pub rate: u64,
+}
+
+/// The writer's scrub. See the module docs.
+pub struct Scrubber {
+    engine: Arc<Engine>,
+    config: ScrubConfig,
+    status: watch::Sender<ScrubStatus>,
+    /// Wakes the loop for a requested pass.
+    requested: Notify,
+    /// Requests waiting: the next pass runs unpaced if any asked for `now`.
+    wanted: Mutex<Wanted>,
+    /// The findings of the last finished pass.
+    last: Mutex<Vec<ScrubFinding>>,
+}
+
+#[derive(Debug, Default)]
+struct Wanted {
+    /// A pass was asked for.
+    pass: bool,
+    /// At full speed.
+    hurry: bool,
+}
+
+impl Scrubber {
+    /// A scrubber over the engine's replicas.
+    pub fn new(engine: Arc<Engine>, config: ScrubConfig) -> Self {
+        Self {
+            engine,
+            config,
+            status: watch::Sender::new(ScrubStatus::default()),
+            requested: Notify::new(),
+            wanted: Mutex::default(),
+            last: Mutex::default(),
+        }
+    }
+
+    /// What the scrub has done so far.
+    pub fn status(&self) -> ScrubStatus {
+        self.status.borrow().clone()
+    }
+
+    /// The configured background rate (bytes per second, 0: off).
+    pub fn rate(&self) -> u64 {
+        self.config.rate
+    }
+
+    /// Asks for a pass to start now (the running one, if any, finishes
+    /// first), paced at the configured rate unless `hurry`.
+    pub fn request(&self, hurry: bool) {
+        {
+            let mut wanted = self.lock();
+            wanted.pass = true;
+            wanted.hurry |= hurry;
+        }
+        self.requested.notify_one();
+    }
+
+    /// Asks for a pass at full speed and waits until a pass that started
+    /// after this call has finished; returns what it found. Fails with
+    /// [`ScrubError::Inactive`] if this node is not, or stops being, the
+    /// writer first.
+    pub async fn scrub_now(&self) -> Result<PassReport, ScrubError> {
+        if self.engine.term().is_none() {
+            return Err(ScrubError::Inactive);
+        }
+        let mut status = self.status.subscribe();
+        let started = status.borrow().passes;
+        let running = status.borrow().running;
+        // A pass already running counts only if it started after the
+        // request: wait for the one after it.
+        let want = started + u64::from(running) + 1;
+        self.request(true);
+        loop {
+            if status.changed().await.is_err() {
+                return Err(ScrubError::Inactive);
+            }
+            let now = status.borrow().clone();
+            if now.passes >= want {
+                return Ok(PassReport {
+                    checked: now.last_checked,
+                    findings: self.last_findings(),
+                    complete: true,
+                });
+            }
+            if !now.running && self.engine.term().is_none() {
+                return Err(ScrubError::Inactive);
+            }
+        }
+    }
+
+    /// Runs passes until the task is dropped: back to back at the
+    /// configured rate, or on request.
+    pub async fn run(self: Arc<Self>) {
+        loop {
+            let pause = if self.config.rate == 0 {
+                Duration::MAX
+            } else {
+                BETWEEN_PASSES
+            };
+            tokio::select! {
+                () = self.requested.notified() => {}
+                () = sleep_up_to(pause) => {}
+            }
+            let hurry = {
+                let mut wanted = self.lock();
+                let hurry = wanted.hurry;
+                if !wanted.pass && self.config.rate == 0 {
+                    continue;
+                }
+                *wanted = Wanted::default();
+                hurry
+            };
+            if self.engine.term().is_none() {
+                continue;
+            }
+            let rate = if hurry { 0 } else { self.config.rate };
+            let report = self.pass(rate).await;
+            tracing::info!(
+                checked = report.checked,
+                found = report.findings.len(),
+                repaired = report.findings.iter().filter(|f| f.repaired).count(),
+                complete = report.complete,
+                "scrub pass ended"
+            );
+        }
+    }
+
+    /// One pass over the volume, comparing at most `rate` bytes per second
+    /// (0: no limit).
+    pub async fn pass(&self, rate: u64) -> PassReport {
+        let total = self.engine.size();
+        let extent_size = self.engine.extent_size();
+        let term = self.engine.term();
+        let started = Instant::now();
+        let mut report = PassReport::default();
+        self.status.send_modify(|s| {
+            s.running = true;
+            s.done = 0;
+            s.total = total;
+        });
+        let mut offset = 0;
+        while offset < total {
+            if term.is_none() || self.engine.term() != term {
+                break;
+            }
+            let len = (EXTENTS_PER_REQUEST * extent_size).min(total - offset);
+            let first = offset / extent_size;
+            let extents = len.div_ceil(extent_size);
+            match self.suspects(offset, len).await {
+                Ok(suspects) => {
+                    report.checked += extents;
+                    for extent in suspects {
+                        self.check(extent, &mut report).await;
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(%err, first, extents, "scrub could not compare these extents");
+                    self.status.send_modify(|s| s.unchecked += extents);
+                }
+            }
+            offset += len;
+            self.status.send_modify(|s| s.done = offset);
+            pace(offset, rate, started).await;
+        }
+        report.complete = offset >= total;
+        self.keep_findings(&report);
+        self.status.send_modify(|s| {
+            s.running = false;
+            if report.complete {
+                s.passes += 1;
+                s.last_finished = Some(SystemTime::now());
+                s.last_checked = report.checked;
+                s.last_found = report.findings.len() as u64;
+                s.last_repaired = report.findings.iter().filter(|f| f.repaired).count() as u64;
+            }
+        });
+        report
+    }
+
+    /// The extents of `[offset, offset+len)` whose digests differ among the
+    /// in-sync replicas right now (writes in flight may cause some).
+    async fn suspects(&self, offset: u64, len: u64) -> Result<Vec<u64>, ScrubError> {
+        let members: Vec<Arc<dyn Replica>> = self.engine.in_sync_replicas();
+        let answers = join_all(members.iter().map(|r| r.digests(offset, len))).await;
+        let mut lists = Vec::with_capacity(members.len());
+        for (replica, answer) in members.iter().zip(answers) {
+            let (first, digests) = answer.map_err(|cause| ScrubError::Replica {
+                step: "digesting",
+                replica: replica.id(),
+                cause,
+            })?;
+            lists.push((first, digests));
+        }
+        let Some((first, reference)) = lists.first() else {
+            return Ok(Vec::new());
+        };
+        Ok((0..reference.len())
+            .filter(|i| lists.iter().any(|(_, d)| d.get(*i) != reference.get(*i)))
+            .map(|i| first + i as u64)
+            .collect())
+    }
+
+    /// Compares one suspect extent under its stripe and records a finding.
+    async fn check(&self, extent: u64, report: &mut PassReport) {
+        match self.engine.scrub_extent(extent).await {
+            Ok(None) => {}
+            Ok(Some(finding)) => {
+                if finding.repaired {
+                    tracing::warn!(
+                        extent,
+                        differing = ?finding.differing,
+                        source = %finding.source,
+                        "scrub: in-sync copies differed; repaired from the copy kept"
+                    );
+                } else {
+                    tracing::error!(
+                        extent,
+                        differing = ?finding.differing,
+                        source = %finding.source,
+                        "scrub: in-sync copies differ and the repair failed; the next pass tries again"
+                    );
+                }
+                self.status.send_modify(|s| {
+                    s.found += 1;
+                    s.repaired += u64::from(finding.repaired);
+                });
+                report.findings.push(finding);
+            }
+            Err(err) => {
+                tracing::warn!(extent, %err, "scrub could not compare an extent");
+                self.status.send_modify(|s| s.unchecked += 1);
+            }
+        }
+    }
+
+    fn keep_findings(&self, report: &PassReport) {
+        if report.complete {
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = report.findings.clone();
+        }
+    }
+
+    fn last_findings(&self) -> Vec<ScrubFinding> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Wanted> {
+        self.wanted.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Sleeps `pause`, or forever for `Duration::MAX`.
+async fn sleep_up_to(pause: Duration) {
+    if pause == Duration::MAX {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(pause).await;
+}
+
+/// Sleeps as long as needed to keep `done` bytes within `rate` per second.
+async fn pace(done: u64, rate: u64, started: Instant) {
+    if rate == 0 {
+        return;
+    }
+    let due = Duration::from_secs_f64(done as f64 / rate as f64);
+    let elapsed = started.elapsed();
+    if due > elapsed {
+        tokio::time::sleep(due - elapsed).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copies(digests: &[(u64, &'static [u8])]) -> Vec<(NodeId, Bytes)> {
+        digests
+            .iter()
+            .map(|(id, d)| (NodeId(*id), Bytes::from_static(d)))
+            .collect()
+    }
+
+    #[test]
+    fn the_copy_kept_is_the_majoritys_else_the_writers() {
+        // The writer's copy (first) rotted: the majority wins.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"x"), (2, b"a"), (3, b"a")])),
+            Some(Bytes::from_static(b"a"))
+        );
+        // A follower's rotted.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"a"), (2, b"x"), (3, b"a")])),
+            Some(Bytes::from_static(b"a"))
+        );
+        // No majority: three different, or one against one.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"c"), (2, b"a"), (3, b"b")])),
+            Some(Bytes::from_static(b"c"))
+        );
+        assert_eq!(
+            copy_to_keep(&copies(&[(2, b"b"), (3, b"a")])),
+            Some(Bytes::from_static(b"b"))
+        );
+        // Two of four is not a majority.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"w"), (2, b"a"), (3, b"a"), (4, b"b")])),
+            Some(Bytes::from_static(b"w"))
+        );
+        assert_eq!(copy_to_keep(&[]), None);
+    }
+}

@@ -1,0 +1,147 @@
+//! The scrub (design S11) with real node processes: bytes written straight
+//! into a replica's `volume.img`, behind the node's back as bit rot would,
+//! are found by `replica-ha scrub --now` as exactly that extent on exactly
+//! that replica, repaired from the majority's copy, and reported by
+//! `status` and `/metrics`; afterwards every replica's digests agree.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::cluster::{BIN, Cluster, one_cluster_at_a_time};
+use common::tools::http_get;
+
+const WAIT: Duration = Duration::from_secs(20);
+const SIZE: u64 = 64 << 20;
+const MIB: u64 = 1 << 20;
+
+/// Writes `len` bytes of garbage into node `id`'s data file at `offset`,
+/// bypassing the node.
+fn rot(cluster: &Cluster, id: u64, offset: u64, len: usize) {
+    let path = cluster.data_dir(id).join("replica").join("volume.img");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("the replica's data file");
+    let garbage: Vec<u8> = (0..len).map(|i| (i * 7 + 13) as u8).collect();
+    file.write_all_at(&garbage, offset).unwrap();
+    file.sync_all().unwrap();
+}
+
+/// `replica-ha scrub --now` against node `id`: its exit code and output.
+fn scrub_now(cluster: &Cluster, id: u64) -> (bool, String) {
+    let mut args = vec![
+        "scrub".to_string(),
+        "--now".into(),
+        "--addr".into(),
+        cluster.addrs[&id].to_string(),
+    ];
+    args.extend(cluster.cli_tls("admin"));
+    let output = std::process::Command::new(BIN)
+        .args(&args)
+        .output()
+        .expect("the CLI runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrub_finds_and_repairs_bit_rot_on_one_replica() {
+    let _one = one_cluster_at_a_time().await;
+    let cluster = Cluster::start_with(3, &["--size", "64MiB", "--scrub-rate", "0"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let data: Vec<u8> = (0..4 * MIB as usize).map(|i| (i % 251) as u8).collect();
+    cluster
+        .write(writer, 8 * MIB, Bytes::from(data))
+        .await
+        .unwrap();
+
+    // Nothing differs yet.
+    let (ok, out) = scrub_now(&cluster, writer);
+    assert!(ok, "{out}");
+    assert!(out.contains("64 extents compared, 0 differed"), "{out}");
+
+    // Bit rot in extent 9 (1 MiB extents) of one follower.
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    rot(&cluster, follower, 9 * MIB + 12_345, 512);
+    assert!(
+        cluster.digests(follower, 9 * MIB, MIB).await
+            != cluster.digests(writer, 9 * MIB, MIB).await,
+        "the rot changed the follower's copy"
+    );
+
+    let (ok, out) = scrub_now(&cluster, writer);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "extent 9: node(s) {follower} differed from node {writer}; repaired"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("64 extents compared, 1 differed, 1 repaired"),
+        "{out}"
+    );
+    let writers = cluster.digests(writer, 0, SIZE).await;
+    for id in &cluster.ids {
+        let differ: Vec<usize> = (cluster.digests(*id, 0, SIZE).await.iter())
+            .zip(&writers)
+            .enumerate()
+            .filter(|(_, (a, b))| a != b)
+            .map(|(extent, _)| extent)
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "node {id} differs from the writer after the repair in extents {differ:?}"
+        );
+    }
+
+    // Status and metrics report it.
+    let status = cluster.status(writer).await.unwrap();
+    assert_eq!(
+        (status.scrub_last_found, status.scrub_last_repaired),
+        (1, 1),
+        "{status:?}"
+    );
+    assert_eq!(status.scrub_last_checked_extents, 64);
+    assert!(status.scrub_last_finished_unix > 0);
+    let (code, metrics) = http_get(cluster.http_addrs[&writer], "/metrics");
+    assert_eq!(code, 200);
+    for line in [
+        "replica_ha_scrub_differences_found_total 1",
+        "replica_ha_scrub_differences_repaired_total 1",
+        "replica_ha_scrub_passes_total 2",
+        "replica_ha_scrub_running 0",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+    assert!(
+        cluster.log(writer).contains("in-sync copies differed"),
+        "the finding is logged"
+    );
+
+    // The writer's own copy rots: the two followers' copy is the majority.
+    rot(&cluster, writer, 10 * MIB, 4096);
+    let (ok, out) = scrub_now(&cluster, writer);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!("extent 10: node(s) {writer} differed from node")),
+        "{out}"
+    );
+    let read = cluster.read(writer, 10 * MIB, 4096).await.unwrap();
+    let expected: Vec<u8> = (2 * MIB as usize..2 * MIB as usize + 4096)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    assert!(read == expected, "the writer serves the repaired bytes");
+
+    // A follower does not scrub.
+    let (ok, out) = scrub_now(&cluster, follower);
+    assert!(!ok, "{out}");
+    assert!(out.contains("not the active writer"), "{out}");
+}
