@@ -51,6 +51,8 @@ const LAYOUT: Layout = Layout {
     per_client: 600,
     hot: 40,
     size: SIZE,
+    // The last MiB of the volume, past the clients' blocks.
+    overlap: FILL + SIZE - EXTENT,
 };
 
 /// Each node's replica directory on its own small tmpfs, so a schedule can
@@ -118,6 +120,8 @@ struct Outcome {
     seed: u64,
     faults: Vec<Fault>,
     acked: usize,
+    /// Overlapping writes acknowledged (judged by the diverged rule only).
+    overlapping: usize,
     /// The NBD error of each refused write.
     errnos: Vec<u32>,
     unknown: usize,
@@ -186,10 +190,11 @@ async fn a_seeded_fault_campaign_keeps_every_safety_rule() {
 fn report(outcome: &Outcome) {
     let faults: Vec<String> = outcome.faults.iter().map(|f| f.to_string()).collect();
     eprintln!(
-        "chaos: seed {} [{}]: {} acked, {} refused, {} unknown, {} violation(s){}",
+        "chaos: seed {} [{}]: {} acked (+{} overlapping), {} refused, {} unknown, {} violation(s){}",
         outcome.seed,
         faults.join(", "),
         outcome.acked,
+        outcome.overlapping,
         outcome.errnos.len(),
         outcome.unknown,
         outcome.violations.len(),
@@ -224,6 +229,10 @@ fn summary(outcomes: &[Outcome]) -> String {
         row(&format!("  {kind}"), n.to_string());
     }
     row("writes acknowledged", sum(|o| o.acked).to_string());
+    row(
+        "overlapping writes acknowledged",
+        sum(|o| o.overlapping).to_string(),
+    );
     row(
         "writes refused (NBD error)",
         sum(|o| o.errnos.len()).to_string(),
@@ -359,7 +368,9 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     if !wait_for_acks(&workload, before + 20, Duration::from_secs(30)).await {
         stuck = Some("no writes acknowledged within 30 s of the heal".into());
     }
+    let overlapping = std::sync::Arc::clone(&workload.overlapping);
     let history = workload.stop().await;
+    let overlapping = overlapping.load(std::sync::atomic::Ordering::Relaxed) as usize;
     if let Some(mut attach) = attach {
         let _ = attach.kill();
         let _ = attach.wait();
@@ -462,6 +473,7 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         seed,
         faults: injected,
         acked: count(|o| *o == workload::Outcome::Acked),
+        overlapping,
         errnos: evidence
             .history
             .iter()

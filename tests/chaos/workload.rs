@@ -24,6 +24,12 @@
 //! - Half the writes go to a few hot blocks (overwritten often, so ordering
 //!   errors show) and half to many cold ones (mostly first writes, so a
 //!   replica whose disk cannot allocate fails them).
+//! - Beside them, overlapping writers ([`Layout::overlap`]): a few
+//!   connections writing 4 KiB at random 512-byte offsets within 16 KiB at
+//!   once, so writes to the same bytes are in flight together. No rule can
+//!   say which of them a block holds, so their outcomes are only counted;
+//!   the diverged rule (every in-sync replica byte-identical at the end)
+//!   judges them (design S11).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -123,7 +129,13 @@ pub struct Layout {
     pub per_client: u64,
     pub hot: u64,
     pub size: u64,
+    /// Where the overlapping writers write (16 KiB, outside the blocks).
+    pub overlap: u64,
 }
+
+/// The span the overlapping writers share, and how many there are.
+const OVERLAP_SPAN: u64 = 16 * 1024;
+const OVERLAP_WRITERS: u32 = 3;
 
 impl Layout {
     pub fn offset(&self, block: u64) -> u64 {
@@ -143,6 +155,8 @@ impl Layout {
 
 pub struct Workload {
     pub history: Arc<Mutex<Vec<Record>>>,
+    /// Overlapping writes acknowledged (see [`Layout::overlap`]).
+    pub overlapping: Arc<std::sync::atomic::AtomicU64>,
     stop: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -153,7 +167,19 @@ impl Workload {
         let history = Arc::new(Mutex::new(Vec::new()));
         let (stop, stopped) = watch::channel(false);
         let started = Instant::now();
-        let tasks = (0..layout.clients)
+        let overlapping = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut tasks: Vec<tokio::task::JoinHandle<()>> = (0..OVERLAP_WRITERS)
+            .map(|i| {
+                tokio::spawn(overlap_writer(
+                    layout.overlap,
+                    nodes.clone(),
+                    stopped.clone(),
+                    Arc::clone(&overlapping),
+                    seed ^ (u64::from(i) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d),
+                ))
+            })
+            .collect();
+        let clients = (0..layout.clients)
             .map(|client| {
                 let client = Client {
                     id: client,
@@ -166,9 +192,11 @@ impl Workload {
                 };
                 tokio::spawn(client.run())
             })
-            .collect();
+            .collect::<Vec<_>>();
+        tasks.extend(clients);
         Workload {
             history,
+            overlapping,
             stop,
             tasks,
         }
@@ -307,7 +335,53 @@ impl Client {
 
     /// Sleeps for `how_long`, or until the workload stops.
     async fn pause(&self, how_long: Duration) {
-        let mut stopped = self.stopped.clone();
-        let _ = tokio::time::timeout(how_long, stopped.wait_for(|s| *s)).await;
+        pause(&self.stopped, how_long).await;
+    }
+}
+
+/// Sleeps for `how_long`, or until the workload stops.
+async fn pause(stopped: &watch::Receiver<bool>, how_long: Duration) {
+    let mut stopped = stopped.clone();
+    let _ = tokio::time::timeout(how_long, stopped.wait_for(|s| *s)).await;
+}
+
+/// One overlapping writer: 4 KiB of fresh bytes at a random 512-byte offset
+/// within `OVERLAP_SPAN` at `base`, one after another, to whichever node
+/// offers a writable export; counts what was acknowledged.
+async fn overlap_writer(
+    base: u64,
+    nodes: BTreeMap<u64, SocketAddr>,
+    stopped: watch::Receiver<bool>,
+    acked: Arc<std::sync::atomic::AtomicU64>,
+    seed: u64,
+) {
+    let mut rng = super::rng::Rng::new(seed);
+    let ids: Vec<u64> = nodes.keys().copied().collect();
+    let mut connection: Option<Connection> = None;
+    while !*stopped.borrow() {
+        let Some(conn) = connection.as_mut() else {
+            let node = ids[rng.below(ids.len() as u64) as usize];
+            match Connection::open(nodes[&node], Duration::from_secs(1)).await {
+                Ok(conn) if !conn.read_only => connection = Some(conn),
+                _ => pause(&stopped, Duration::from_millis(100)).await,
+            }
+            continue;
+        };
+        let offset = base + rng.below((OVERLAP_SPAN - BLOCK as u64) / 512 + 1) * 512;
+        let mut data = Vec::with_capacity(BLOCK);
+        let mut state = rng.next();
+        while data.len() < BLOCK {
+            state = super::rng::splitmix(state);
+            data.extend_from_slice(&state.to_be_bytes());
+        }
+        match conn.write_fua(offset, &data, WRITE_LIMIT).await {
+            Ok(Reply::Ok(_)) => {
+                acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            _ => {
+                connection = None;
+                pause(&stopped, Duration::from_millis(100)).await;
+            }
+        }
     }
 }
