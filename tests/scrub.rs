@@ -30,6 +30,32 @@ fn rot(cluster: &Cluster, id: u64, offset: u64, len: usize) {
     file.sync_all().unwrap();
 }
 
+/// `promtool check metrics` (Debian's `prometheus`) finds nothing wrong
+/// with the exposition: names, types, help and units.
+fn promtool_accepts(metrics: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool runs (.ci/run installs prometheus)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// `replica-ha scrub --now` against node `id`: its exit code and output.
 fn scrub_now(cluster: &Cluster, id: u64) -> (bool, String) {
     let mut args = vec![
@@ -121,6 +147,7 @@ async fn a_scrub_finds_and_repairs_bit_rot_on_one_replica() {
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
+    promtool_accepts(&metrics);
     assert!(
         cluster.log(writer).contains("in-sync copies differed"),
         "the finding is logged"

@@ -85,6 +85,8 @@ pub struct Cluster {
     /// Let each node's data listener take a port the OS picks (the default
     /// outside tests) instead of `data_addrs`; no data proxies then.
     pub os_chosen_data_ports: bool,
+    /// The node binary ([`BIN`] unless a benchmark compares another build).
+    pub bin: PathBuf,
 }
 
 impl Cluster {
@@ -160,6 +162,7 @@ impl Cluster {
             certs,
             admin,
             os_chosen_data_ports: false,
+            bin: PathBuf::from(BIN),
         }
     }
 
@@ -295,7 +298,7 @@ impl Cluster {
             .append(true)
             .open(self.log_path(id))
             .unwrap();
-        let child = Command::new(BIN)
+        let child = Command::new(&self.bin)
             .args(self.args(id))
             .env("RUST_LOG", "info,openraft=warn")
             .envs(self.env.iter().map(|(k, v)| {
