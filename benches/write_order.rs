@@ -72,7 +72,12 @@ async fn measure(bin: &std::path::Path, span: &str, seconds: u64) -> Figures {
         "fio failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("fio json");
+    // fio may print notes before the JSON document.
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let json: serde_json::Value = stdout
+        .find('{')
+        .and_then(|start| serde_json::from_str(&stdout[start..]).ok())
+        .unwrap_or_else(|| panic!("fio printed no JSON: {stdout}"));
     let write = &json["jobs"][0]["write"];
     let percentile = |p: &str| write["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
     let figures = Figures {
