@@ -255,6 +255,7 @@ impl Admin for AdminService {
             .map_err(|err| Status::failed_precondition(err.to_string()))?;
         Ok(Response::new(ScrubReply {
             checked: report.checked,
+            unchecked: report.unchecked,
             findings: report
                 .findings
                 .into_iter()
@@ -263,6 +264,7 @@ impl Admin for AdminService {
                     differing: f.differing.iter().map(|id| id.0).collect(),
                     source: f.source.0,
                     repaired: f.repaired,
+                    majority: f.majority,
                 })
                 .collect(),
         }))

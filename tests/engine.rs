@@ -543,6 +543,37 @@ async fn a_write_the_engine_gave_up_on_never_lands_over_a_later_acknowledged_one
     }
 }
 
+/// No late landing for a write whose caller gave up: W1 reaches n3 and is
+/// held there, and its future is dropped (a client that disconnected, a
+/// deadline). W2 to the same block is then acknowledged; when W1 is let go,
+/// n3 must refuse it, not apply it over W2.
+#[tokio::test]
+async fn a_dropped_write_never_lands_over_a_later_acknowledged_one() {
+    let rig = Rig::new(3).await;
+    rig.engine.activate(Term(4)).await.unwrap();
+    rig.replicas[2].set(Fault::HoldWrites { pass: true });
+    {
+        let w1 = rig.engine.write_at(0, block(0x01), false);
+        tokio::pin!(w1);
+        tokio::select! {
+            _ = &mut w1 => panic!("W1 finished while held"),
+            () = rig.replicas[2].wait_held(1) => {}
+        }
+        // W1 is dropped here, unanswered.
+    }
+    rig.replicas[2].set(Fault::None);
+    rig.engine.write_at(0, block(0x02), false).await.unwrap();
+    rig.replicas[2].release(1);
+    let late = rig.replicas[2].late_outcomes(1).await;
+    assert!(late[0].is_err(), "the dropped W1 was admitted: {late:?}");
+    for (i, id) in IDS.iter().enumerate() {
+        assert!(
+            rig.on(i, 0, 4096).await == block(0x02),
+            "{id} holds the dropped W1 over the acknowledged W2"
+        );
+    }
+}
+
 /// The same across a rebuild: W1 times out on n3, n3 is dropped, rebuilt
 /// and returned; W1 must not land on it afterwards.
 #[tokio::test]

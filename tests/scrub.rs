@@ -172,3 +172,99 @@ async fn a_scrub_finds_and_repairs_bit_rot_on_one_replica() {
     assert!(!ok, "{out}");
     assert!(out.contains("not the active writer"), "{out}");
 }
+
+/// With only two in-sync copies nothing says which is right: the writer's
+/// is kept (so every copy holds one result), and the bytes it replaced are
+/// saved on the writer, not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_majority_the_writers_copy_is_kept_and_the_other_saved() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", "64MiB", "--scrub-rate", "0"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let followers: Vec<u64> = cluster
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| *id != writer)
+        .collect();
+    // One follower goes away and leaves the in-sync set.
+    cluster.kill(followers[0]);
+    cluster
+        .write(writer, 0, Bytes::from(vec![0x11; 4096]))
+        .await
+        .unwrap();
+    cluster
+        .wait_in_sync(writer, followers[0], false, WAIT)
+        .await;
+    cluster
+        .write(writer, 3 * MIB, Bytes::from(vec![0x33; 8192]))
+        .await
+        .unwrap();
+    rot(&cluster, followers[1], 3 * MIB + 100, 64);
+    let rotten = {
+        let path = cluster
+            .data_dir(followers[1])
+            .join("replica")
+            .join("volume.img");
+        let mut extent = vec![0u8; MIB as usize];
+        let file = std::fs::File::open(path).unwrap();
+        file.read_exact_at(&mut extent, 3 * MIB).unwrap();
+        extent
+    };
+
+    let (ok, out) = scrub_now(&cluster, writer);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "extent 3: node(s) {} differed from node {writer}; repaired (no majority",
+            followers[1]
+        )),
+        "{out}"
+    );
+    let kept_dir = cluster.data_dir(writer).join("scrub-kept");
+    let saved: Vec<_> = std::fs::read_dir(&kept_dir)
+        .expect("the replaced copy is saved")
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    let name = saved[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with(&format!("extent-3-node-{}-", followers[1])),
+        "{name}"
+    );
+    assert!(
+        std::fs::read(&saved[0]).unwrap() == rotten,
+        "the saved file holds the replaced bytes"
+    );
+    assert!(
+        cluster.digests(followers[1], 3 * MIB, MIB).await
+            == cluster.digests(writer, 3 * MIB, MIB).await,
+        "the follower holds the writer's copy now"
+    );
+}
+
+/// `scrub --now` does not queue behind a paced background pass: it ends
+/// that pass (which does not count) and runs its own at full speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrub_now_ends_a_paced_pass_and_runs_its_own() {
+    let _one = one_cluster_at_a_time().await;
+    // 64 MiB at 1 MiB/s: a background pass takes about a minute.
+    let cluster = Cluster::start_with(3, &["--size", "64MiB", "--scrub-rate", "1MiB"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cluster.status(writer).await.unwrap().scrub_running {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no background pass started"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (ok, out) = scrub_now(&cluster, writer);
+    assert!(ok, "{out}");
+    assert!(out.contains("64 extents compared, 0 differed"), "{out}");
+    let status = cluster.status(writer).await.unwrap();
+    assert_eq!(
+        status.scrub_passes, 1,
+        "only the requested pass finished: {status:?}"
+    );
+}

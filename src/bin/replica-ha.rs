@@ -72,15 +72,18 @@ enum Command {
     },
     /// Ask the writer to scrub: compare every extent's BLAKE3 digest on all
     /// in-sync replicas and repair a copy that differs from the majority
-    /// (or, with no majority, from the writer's copy). Without --now the
-    /// pass starts at once and runs at the node's scrub_rate; `status`
-    /// shows its progress. Ask the writer; needs an admin certificate.
+    /// (or, with no majority, from the writer's copy, saving the replaced
+    /// bytes in the writer's DATA_DIR/scrub-kept/). Without --now the pass
+    /// starts once a running one ends, at the node's scrub_rate (full speed
+    /// if that is 0); `status` shows its progress. Ask the writer; needs an
+    /// admin certificate.
     Scrub {
         /// The writer's gRPC address.
         #[arg(long, default_value = "127.0.0.1:7001")]
         addr: String,
-        /// Run the pass at full speed, wait for it and print what differed.
-        /// Exit 0 when every copy agreed or was repaired, 1 otherwise.
+        /// End a paced pass that is running, run one at full speed, wait for
+        /// it and print what differed. Exit 0 when every extent was compared
+        /// and every copy agreed or was repaired, 1 otherwise.
         #[arg(long)]
         now: bool,
         #[command(flatten)]
@@ -780,16 +783,21 @@ async fn scrub(addr: &str, now: bool, tls: &ClientTls) -> ExitCode {
     }
     for f in &reply.findings {
         let differing: Vec<String> = f.differing.iter().map(u64::to_string).collect();
+        let outcome = if f.repaired {
+            "repaired"
+        } else {
+            "NOT repaired"
+        };
+        let majority = if f.majority {
+            ""
+        } else {
+            " (no majority: the writer's copy was kept; the replaced copies are saved on the writer, see its log)"
+        };
         println!(
-            "extent {}: node(s) {} differed from node {}; {}",
+            "extent {}: node(s) {} differed from node {}; {outcome}{majority}",
             f.extent,
             differing.join(", "),
             f.source,
-            if f.repaired {
-                "repaired"
-            } else {
-                "NOT repaired"
-            }
         );
     }
     let repaired = reply.findings.iter().filter(|f| f.repaired).count();
@@ -798,7 +806,13 @@ async fn scrub(addr: &str, now: bool, tls: &ClientTls) -> ExitCode {
         reply.checked,
         reply.findings.len()
     );
-    if repaired == reply.findings.len() {
+    if reply.unchecked > 0 {
+        println!(
+            "scrub: {} extents could not be compared (a replica did not answer; see the writer's log)",
+            reply.unchecked
+        );
+    }
+    if repaired == reply.findings.len() && reply.unchecked == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -112,7 +112,7 @@ impl<'a> Held<'a> {
         let now = &mut suspended.now;
         if now.waiting == 0 {
             now.since = Some(Instant::now());
-            tracing::warn!(%why, "I/O suspended: writes are held until enough replicas are in sync");
+            tracing::warn!(%why, "I/O suspended: writes are held until the in-sync set can take them");
         }
         now.waiting += 1;
         now.why = why.to_string();

@@ -113,6 +113,7 @@ impl Volume {
             Arc::clone(&engine),
             ScrubConfig {
                 rate: config.scrub_rate,
+                keep_dir: Some(config.data_dir.join("scrub-kept")),
             },
         ));
         let io = Arc::new(DeviceMetrics::default());

@@ -36,7 +36,8 @@
 //! are retired like the term's own writes.
 //!
 //! **No late landing.** A request whose outcome the engine never learned (a
-//! timeout, a broken connection) may still be applied by its replica later.
+//! timeout, a broken connection, a caller that dropped the write before its
+//! answer) may still be applied by its replica later.
 //! The engine disowns it: it raises the generation it stamps that replica's
 //! requests with (see [`Stamp`]), so the next request there — a write, a
 //! flush, or the flush that opens a rebuild — drains the lost one if the
@@ -183,8 +184,13 @@ pub struct ScrubFinding {
     pub differing: Vec<NodeId>,
     /// The replica whose copy was kept: the majority's, or the writer's.
     pub source: NodeId,
+    /// Whether more than half of the in-sync copies agreed on the one kept.
+    pub majority: bool,
     /// Whether every differing copy was overwritten and flushed.
     pub repaired: bool,
+    /// Without a majority, the bytes each overwritten copy held before, so
+    /// that nothing is lost if the writer's copy was the wrong one.
+    pub replaced: Vec<(NodeId, Bytes)>,
 }
 
 /// Why the scrub could not check an extent; the pass goes on, or ends.
@@ -193,7 +199,10 @@ pub enum ScrubError {
     /// The engine has no term: this node is not the writer.
     #[error("the engine is not active")]
     Inactive,
-    /// A replica did not answer.
+    /// The in-sync set is empty.
+    #[error("no in-sync replica to compare")]
+    NoSource,
+    /// A replica did not answer, or answered for other extents.
     #[error("{step} {replica}: {cause}")]
     Replica {
         step: &'static str,
@@ -292,6 +301,25 @@ impl Drop for InFlight<'_> {
             } else {
                 activity.unsure.insert(extent);
             }
+        }
+    }
+}
+
+/// A stamped request sent and not yet answered; dropped armed (its future
+/// was dropped), it disowns the request: see [`Engine::stamped`].
+struct Unanswered<'a> {
+    engine: &'a Engine,
+    id: NodeId,
+    stamp: Stamp,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(replica = %self.id, lost = %self.stamp, "disowned a request dropped before its answer");
+            self.engine
+                .raise_generation(self.id, self.stamp.generation + 1);
         }
     }
 }
@@ -549,20 +577,44 @@ impl Engine {
         F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
-        let results = join_all(replicas.iter().map(|replica| {
-            let stamp = self.stamp(term, replica.id());
-            let call = op(stamp, Arc::clone(replica));
-            async move { (stamp, self.bounded(replica.id(), call).await) }
-        }))
-        .await;
+        let results =
+            join_all(replicas.iter().map(|replica| {
+                self.stamped(term, replica, |stamp| op(stamp, Arc::clone(replica)))
+            }))
+            .await;
         replicas
             .iter()
+            .map(|replica| replica.id())
             .zip(results)
-            .map(|(replica, (stamp, result))| {
-                self.disown_if_lost(replica.id(), stamp, &result);
-                (replica.id(), result)
-            })
             .collect()
+    }
+
+    /// Sends one request to `replica`, stamped with its current generation
+    /// and bounded by the replica timeout, and disowns it if its outcome is
+    /// lost (see [`Engine::disown_if_lost`]) — also when this future is
+    /// dropped before the answer came, for the request may be on the wire
+    /// already (no late landing, S3).
+    async fn stamped<T, Fut>(
+        &self,
+        term: Term,
+        replica: &Arc<dyn Replica>,
+        call: impl FnOnce(Stamp) -> Fut,
+    ) -> Result<T, ReplicaError>
+    where
+        Fut: std::future::Future<Output = Result<T, ReplicaError>>,
+    {
+        let id = replica.id();
+        let stamp = self.stamp(term, id);
+        let mut unanswered = Unanswered {
+            engine: self,
+            id,
+            stamp,
+            armed: true,
+        };
+        let outcome = self.bounded(id, call(stamp)).await;
+        unanswered.armed = false;
+        self.disown_if_lost(id, stamp, &outcome);
+        outcome
     }
 
     /// `call` to replica `id`, given up on once the replica falls silent
@@ -614,6 +666,11 @@ impl Engine {
             }
             _ => return,
         };
+        self.raise_generation(id, next);
+    }
+
+    /// Stamps requests to `id` with at least generation `next` from now on.
+    fn raise_generation(&self, id: NodeId, next: u64) {
         let mut state = self.lock();
         let generation = state.generations.entry(id).or_insert(FIRST_GENERATION);
         *generation = (*generation).max(next);
@@ -683,9 +740,9 @@ impl Engine {
         // `disown_if_lost`) must not land after the comparison: a flush with
         // the target's current stamp drains it or makes it refused.
         let target = self.target(id)?;
-        let stamp = self.stamp(term, id);
-        let drained = self.bounded(target.id(), target.flush(stamp)).await;
-        self.disown_if_lost(id, stamp, &drained);
+        let drained = self
+            .stamped(term, &target, |stamp| target.flush(stamp))
+            .await;
         if let Err(cause) = drained {
             self.abort_rebuild(id);
             return Err(RebuildError::replica("draining", id, cause));
@@ -696,15 +753,17 @@ impl Engine {
     /// Compares extent `extent` on every in-sync replica under the
     /// extent's stripe (no write to it in flight) and, where the copies
     /// differ, overwrites the odd ones from the copy kept: the one a
-    /// majority holds, or else the writer's own (the first in read order).
-    /// The repaired copies are flushed, and the extent's marks retired like
-    /// a write's. An extent with an unacknowledged write of this term is
-    /// left to [`Engine::repair_unsure`]. Returns `None` when the copies
-    /// agree.
+    /// majority holds, or else the first in read order (the writer's own
+    /// while it is in sync), after reading what the others held so the
+    /// caller can keep it. The repaired copies are flushed, and the
+    /// extent's marks retired like a write's; a rebuild running meanwhile
+    /// starts over, since it may have copied the extent before the repair.
+    /// An extent with an unacknowledged write of this term is left to
+    /// [`Engine::repair_unsure`]. Returns `None` when the copies agree.
     pub async fn scrub_extent(&self, extent: u64) -> Result<Option<ScrubFinding>, ScrubError> {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
         let term = self.term().ok_or(ScrubError::Inactive)?;
-        let offset = extent * self.extent_size;
+        let offset = extent.saturating_mul(self.extent_size);
         if offset >= self.config.volume.size || self.lock().activity.unsure.contains(&extent) {
             return Ok(None);
         }
@@ -725,7 +784,7 @@ impl Engine {
             })?;
             copies.push((replica.id(), digests.into_iter().next().unwrap_or_default()));
         }
-        let Some(kept) = super::scrub::copy_to_keep(&copies) else {
+        let Some((kept, majority)) = super::scrub::copy_to_keep(&copies) else {
             return Ok(None);
         };
         let differing: Vec<NodeId> = copies
@@ -741,12 +800,14 @@ impl Engine {
             .find(|(_, digest)| *digest == kept)
             .and_then(|(id, _)| members.iter().find(|r| r.id() == *id))
             .cloned()
-            .ok_or(ScrubError::Inactive)?;
+            .ok_or(ScrubError::NoSource)?;
         let mut finding = ScrubFinding {
             extent,
             differing: differing.clone(),
             source: source.id(),
+            majority,
             repaired: false,
+            replaced: Vec::new(),
         };
         let read = self.bounded(source.id(), source.read(offset, len)).await;
         let data = read.map_err(|cause| ScrubError::Replica {
@@ -763,24 +824,40 @@ impl Engine {
             .iter()
             .filter(|r| differing.contains(&r.id()))
             .collect();
+        if !majority {
+            // Nothing says the kept copy is the right one: keep what it
+            // replaces, or do not replace it.
+            for target in &targets {
+                let read = self.bounded(target.id(), target.read(offset, len)).await;
+                let bytes = read.map_err(|cause| ScrubError::Replica {
+                    step: "reading",
+                    replica: target.id(),
+                    cause,
+                })?;
+                finding.replaced.push((target.id(), bytes));
+            }
+        }
         let repairs = targets.iter().map(|replica| {
-            let (stamp, data) = (self.stamp(term, replica.id()), data.clone());
+            let data = data.clone();
             async move {
-                let written = self
-                    .bounded(replica.id(), replica.write(stamp, offset, data, false))
-                    .await;
-                self.disown_if_lost(replica.id(), stamp, &written);
-                written?;
-                let stamp = self.stamp(term, replica.id());
-                let flushed = self.bounded(replica.id(), replica.flush(stamp)).await;
-                self.disown_if_lost(replica.id(), stamp, &flushed);
-                flushed
+                self.stamped(term, replica, |stamp| {
+                    replica.write(stamp, offset, data, false)
+                })
+                .await?;
+                self.stamped(term, replica, |stamp| replica.flush(stamp))
+                    .await
             }
         });
         finding.repaired = join_all(repairs).await.iter().all(Result::is_ok);
+        let mut state = self.lock();
         if finding.repaired {
             // The repair marked the extent with this term on its targets.
-            self.lock().activity.done.insert(extent);
+            state.activity.done.insert(extent);
+        }
+        // A replica being rebuilt may have copied the extent before the
+        // repair; it must compare it again.
+        for rebuild in state.rebuilding.values_mut() {
+            rebuild.failed = true;
         }
         Ok(Some(finding))
     }
@@ -820,11 +897,11 @@ impl Engine {
             .read(offset, len)
             .await
             .map_err(|e| RebuildError::replica("reading", source.id(), e))?;
-        let stamp = self.stamp(term, id);
         let written = self
-            .bounded(target.id(), target.write(stamp, offset, data, false))
+            .stamped(term, &target, |stamp| {
+                target.write(stamp, offset, data, false)
+            })
             .await;
-        self.disown_if_lost(id, stamp, &written);
         written.map_err(|e| RebuildError::replica("writing", id, e))?;
         if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
             rebuild.copied.insert(extent);
@@ -855,9 +932,9 @@ impl Engine {
         // S5 and S7: the copies were written without FUA; make them durable
         // on the target before the set counts on it.
         let target = self.target(id).inspect_err(|_| self.abort_rebuild(id))?;
-        let stamp = self.stamp(term, id);
-        let flushed = self.bounded(target.id(), target.flush(stamp)).await;
-        self.disown_if_lost(id, stamp, &flushed);
+        let flushed = self
+            .stamped(term, &target, |stamp| target.flush(stamp))
+            .await;
         if let Err(cause) = flushed {
             self.abort_rebuild(id);
             return Err(RebuildError::replica("flushing", id, cause));
@@ -871,20 +948,30 @@ impl Engine {
             Err(err) => {
                 // The outcome is unknown: the entry may still commit (under
                 // a successor). If the committed set already holds it, take
-                // it in; otherwise it stays a joining write-only member —
-                // it gets every write, and one it fails is not acknowledged
-                // — until this activation ends.
+                // it in. Otherwise settle it the other way: commit its
+                // removal, which lands after the return if both commit. Only
+                // if that fails too does it stay a joining write-only member
+                // — it gets every write, and one it fails is not
+                // acknowledged (the gate holds such writes) — until this
+                // activation ends.
                 match self.tracker.in_sync().await {
                     Ok(now) if now.contains(&id) => {
                         let mut state = self.lock();
                         state.rebuilding.remove(&id);
                         state.in_sync = now;
                     }
-                    _ => {
-                        if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
-                            rebuild.failed = true;
+                    _ => match self.tracker.remove(term, &ids).await {
+                        Ok(now) => {
+                            let mut state = self.lock();
+                            state.rebuilding.remove(&id);
+                            state.in_sync = now;
                         }
-                    }
+                        Err(_) => {
+                            if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
+                                rebuild.failed = true;
+                            }
+                        }
+                    },
                 }
                 return Err(err.into());
             }
@@ -1026,13 +1113,13 @@ impl Engine {
                 continue;
             }
             let calls = members.iter().map(|replica| {
-                let stamp = self.stamp(term, replica.id());
                 let ready = &ready;
                 async move {
                     let outcome = self
-                        .bounded(replica.id(), replica.retire_marks(stamp, term, ready))
+                        .stamped(term, replica, |stamp| {
+                            replica.retire_marks(stamp, term, ready)
+                        })
                         .await;
-                    self.disown_if_lost(replica.id(), stamp, &outcome);
                     (replica.id(), outcome)
                 }
             });
@@ -1125,26 +1212,17 @@ impl Engine {
                 continue;
             };
             let writes = others.iter().map(|replica| {
-                let (stamp, data) = (self.stamp(term, replica.id()), data.clone());
-                async move {
-                    let outcome = self
-                        .bounded(replica.id(), replica.write(stamp, offset, data, false))
-                        .await;
-                    self.disown_if_lost(replica.id(), stamp, &outcome);
-                    outcome
-                }
+                let data = data.clone();
+                self.stamped(term, replica, move |stamp| {
+                    replica.write(stamp, offset, data, false)
+                })
             });
             if join_all(writes).await.iter().any(Result::is_err) {
                 continue;
             }
-            let flushes = std::iter::once(&source).chain(&others).map(|replica| {
-                let stamp = self.stamp(term, replica.id());
-                async move {
-                    let outcome = self.bounded(replica.id(), replica.flush(stamp)).await;
-                    self.disown_if_lost(replica.id(), stamp, &outcome);
-                    outcome
-                }
-            });
+            let flushes = std::iter::once(&source)
+                .chain(&others)
+                .map(|replica| self.stamped(term, replica, |stamp| replica.flush(stamp)));
             if join_all(flushes).await.iter().any(Result::is_err) {
                 continue;
             }

@@ -25,10 +25,13 @@
 //! waits for), and it leaves when dropped, so the waits form no cycle.
 //!
 //! Implementation caveats:
-//! - A turn leaves when its write future is dropped. The engine's writes are
-//!   run to completion by their callers (NBD spawns each request), and one
-//!   dropped halfway counts as unacknowledged, so the engine repairs its
-//!   extent from one in-sync copy within the term (`Engine::repair_unsure`).
+//! - A turn leaves when its write future is dropped, even halfway (an admin
+//!   client's deadline). The engine then disowns every request of it still
+//!   unanswered (`Engine::stamped`: the replica's generation is raised), so
+//!   the next write there drains it or makes the replica refuse it: it
+//!   cannot land after a later overlapping write. The extent counts as
+//!   unacknowledged and is made equal again within the term
+//!   (`Engine::repair_unsure`).
 //! - Ranges are compared by byte; writes that share a block but no byte do
 //!   not wait (the replicas write with `pwrite`, which keeps both).
 //! - The list of writes in flight is scanned linearly; it is bounded by the

@@ -16,12 +16,15 @@
 //! 3. a real difference is logged with the extent and the replicas, and the
 //!    odd copies are overwritten from the copy a majority holds, or from
 //!    the writer's own copy when no copy has a majority ([`copy_to_keep`]),
-//!    then flushed.
+//!    then flushed. Without a majority nothing says the writer's copy is
+//!    the right one, so the bytes it replaces are saved first, in
+//!    `DATA_DIR/scrub-kept/`, and the log names the files.
 //!
 //! Passes run back to back at `scrub_rate` bytes compared per second (`0`:
-//! only on request). `replica-ha scrub` asks for a pass now; `--now` runs
-//! it at full speed and waits for its findings. What the last pass found,
-//! and the progress of one running, go to status and `/metrics`.
+//! only on request, and then at full speed). `replica-ha scrub` asks for a
+//! pass now; `--now` ends a paced pass that is running, runs one at full
+//! speed and waits for its findings. What the last pass found, and the
+//! progress of one running, go to status and `/metrics`.
 //!
 //! Implementation caveats:
 //! - Only the writer scrubs, and only while active: a pass ends at a change
@@ -32,6 +35,8 @@
 //!   of the design is not built).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -51,9 +56,10 @@ const EXTENTS_PER_REQUEST: u64 = 64;
 const BETWEEN_PASSES: Duration = Duration::from_secs(1);
 
 /// The digest to keep among the in-sync copies `(replica, digest)`, given
-/// in read order (the writer's own first): the one more than half of them
-/// hold, or else the first. `None` when there are no copies.
-pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<Bytes> {
+/// in read order (the writer's own first), and whether a majority holds
+/// it: the one more than half of them hold, or else the first. `None` when
+/// there are no copies.
+pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<(Bytes, bool)> {
     let mut counts: BTreeMap<&Bytes, usize> = BTreeMap::new();
     for (_, digest) in copies {
         *counts.entry(digest).or_default() += 1;
@@ -61,8 +67,8 @@ pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<Bytes> {
     let majority = counts
         .into_iter()
         .find(|(_, count)| 2 * count > copies.len())
-        .map(|(digest, _)| digest.clone());
-    majority.or_else(|| copies.first().map(|(_, digest)| digest.clone()))
+        .map(|(digest, _)| (digest.clone(), true));
+    majority.or_else(|| copies.first().map(|(_, digest)| (digest.clone(), false)))
 }
 
 /// What the scrub has done, for status and metrics.
@@ -74,7 +80,8 @@ pub struct ScrubStatus {
     /// `total`.
     pub done: u64,
     pub total: u64,
-    /// Passes finished (all of the volume compared).
+    /// Passes begun, and passes finished (all of the volume compared).
+    pub started: u64,
     pub passes: u64,
     /// When the last finished pass ended, and what it checked and found.
     pub last_finished: Option<SystemTime>,
@@ -92,8 +99,12 @@ pub struct ScrubStatus {
 /// One pass's outcome.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PassReport {
+    /// Which pass this was (counted from 1 as they begin).
+    pub number: u64,
     /// Extents compared.
     pub checked: u64,
+    /// Extents that could not be compared (a replica did not answer).
+    pub unchecked: u64,
     /// Extents whose in-sync copies differed.
     pub findings: Vec<ScrubFinding>,
     /// Whether the pass compared the whole volume (false: ended by a change
@@ -102,11 +113,14 @@ pub struct PassReport {
 }
 
 /// How the scrub runs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ScrubConfig {
     /// Bytes compared per second while scrubbing in the background; 0 means
     /// only on request.
     pub rate: u64,
+    /// Where the bytes a repair without a majority replaced are saved
+    /// (`None`: they are only logged as lost).
+    pub keep_dir: Option<PathBuf>,
 }
 
 /// The writer's scrub. See the module docs.
@@ -119,7 +133,11 @@ pub struct Scrubber {
     /// Requests waiting: the next pass runs unpaced if any asked for `now`.
     wanted: Mutex<Wanted>,
     /// The findings of the last finished pass.
-    last: Mutex<Vec<ScrubFinding>>,
+    last: Mutex<PassReport>,
+    /// Ends the running pass early (a request to scrub now), waking it if
+    /// it is pacing itself.
+    abort: AtomicBool,
+    aborted: Notify,
 }
 
 #[derive(Debug, Default)]
@@ -140,6 +158,8 @@ impl Scrubber {
             requested: Notify::new(),
             wanted: Mutex::default(),
             last: Mutex::default(),
+            abort: AtomicBool::new(false),
+            aborted: Notify::new(),
         }
     }
 
@@ -153,13 +173,18 @@ impl Scrubber {
         self.config.rate
     }
 
-    /// Asks for a pass to start now (the running one, if any, finishes
-    /// first), paced at the configured rate unless `hurry`.
+    /// Asks for a pass to start now, paced at the configured rate unless
+    /// `hurry`; a hurried request ends a pass that is running (it does not
+    /// count), a paced one lets it finish first.
     pub fn request(&self, hurry: bool) {
         {
             let mut wanted = self.lock();
             wanted.pass = true;
             wanted.hurry |= hurry;
+        }
+        if hurry && self.status.borrow().running {
+            self.abort.store(true, Ordering::SeqCst);
+            self.aborted.notify_one();
         }
         self.requested.notify_one();
     }
@@ -173,25 +198,19 @@ impl Scrubber {
             return Err(ScrubError::Inactive);
         }
         let mut status = self.status.subscribe();
-        let started = status.borrow().passes;
-        let running = status.borrow().running;
-        // A pass already running counts only if it started after the
-        // request: wait for the one after it.
-        let want = started + u64::from(running) + 1;
+        // Only a pass that begins after this request answers it (one
+        // running now is ended by it).
+        let begun = status.borrow().started;
         self.request(true);
         loop {
-            if status.changed().await.is_err() {
-                return Err(ScrubError::Inactive);
+            // Also wake now and then: a node that stopped being the writer
+            // starts no pass, and its status may not change.
+            let _ = tokio::time::timeout(Duration::from_secs(1), status.changed()).await;
+            let last = self.last_report();
+            if last.number > begun {
+                return Ok(last);
             }
-            let now = status.borrow().clone();
-            if now.passes >= want {
-                return Ok(PassReport {
-                    checked: now.last_checked,
-                    findings: self.last_findings(),
-                    complete: true,
-                });
-            }
-            if !now.running && self.engine.term().is_none() {
+            if !status.borrow().running && self.engine.term().is_none() {
                 return Err(ScrubError::Inactive);
             }
         }
@@ -241,15 +260,19 @@ impl Scrubber {
         let extent_size = self.engine.extent_size();
         let term = self.engine.term();
         let started = Instant::now();
+        // A request to end a pass is for one that began before it.
+        self.abort.store(false, Ordering::SeqCst);
         let mut report = PassReport::default();
         self.status.send_modify(|s| {
+            s.started += 1;
+            report.number = s.started;
             s.running = true;
             s.done = 0;
             s.total = total;
         });
         let mut offset = 0;
         while offset < total {
-            if term.is_none() || self.engine.term() != term {
+            if term.is_none() || self.engine.term() != term || self.abort.load(Ordering::SeqCst) {
                 break;
             }
             let len = (EXTENTS_PER_REQUEST * extent_size).min(total - offset);
@@ -264,15 +287,21 @@ impl Scrubber {
                 }
                 Err(err) => {
                     tracing::warn!(%err, first, extents, "scrub could not compare these extents");
+                    report.unchecked += extents;
                     self.status.send_modify(|s| s.unchecked += extents);
                 }
             }
             offset += len;
             self.status.send_modify(|s| s.done = offset);
-            pace(offset, rate, started).await;
+            tokio::select! {
+                () = pace(offset, rate, started) => {}
+                () = self.aborted.notified() => {}
+            }
         }
-        report.complete = offset >= total;
-        self.keep_findings(&report);
+        report.complete = offset >= total && !self.abort.load(Ordering::SeqCst);
+        if report.complete {
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = report.clone();
+        }
         self.status.send_modify(|s| {
             s.running = false;
             if report.complete {
@@ -300,11 +329,26 @@ impl Scrubber {
             })?;
             lists.push((first, digests));
         }
-        let Some((first, reference)) = lists.first() else {
+        let extent_size = self.engine.extent_size();
+        let first = offset / extent_size;
+        let count = len.div_ceil(extent_size) as usize;
+        for ((answered, digests), replica) in lists.iter().zip(&members) {
+            if *answered != first || digests.len() != count {
+                return Err(ScrubError::Replica {
+                    step: "digesting",
+                    replica: replica.id(),
+                    cause: super::ReplicaError::InvalidRequest(format!(
+                        "answered {} digests from extent {answered} for {count} from extent {first}",
+                        digests.len()
+                    )),
+                });
+            }
+        }
+        let Some((_, reference)) = lists.first() else {
             return Ok(Vec::new());
         };
-        Ok((0..reference.len())
-            .filter(|i| lists.iter().any(|(_, d)| d.get(*i) != reference.get(*i)))
+        Ok((0..count)
+            .filter(|i| lists.iter().any(|(_, d)| d[*i] != reference[*i]))
             .map(|i| first + i as u64)
             .collect())
     }
@@ -313,7 +357,8 @@ impl Scrubber {
     async fn check(&self, extent: u64, report: &mut PassReport) {
         match self.engine.scrub_extent(extent).await {
             Ok(None) => {}
-            Ok(Some(finding)) => {
+            Ok(Some(mut finding)) => {
+                self.keep_replaced(&mut finding);
                 if finding.repaired {
                     tracing::warn!(
                         extent,
@@ -337,18 +382,53 @@ impl Scrubber {
             }
             Err(err) => {
                 tracing::warn!(extent, %err, "scrub could not compare an extent");
+                report.checked = report.checked.saturating_sub(1);
+                report.unchecked += 1;
                 self.status.send_modify(|s| s.unchecked += 1);
             }
         }
     }
 
-    fn keep_findings(&self, report: &PassReport) {
-        if report.complete {
-            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = report.findings.clone();
+    /// Saves the bytes a repair without a majority replaced, one file per
+    /// replica, and logs where; then drops them from the finding.
+    fn keep_replaced(&self, finding: &mut ScrubFinding) {
+        let replaced = std::mem::take(&mut finding.replaced);
+        if replaced.is_empty() {
+            return;
+        }
+        let stamp = SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        for (replica, bytes) in replaced {
+            let Some(dir) = &self.config.keep_dir else {
+                tracing::error!(extent = finding.extent, %replica, "scrub: no majority; replica's copy replaced by the writer's and not saved");
+                continue;
+            };
+            let path = dir.join(format!(
+                "extent-{}-node-{replica}-{stamp}.img",
+                finding.extent
+            ));
+            let saved = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, &bytes));
+            match saved {
+                Ok(()) => tracing::warn!(
+                    extent = finding.extent,
+                    %replica,
+                    path = %path.display(),
+                    "scrub: no majority; kept the writer's copy and saved the one it replaced"
+                ),
+                Err(err) => tracing::error!(
+                    extent = finding.extent,
+                    %replica,
+                    path = %path.display(),
+                    %err,
+                    "scrub: no majority; could not save the copy the writer's replaced"
+                ),
+            }
         }
     }
 
-    fn last_findings(&self) -> Vec<ScrubFinding> {
+    /// What the last finished pass found.
+    fn last_report(&self) -> PassReport {
         self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -390,30 +470,33 @@ mod tests {
 
     #[test]
     fn the_copy_kept_is_the_majoritys_else_the_writers() {
+        let keep = |d: &'static [u8], majority: bool| Some((Bytes::from_static(d), majority));
         // The writer's copy (first) rotted: the majority wins.
         assert_eq!(
             copy_to_keep(&copies(&[(1, b"x"), (2, b"a"), (3, b"a")])),
-            Some(Bytes::from_static(b"a"))
+            keep(b"a", true)
         );
         // A follower's rotted.
         assert_eq!(
             copy_to_keep(&copies(&[(1, b"a"), (2, b"x"), (3, b"a")])),
-            Some(Bytes::from_static(b"a"))
+            keep(b"a", true)
         );
         // No majority: three different, or one against one.
         assert_eq!(
             copy_to_keep(&copies(&[(1, b"c"), (2, b"a"), (3, b"b")])),
-            Some(Bytes::from_static(b"c"))
+            keep(b"c", false)
         );
         assert_eq!(
             copy_to_keep(&copies(&[(2, b"b"), (3, b"a")])),
-            Some(Bytes::from_static(b"b"))
+            keep(b"b", false)
         );
         // Two of four is not a majority.
         assert_eq!(
             copy_to_keep(&copies(&[(1, b"w"), (2, b"a"), (3, b"a"), (4, b"b")])),
-            Some(Bytes::from_static(b"w"))
+            keep(b"w", false)
         );
+        // All agree: a majority of one.
+        assert_eq!(copy_to_keep(&copies(&[(1, b"a")])), keep(b"a", true));
         assert_eq!(copy_to_keep(&[]), None);
     }
 }
