@@ -195,6 +195,11 @@ impl Admin for AdminService {
             scrub_repaired: status.scrub.repaired,
             scrub_passes: status.scrub.passes,
             scrub_rate_bytes_per_second: status.scrub_rate,
+            writes_total: status.io.writes.load(std::sync::atomic::Ordering::Relaxed),
+            write_bytes_total: status
+                .io
+                .write_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
         }))
     }
 

@@ -500,3 +500,61 @@ async fn a_follower_out_of_the_in_sync_set_refuses_reads_until_it_is_rebuilt() {
     let read = qemu_io(follower_nbd, true, &["read -P 0x5c 0 24M".into()]).await;
     assert!(qemu_io_ok(&read), "{read:?}");
 }
+
+/// `status --watch` redraws the view once a second, with the write rate
+/// measured between two samples, and keeps going until it is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_watch_redraws_a_live_view_with_the_write_rate() {
+    use tokio::io::AsyncReadExt;
+    let _one = one_cluster_at_a_time().await;
+    let (cluster, writer) = started("16MiB").await;
+    let mut args = vec![
+        "status".to_string(),
+        "--watch".into(),
+        "--addr".into(),
+        cluster.addrs[&writer].to_string(),
+    ];
+    args.extend(cluster.cli_tls("viewer"));
+    let mut child = tokio::process::Command::new(common::cluster::BIN)
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut buf = [0u8; 4096];
+    // Three redraws, writes flowing between them.
+    while seen.matches("\x1b[2J").count() < 3 {
+        assert!(Instant::now() < deadline, "no live view in time:\n{seen}");
+        cluster
+            .write(writer, 0, bytes::Bytes::from(vec![7u8; 65536]))
+            .await
+            .unwrap();
+        if let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(200), stdout.read(&mut buf)).await
+        {
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+    child.kill().await.unwrap();
+    let last = seen.rsplit("\x1b[2J").next().unwrap();
+    assert!(
+        last.contains(&format!("replica-ha node {writer}")),
+        "{last}"
+    );
+    assert!(last.contains("role leader"), "{last}");
+    assert!(last.contains("gate open"), "{last}");
+    assert!(
+        last.contains("writes/s,") && last.contains("MiB/s"),
+        "{last}"
+    );
+    for id in &cluster.ids {
+        assert!(
+            last.lines()
+                .any(|l| l.starts_with(&id.to_string()) && l.contains("in_sync")),
+            "replica {id} in the view:\n{last}"
+        );
+    }
+}

@@ -53,8 +53,14 @@ enum Command {
         addr: String,
         /// Print one JSON object instead of a table (for scripts; the keys
         /// are those of the table, plus `replicas` as a list).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "watch")]
         json: bool,
+        /// Keep a live view on the terminal, refreshed once a second: role,
+        /// term, gate, lease, I/O, write rate, scrub, and every replica with
+        /// its state and resync progress. It keeps trying while the node
+        /// cannot be reached (during its restart, say). Ctrl-C ends it.
+        #[arg(long)]
+        watch: bool,
         #[command(flatten)]
         tls: ClientTls,
     },
@@ -316,7 +322,15 @@ async fn dispatch(cli: Cli) -> ExitCode {
             }
         },
         Command::Attach(args) => attach(*args).await,
-        Command::Status { addr, json, tls } => status(&addr, json, &tls).await,
+        Command::Status {
+            addr,
+            watch: true,
+            tls,
+            ..
+        } => watch_status(&addr, &tls).await,
+        Command::Status {
+            addr, json, tls, ..
+        } => status(&addr, json, &tls).await,
         Command::Transfer { addr, to, tls } => transfer(&addr, to, &tls).await,
         Command::Scrub { addr, now, tls } => scrub(&addr, now, &tls).await,
         Command::Inspect {
@@ -492,19 +506,20 @@ fn describe(status: &tonic::Status) -> String {
     line
 }
 
+/// One `Status` call to `addr`.
+async fn fetch_status(addr: &str, tls: &ClientTls) -> Result<StatusReply, String> {
+    let mut client = admin_client(addr, tls)?;
+    let mut request = tonic::Request::new(StatusRequest {});
+    request.set_timeout(Duration::from_secs(3));
+    client
+        .status(request)
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| describe(&s))
+}
+
 async fn status(addr: &str, json: bool, tls: &ClientTls) -> ExitCode {
-    let reply = async {
-        let mut client = admin_client(addr, tls)?;
-        let mut request = tonic::Request::new(StatusRequest {});
-        request.set_timeout(Duration::from_secs(3));
-        client
-            .status(request)
-            .await
-            .map(|r| r.into_inner())
-            .map_err(|s| describe(&s))
-    }
-    .await;
-    match reply {
+    match fetch_status(addr, tls).await {
         Ok(reply) if json => {
             println!("{}", status_json(&reply));
             ExitCode::SUCCESS
@@ -518,6 +533,112 @@ async fn status(addr: &str, json: bool, tls: &ClientTls) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `status --watch`: the live view, redrawn once a second until Ctrl-C.
+async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
+    let mut last: Option<(std::time::Instant, u64, u64)> = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::signal::ctrl_c() => return ExitCode::SUCCESS,
+        }
+        let now = std::time::Instant::now();
+        let view = match fetch_status(addr, tls).await {
+            Ok(reply) => {
+                let rate = last.map(|(at, writes, bytes)| {
+                    let seconds = now.duration_since(at).as_secs_f64().max(1e-3);
+                    (
+                        reply.writes_total.saturating_sub(writes) as f64 / seconds,
+                        reply.write_bytes_total.saturating_sub(bytes) as f64 / seconds,
+                    )
+                });
+                last = Some((now, reply.writes_total, reply.write_bytes_total));
+                watch_view(&reply, rate)
+            }
+            Err(err) => {
+                last = None;
+                format!("cannot reach {addr}: {err} (trying again every second)\n")
+            }
+        };
+        // Clear the screen and draw from the top.
+        print!("\x1b[2J\x1b[H{view}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
+}
+
+/// The live view of one status reply; `rate` is writes and bytes per
+/// second since the last sample.
+fn watch_view(reply: &StatusReply, rate: Option<(f64, f64)>) -> String {
+    let leader = if reply.leader == 0 {
+        "-".to_string()
+    } else {
+        reply.leader.to_string()
+    };
+    let writes = match rate {
+        Some((ops, bytes)) => format!("{ops:.0} writes/s, {:.1} MiB/s", bytes / 1048576.0),
+        None => "writes/s: measuring".to_string(),
+    };
+    let mut view = format!(
+        "replica-ha node {} ({}), {}\n\
+         role {}  term {}  leader {leader}  gate {}  lease {} ms\n\
+         in sync [{}]  reads {}\n\
+         I/O {}  {writes}\n\
+         scrub {}\n\n\
+         {:<8} {:<11} {:>11} {:>6}  progress\n",
+        reply.node_id,
+        reply.cluster_id,
+        utc(std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())),
+        reply.role,
+        reply.term,
+        if reply.gate_open { "open" } else { "closed" },
+        reply.lease_remaining_ms,
+        reply.in_sync.join(", "),
+        reads_line(reply),
+        io_line(reply),
+        scrub_line(reply),
+        "replica",
+        "state",
+        "fence floor",
+        "dirty",
+    );
+    for r in &reply.replicas {
+        let progress = if r.resync_running {
+            format!(
+                "resync {:.0}% ({} of {} MiB, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
+                100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
+                r.resync_done_bytes >> 20,
+                r.resync_total_bytes >> 20,
+                r.resync_copied_bytes >> 20,
+                r.resync_rate_bytes_per_second / 1048576.0,
+                r.resync_eta_seconds
+            )
+        } else if !r.reachable {
+            format!("unreachable: {}", r.error)
+        } else {
+            String::new()
+        };
+        let (floor, dirty) = if r.reachable {
+            (r.fence_floor.to_string(), r.dirty_extents.to_string())
+        } else {
+            ("?".into(), "?".into())
+        };
+        let id = if r.local {
+            format!("{}*", r.id)
+        } else {
+            r.id.clone()
+        };
+        view.push_str(&format!(
+            "{id:<8} {:<11} {floor:>11} {dirty:>6}  {progress}\n",
+            r.state
+        ));
+    }
+    view.push_str("\n(* this node; Ctrl-C to stop)\n");
+    view
 }
 
 fn status_json(reply: &StatusReply) -> String {
