@@ -111,6 +111,14 @@ impl Device for MeteredDevice {
         result
     }
 
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let result = self.inner.discard(offset, len).await;
+        if let Err(err) = &result {
+            self.metrics.count_error(err);
+        }
+        result
+    }
+
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         let len = data.len() as u64;
         let started = Instant::now();

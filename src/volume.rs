@@ -92,6 +92,13 @@ pub trait Device: Send + Sync {
     /// [`flush`]: Device::flush
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError>;
 
+    /// Discards `[offset, offset + len)` (any length within the volume): it
+    /// reads back as zeroes and its space is freed. Durable like a write
+    /// without FUA: after a [`flush`].
+    ///
+    /// [`flush`]: Device::flush
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError>;
+
     /// Makes every write that returned Ok before this call durable.
     async fn flush(&self) -> Result<(), DeviceError>;
 

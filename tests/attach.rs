@@ -58,6 +58,10 @@ impl Device for Recorder {
         Ok(())
     }
 
+    async fn discard(&self, _offset: u64, _len: u64) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
     async fn flush(&self) -> Result<(), DeviceError> {
         self.log.lock().unwrap().push(Asked::Flush);
         Ok(())

@@ -943,3 +943,69 @@ async fn overlapping_writes_in_flight_end_the_same_on_every_replica() {
     }
     slow.await.unwrap();
 }
+
+/// A discard is a change like a write: stamped with the term and mirrored
+/// to every in-sync replica (S2, S5), marked (S6), and it frees the space
+/// on every replica while the range reads back as zeroes there.
+#[tokio::test]
+async fn a_discard_zeroes_the_range_and_frees_space_on_every_replica() {
+    use std::os::unix::fs::MetadataExt;
+    let rig = Rig::new(3).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    let mib = Bytes::from(vec![0x5a; 1 << 20]);
+    rig.engine
+        .write_at(2 << 20, mib.clone(), false)
+        .await
+        .unwrap();
+    rig.engine.flush().await.unwrap();
+    let file = |i: usize| rig._dir.path().join(IDS[i].to_string()).join("volume.img");
+    let allocated = |i: usize| std::fs::metadata(file(i)).unwrap().blocks();
+    let before: Vec<u64> = (0..3).map(allocated).collect();
+    rig.engine.discard(2 << 20, 1 << 20).await.unwrap();
+    rig.engine.flush().await.unwrap();
+    for (i, before) in before.into_iter().enumerate() {
+        assert!(
+            rig.on(i, 2 << 20, 1 << 20).await.iter().all(|b| *b == 0),
+            "replica {} reads zeroes",
+            i + 1
+        );
+        let after = allocated(i);
+        assert!(
+            after + 2048 <= before,
+            "replica {} freed the MiB: {before} -> {after} blocks",
+            i + 1,
+        );
+        let marked: Vec<u64> = rig.replicas[i]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .iter()
+            .map(|m| m.extent)
+            .collect();
+        assert!(marked.contains(&2), "the discarded extent is marked");
+    }
+    // Beyond the volume: refused, nothing changed.
+    assert!(matches!(
+        rig.engine.discard(SIZE - 4096, 8192).await,
+        Err(DeviceError::Range(RangeError::OutOfRange { .. }))
+    ));
+}
+
+/// A discard meets a fenced replica exactly as a write does: refused
+/// (stale term), not applied, and the fenced writer stops.
+#[tokio::test]
+async fn a_discard_of_a_fenced_writer_is_refused_and_not_applied() {
+    let rig = Rig::new(3).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    rig.engine.write_at(0, block(0x77), false).await.unwrap();
+    rig.replicas[2].store().fence(Term(6)).await.unwrap();
+    assert!(matches!(
+        rig.engine.discard(0, 4096).await,
+        Err(DeviceError::StaleTerm { .. })
+    ));
+    assert!(
+        rig.on(2, 0, 4096).await == block(0x77),
+        "the fenced replica did not apply the discard"
+    );
+    assert_eq!(rig.engine.term(), None, "the fenced writer deactivated");
+}

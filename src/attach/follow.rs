@@ -151,6 +151,18 @@ impl Device for Following {
             .map(|_| ())
     }
 
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        // One NBD TRIM per u32's worth (a client's own TRIM always fits).
+        let end = offset.saturating_add(len);
+        let mut at = offset;
+        while at < end {
+            let n = (end - at).min(u64::from(u32::MAX / 4096 * 4096));
+            self.submit(Command::Trim, at, n as u32, 0, None).await?;
+            at += n;
+        }
+        Ok(())
+    }
+
     async fn flush(&self) -> Result<(), DeviceError> {
         self.submit(Command::Flush, 0, 0, 0, None).await.map(|_| ())
     }

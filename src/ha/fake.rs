@@ -559,6 +559,21 @@ impl Device for MemoryEngine {
         Ok(())
     }
 
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.term().ok_or(DeviceError::Inactive)?;
+        let mut data = lock(&self.data);
+        let end = offset
+            .checked_add(len)
+            .filter(|end| *end <= data.len() as u64)
+            .ok_or(crate::volume::RangeError::OutOfRange {
+                offset,
+                len,
+                size: data.len() as u64,
+            })?;
+        data[offset as usize..end as usize].fill(0);
+        Ok(())
+    }
+
     async fn flush(&self) -> Result<(), DeviceError> {
         self.term().map(|_| ()).ok_or(DeviceError::Inactive)
     }

@@ -277,6 +277,10 @@ impl Device for ActiveDevice {
         self.engine.read_at(offset, len).await
     }
 
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.held(|| self.engine.discard(offset, len)).await
+    }
+
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         self.held(|| self.engine.write_at(offset, data.clone(), fua))
             .await

@@ -78,6 +78,10 @@ impl Device for ReadGate {
         self.writer.write_at(offset, data, fua).await
     }
 
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.writer.discard(offset, len).await
+    }
+
     async fn flush(&self) -> Result<(), DeviceError> {
         self.writer.flush().await
     }

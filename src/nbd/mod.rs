@@ -21,8 +21,10 @@
 //!   `NBD_REP_ERR_UNKNOWN` and the reason, `EXPORT_NAME` is closed, and a
 //!   read-only session already open gets `EIO` for its reads until the
 //!   replica is back in sync.
-//! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` (accepted as a
-//!   hint, see [`transmission`]), `WRITE_ZEROES`, and the `FUA` flag.
+//! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` and
+//!   `WRITE_ZEROES` (both discard the range on every in-sync replica,
+//!   freeing its space, unless `NO_HOLE` asks for written zeroes; see
+//!   [`transmission`]), and the `FUA` flag.
 //!   `CAN_MULTI_CONN` is advertised: a flush makes every acknowledged write
 //!   durable, whichever connection sent it.
 //! - **Limits**: one request reads or writes at most [`MAX_REQUEST_LEN`]

@@ -298,11 +298,12 @@ async fn every_command_does_what_it_says() {
         .await;
     assert_eq!(client.reply(0).await, (6, 0, vec![]));
     assert!(engine.read_at_now(0, SIZE as u64).iter().all(|b| *b == 0));
-    // Trim is accepted and changes nothing.
-    assert_eq!(client.write(7, 0, b"kept").await, 0);
+    // Trim discards: the range reads back as zeroes.
+    assert_eq!(client.write(7, 0, b"gone").await, 0);
+    assert_eq!(engine.read_at_now(0, 4), b"gone");
     client.send(4, 0, 8, 0, 4096, &[]).await;
     assert_eq!(client.reply(0).await, (8, 0, vec![]));
-    assert_eq!(engine.read_at_now(0, 4), b"kept");
+    assert_eq!(engine.read_at_now(0, 4), [0; 4]);
     // Disconnect ends the connection cleanly.
     client.send(2, 0, 9, 0, 0, &[]).await;
     let mut rest = Vec::new();

@@ -309,7 +309,13 @@ async fn execute(
             .await
             .map(|()| None)
             .map_err(|e| Failure::of(&e, true)),
-        Command::Trim => trim(device, offset, len).map(|()| None),
+        Command::Trim => discard(device, offset, len, request.fua())
+            .await
+            .map(|()| None),
+        // Zeroes may be a hole unless the client said NO_HOLE.
+        Command::WriteZeroes if request.may_punch() => discard(device, offset, len, request.fua())
+            .await
+            .map(|()| None),
         Command::WriteZeroes => write_zeroes(device, offset, len, request.fua())
             .await
             .map(|()| None),
@@ -317,17 +323,19 @@ async fn execute(
     }
 }
 
-/// `TRIM` is a hint that the range's contents are no longer needed. It is
-/// accepted (range- and gate-checked) and changes nothing: reads of a
-/// trimmed range may return anything, and returning the old data keeps every
-/// replica identical without a replicated discard.
-fn trim(device: &dyn Device, offset: u64, len: u64) -> Result<(), Failure> {
+/// `TRIM`, and `WRITE_ZEROES` without `NO_HOLE`: the range is discarded on
+/// every in-sync replica (punched out of its file, so the space is freed)
+/// and reads back as zeroes. With FUA it is flushed before the answer.
+async fn discard(device: &dyn Device, offset: u64, len: u64, fua: bool) -> Result<(), Failure> {
     check_span(device, offset, len)?;
-    if device.is_writable() {
-        Ok(())
-    } else {
-        Err(Failure::Closed)
+    device
+        .discard(offset, len)
+        .await
+        .map_err(|e| Failure::of(&e, true))?;
+    if fua {
+        device.flush().await.map_err(|e| Failure::of(&e, true))?;
     }
+    Ok(())
 }
 
 /// `WRITE_ZEROES` as ordinary replicated writes of zeroes, 1 MiB at a time.

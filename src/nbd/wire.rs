@@ -201,6 +201,12 @@ impl Request {
         self.flags & CMD_FLAG_FUA != 0
     }
 
+    /// Whether the client allows a hole where it asks for zeroes (no
+    /// `NO_HOLE` flag).
+    pub fn may_punch(&self) -> bool {
+        self.flags & CMD_FLAG_NO_HOLE == 0
+    }
+
     /// Whether the request carries flags this server does not know.
     pub fn has_unknown_flags(&self) -> bool {
         self.flags & !KNOWN_CMD_FLAGS != 0

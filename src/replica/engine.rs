@@ -87,7 +87,7 @@ use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
 use crate::ids::{NodeId, Term};
-use crate::volume::{Device, DeviceError, VolumeSpec, check_request};
+use crate::volume::{Device, DeviceError, MAX_REQUEST, RangeError, VolumeSpec, check_request};
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
@@ -1283,6 +1283,24 @@ impl Engine {
         self.replicas.get(id)
     }
 
+    /// One change to `[offset, offset+len)` (a write or a discard), mirrored
+    /// with S5, S6 and S11: its turn in the write order first, with no
+    /// stripe held (an earlier overlapping write may itself wait for a
+    /// stripe behind a rebuild's copy), then its stripes shared, counted in
+    /// flight on its extents until it is answered.
+    async fn change<F, Fut>(&self, offset: u64, len: u64, op: F) -> Result<(), DeviceError>
+    where
+        F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
+        Fut: std::future::Future<Output = Result<(), ReplicaError>>,
+    {
+        let _turn = self.order.enter(offset, len).await;
+        let _span = self.lock_span(offset, len).await;
+        let mut in_flight = self.begin_write(offset, len);
+        let result = self.mirror(op).await;
+        in_flight.acknowledged = result.is_ok();
+        result
+    }
+
     /// Decides whether a mirrored request may be acknowledged: every member
     /// of the committed in-sync set must have succeeded, after the failed
     /// ones were removed by a commit, and at least `min_in_sync` must
@@ -1381,19 +1399,29 @@ impl Device for Engine {
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.volume.size)?;
-        // Its turn first, with no stripe held: an earlier overlapping write
-        // may itself wait for a stripe behind a rebuild's copy.
-        let _turn = self.order.enter(offset, data.len() as u64).await;
-        let _span = self.lock_span(offset, data.len() as u64).await;
-        let mut in_flight = self.begin_write(offset, data.len() as u64);
-        let result = self
-            .mirror(|stamp, replica| {
-                let data = data.clone();
-                async move { replica.write(stamp, offset, data, fua).await }
+        self.change(offset, data.len() as u64, |stamp, replica| {
+            let data = data.clone();
+            async move { replica.write(stamp, offset, data, fua).await }
+        })
+        .await
+    }
+
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        let size = self.config.volume.size;
+        let end = match offset.checked_add(len) {
+            Some(end) if end <= size => end,
+            _ => return Err(RangeError::OutOfRange { offset, len, size }.into()),
+        };
+        let mut at = offset;
+        while at < end {
+            let n = (end - at).min(MAX_REQUEST);
+            self.change(at, n, |stamp, replica| async move {
+                replica.discard(stamp, at, n).await
             })
-            .await;
-        in_flight.acknowledged = result.is_ok();
-        result
+            .await?;
+            at += n;
+        }
+        Ok(())
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {

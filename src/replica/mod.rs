@@ -241,6 +241,9 @@ pub trait Replica: Send + Sync {
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError>;
+    /// Discards `[offset, offset+len)` on behalf of the writer of `stamp`:
+    /// it reads back as zeroes, and its space is freed.
+    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError>;
     /// Reads `len` bytes at `offset`.
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError>;
     /// Makes the writes that finished before it durable, on behalf of the
@@ -297,6 +300,9 @@ impl Replica for LocalReplica {
         fua: bool,
     ) -> Result<(), ReplicaError> {
         self.store.write(stamp, offset, data, fua).await
+    }
+    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        self.store.discard(stamp, offset, len).await
     }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.store.read(offset, len).await

@@ -134,6 +134,22 @@ impl Replica for RemoteReplica {
             .map_err(|status| self.failed(&status, stamp))
     }
 
+    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        let request = self.request(pb::DiscardRequest {
+            volume: self.volume(),
+            term: stamp.term.0,
+            offset,
+            length: len,
+            generation: stamp.generation,
+        });
+        self.client()
+            .await?
+            .discard(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| self.failed(&status, stamp))
+    }
+
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         let length = u32::try_from(len.min(MAX_REQUEST + 1)).unwrap_or(u32::MAX);
         let request = self.request(pb::ReadRequest {

@@ -222,6 +222,20 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::WriteReply {}))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.discard", skip_all, fields(node = %self.node, term = request.get_ref().term))]
+    async fn discard(
+        &self,
+        request: Request<pb::DiscardRequest>,
+    ) -> Result<Response<pb::DiscardReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store
+            .discard(stamp(r.term, r.generation), r.offset, r.length)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::DiscardReply {}))
+    }
+
     #[tracing::instrument(level = "debug", name = "replica.read", skip_all, fields(node = %self.node))]
     async fn read(
         &self,

@@ -319,6 +319,33 @@ impl ReplicaStore {
         .await
     }
 
+    /// Discards `[offset, offset + len)` on behalf of the writer of
+    /// `stamp`: admitted and marked exactly like a write (S2, S3, S6), then
+    /// punched out of the data file, so the space is freed and the range
+    /// reads back as zeroes. A file system that cannot punch holes gets
+    /// zeroes written instead; the bytes are the same either way, so
+    /// digests, resync and scrub see no difference.
+    pub async fn discard(
+        &self,
+        stamp: impl Into<Stamp>,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        check_request(offset, len, self.size())?;
+        let admitted = self.admit(stamp).await?;
+        self.mark_dirty(stamp.term, offset, len).await?;
+        let file = Arc::clone(&self.file);
+        let touch = self.predigests.touch();
+        run_io(move || {
+            // As for a write: held until the I/O is done (S3).
+            let (_admitted, _touch) = (admitted, touch);
+            punch_hole(&file, offset, len)
+        })
+        .await
+    }
+
     /// Reads `len` bytes at `offset`. Reads carry no term: any replica may
     /// serve them.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
@@ -803,6 +830,30 @@ fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), 
         return mismatch("extent size", &stored.extent_size, &wanted.extent_size);
     }
     Ok(())
+}
+
+/// Frees `[offset, offset + len)` of `file`, keeping its size; where the file
+/// system cannot punch holes, writes zeroes instead.
+fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    use rustix::fs::FallocateFlags;
+    if len == 0 {
+        return Ok(());
+    }
+    let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+    match rustix::fs::fallocate(file, flags, offset, len) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::OPNOTSUPP) => {
+            let zeroes = vec![0u8; len.min(1 << 20) as usize];
+            let mut at = offset;
+            while at < offset + len {
+                let n = (offset + len - at).min(zeroes.len() as u64) as usize;
+                file.write_all_at(&zeroes[..n], at)?;
+                at += n as u64;
+            }
+            Ok(())
+        }
+        Err(err) => Err(err.into()),
+    }
 }
 
 #[cfg(test)]

@@ -175,6 +175,10 @@ impl Replica for FaultyReplica {
         self.gate(Some(offset)).await?;
         self.inner.write(stamp, offset, data, fua).await
     }
+    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        self.gate(Some(offset)).await?;
+        self.inner.discard(stamp, offset, len).await
+    }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.gate(None).await?;
         self.inner.read(offset, len).await

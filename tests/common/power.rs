@@ -124,6 +124,13 @@ impl Replica for PowerCutReplica {
         }
         Ok(())
     }
+    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        // Like a write of zeroes that is not forced to the disk.
+        self.inner.discard(stamp, offset, len).await?;
+        let zeroes = Bytes::from(vec![0u8; len as usize]);
+        self.state.lock().unwrap().pending.push((offset, zeroes));
+        Ok(())
+    }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.inner.read(offset, len).await
     }
