@@ -1,0 +1,118 @@
+//! How long a follower that missed a few writes takes to be back in sync,
+//! against the volume's size (issue 21's measurement): a three-node cluster
+//! of release processes on a sparse volume; one follower is killed, 4 MiB
+//! are written (1 MiB at a time, spread over the volume), the follower is
+//! started again, and the time from its start to its return to the in-sync
+//! set is taken.
+//!
+//! With `BASELINE_BIN=PATH` (another build) each size also runs on that
+//! build, alternating, and the ratios current/baseline are printed.
+//!
+//! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::cluster::{BIN, Cluster};
+use tokio::time::Instant;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+fn env_list(name: &str, default: &str) -> Vec<u64> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
+/// One catch-up on a fresh cluster of `bin` with a `gib` GiB volume.
+async fn catch_up(bin: &Path, gib: u64) -> Duration {
+    let mut cluster = Cluster::new(3);
+    cluster.bin = bin.to_path_buf();
+    cluster.extra_args = vec![
+        "--size".into(),
+        format!("{gib}GiB"),
+        "--resync-rate".into(),
+        "0".into(),
+    ];
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster
+        .wait_for_writer(&[1, 2, 3], Duration::from_secs(60))
+        .await;
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    cluster.kill(follower);
+    let data = Bytes::from(vec![0x42; MIB as usize]);
+    for i in 0..4 {
+        let offset = i * (gib * GIB / 4);
+        // The first write after the kill waits for the follower's removal.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cluster.write(writer, offset, data.clone()).await.is_err() {
+            assert!(Instant::now() < deadline, "the writer took no write");
+        }
+    }
+    cluster
+        .wait_in_sync(writer, follower, false, Duration::from_secs(30))
+        .await;
+    let started = Instant::now();
+    cluster.spawn(follower);
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(900))
+        .await;
+    let took = started.elapsed();
+    for id in cluster.ids.clone() {
+        cluster.kill(id);
+    }
+    took
+}
+
+fn median(mut values: Vec<Duration>) -> Duration {
+    values.sort();
+    values[values.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let sizes = env_list("SIZES_GIB", "1,8");
+    let runs = env_list("RUNS", "3").first().copied().unwrap_or(3);
+    let current = PathBuf::from(BIN);
+    let baseline = std::env::var_os("BASELINE_BIN").map(PathBuf::from);
+    println!("catch-up after a 4 MiB miss, {runs} runs per size");
+    for gib in sizes {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for run in 0..runs {
+            if let Some(baseline) = &baseline {
+                let t = catch_up(baseline, gib).await;
+                println!(
+                    "{gib:>3} GiB run {run} baseline: {:>8.2} s",
+                    t.as_secs_f64()
+                );
+                theirs.push(t);
+            }
+            let t = catch_up(&current, gib).await;
+            println!(
+                "{gib:>3} GiB run {run} current:  {:>8.2} s",
+                t.as_secs_f64()
+            );
+            ours.push(t);
+        }
+        let ours = median(ours);
+        print!("{gib:>3} GiB median current {:.2} s", ours.as_secs_f64());
+        if !theirs.is_empty() {
+            let theirs = median(theirs);
+            print!(
+                ", baseline {:.2} s, current/baseline {:.2}x",
+                theirs.as_secs_f64(),
+                ours.as_secs_f64() / theirs.as_secs_f64()
+            );
+        }
+        println!();
+    }
+}
