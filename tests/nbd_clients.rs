@@ -85,6 +85,15 @@ async fn real_clients_use_the_writer_and_a_follower_is_read_only() {
     let export = &info["exports"][0];
     assert_eq!(export["export-size"], 128 * 1024 * 1024, "{info}");
     assert_eq!(export["is_read_only"], false, "{info}");
+    for flag in [
+        "can_trim",
+        "can_zero",
+        "can_fast_zero",
+        "can_cache",
+        "can_multi_conn",
+    ] {
+        assert_eq!(export[flag], true, "{flag} in {info}");
+    }
 
     // qemu-io writes a pattern and reads it back.
     let written = qemu_io(

@@ -24,7 +24,10 @@
 //! - **Commands**: `READ`, `WRITE`, `FLUSH`, `DISC`, `TRIM` and
 //!   `WRITE_ZEROES` (both discard the range on every in-sync replica,
 //!   freeing its space, unless `NO_HOLE` asks for written zeroes; see
-//!   [`transmission`]), and the `FUA` flag.
+//!   [`transmission`]), `CACHE` (range-checked; every read is served from
+//!   the page cache of a replica anyway), the `FUA` flag, and `FAST_ZERO`
+//!   (zeroes by discard are fast; with `NO_HOLE` the answer is `ENOTSUP`
+//!   at once).
 //!   `CAN_MULTI_CONN` is advertised: a flush makes every acknowledged write
 //!   durable, whichever connection sent it.
 //! - **Limits**: one request reads or writes at most [`MAX_REQUEST_LEN`]
@@ -138,13 +141,17 @@ impl Export {
     /// the gate's term, only while this node's gate would pass a write;
     /// read-only while its copy may be read; else why not.
     fn offer(&self) -> Result<handshake::Session, DeviceError> {
-        let flags = wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH | wire::TFLAG_CAN_MULTI_CONN;
+        let flags = wire::TFLAG_HAS_FLAGS
+            | wire::TFLAG_SEND_FLUSH
+            | wire::TFLAG_CAN_MULTI_CONN
+            | wire::TFLAG_SEND_CACHE;
         match self.device.access() {
             Access::ReadWrite { term } => Ok(handshake::Session {
                 flags: flags
                     | wire::TFLAG_SEND_FUA
                     | wire::TFLAG_SEND_TRIM
-                    | wire::TFLAG_SEND_WRITE_ZEROES,
+                    | wire::TFLAG_SEND_WRITE_ZEROES
+                    | wire::TFLAG_SEND_FAST_ZERO,
                 term: Some(term),
             }),
             Access::ReadOnly => Ok(handshake::Session {

@@ -298,6 +298,24 @@ async fn every_command_does_what_it_says() {
         .await;
     assert_eq!(client.reply(0).await, (6, 0, vec![]));
     assert!(engine.read_at_now(0, SIZE as u64).iter().all(|b| *b == 0));
+    // Cache: a checked hint.
+    client.send(5, 0, 10, 0, 4096, &[]).await;
+    assert_eq!(client.reply(0).await, (10, 0, vec![]));
+    client.send(5, 0, 11, SIZE as u64, 1, &[]).await;
+    assert_eq!(client.reply(0).await.1, EINVAL);
+    // Fast zero: by a hole it is fast; written zeroes (NO_HOLE) are not,
+    // and are refused at once with nothing written; on a write, invalid.
+    assert_eq!(client.write(12, 0, b"keep").await, 0);
+    client
+        .send(6, CMD_FLAG_FAST_ZERO | CMD_FLAG_NO_HOLE, 13, 0, 4096, &[])
+        .await;
+    assert_eq!(client.reply(0).await.1, ENOTSUP);
+    assert_eq!(engine.read_at_now(0, 4), b"keep");
+    client.send(1, CMD_FLAG_FAST_ZERO, 14, 0, 4, b"fast").await;
+    assert_eq!(client.reply(0).await.1, EINVAL);
+    client.send(6, CMD_FLAG_FAST_ZERO, 15, 0, 4096, &[]).await;
+    assert_eq!(client.reply(0).await, (15, 0, vec![]));
+    assert_eq!(engine.read_at_now(0, 4), [0; 4]);
     // Trim discards: the range reads back as zeroes.
     assert_eq!(client.write(7, 0, b"gone").await, 0);
     assert_eq!(engine.read_at_now(0, 4), b"gone");

@@ -284,7 +284,9 @@ async fn execute(
     if !session.open(device) {
         return Err(Failure::Closed);
     }
-    if request.has_unknown_flags() {
+    if request.has_unknown_flags()
+        || (request.fast_zero() && request.command != Command::WriteZeroes)
+    {
         return Err(Failure::Error(wire::EINVAL));
     }
     let (offset, len) = (request.offset, u64::from(request.len));
@@ -312,13 +314,23 @@ async fn execute(
         Command::Trim => discard(device, offset, len, request.fua())
             .await
             .map(|()| None),
-        // Zeroes may be a hole unless the client said NO_HOLE.
+        // Zeroes may be a hole unless the client said NO_HOLE; written
+        // zeroes are slow, so a client that wants them fast hears so.
+        Command::WriteZeroes if request.fast_zero() && !request.may_punch() => {
+            Err(Failure::Error(wire::ENOTSUP))
+        }
         Command::WriteZeroes if request.may_punch() => discard(device, offset, len, request.fua())
             .await
             .map(|()| None),
         Command::WriteZeroes => write_zeroes(device, offset, len, request.fua())
             .await
             .map(|()| None),
+        // Reads are served from a replica's page cache already; the hint
+        // is checked and needs nothing more.
+        Command::Cache => match offset.checked_add(len) {
+            Some(end) if end <= device.size() => Ok(None),
+            _ => Err(Failure::Error(wire::EINVAL)),
+        },
         Command::Disconnect | Command::Other(_) => Err(Failure::Error(wire::EINVAL)),
     }
 }

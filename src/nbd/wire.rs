@@ -59,17 +59,22 @@ pub const TFLAG_SEND_FUA: u16 = 1 << 3;
 pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
 pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+pub const TFLAG_SEND_CACHE: u16 = 1 << 10;
+pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 
 /// Command flags this server understands.
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
-const KNOWN_CMD_FLAGS: u16 = CMD_FLAG_FUA | CMD_FLAG_NO_HOLE;
+/// On `WRITE_ZEROES`: fail with `ENOTSUP` at once rather than zero slowly.
+pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+const KNOWN_CMD_FLAGS: u16 = CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO;
 
 /// Error values in replies (errno numbers fixed by the protocol).
 pub const EPERM: u32 = 1;
 pub const EIO: u32 = 5;
 pub const EINVAL: u32 = 22;
 pub const ENOSPC: u32 = 28;
+pub const ENOTSUP: u32 = 95;
 pub const ESHUTDOWN: u32 = 108;
 
 /// The size of a request header.
@@ -148,6 +153,8 @@ pub enum Command {
     Disconnect,
     Flush,
     Trim,
+    /// A hint to have the range ready for reading soon.
+    Cache,
     WriteZeroes,
     /// A command this server does not implement.
     Other(u16),
@@ -162,6 +169,7 @@ impl Command {
             Command::Disconnect => 2,
             Command::Flush => 3,
             Command::Trim => 4,
+            Command::Cache => 5,
             Command::WriteZeroes => 6,
             Command::Other(kind) => kind,
         }
@@ -174,6 +182,7 @@ impl Command {
             2 => Command::Disconnect,
             3 => Command::Flush,
             4 => Command::Trim,
+            5 => Command::Cache,
             6 => Command::WriteZeroes,
             other => Command::Other(other),
         }
@@ -199,6 +208,11 @@ impl Request {
     /// Whether the FUA flag is set.
     pub fn fua(&self) -> bool {
         self.flags & CMD_FLAG_FUA != 0
+    }
+
+    /// Whether the client asks for zeroes only if they are fast.
+    pub fn fast_zero(&self) -> bool {
+        self.flags & CMD_FLAG_FAST_ZERO != 0
     }
 
     /// Whether the client allows a hole where it asks for zeroes (no
