@@ -784,7 +784,7 @@ impl Engine {
             })?;
             copies.push((replica.id(), digests.into_iter().next().unwrap_or_default()));
         }
-        let Some((kept, majority)) = super::scrub::copy_to_keep(&copies) else {
+        let Some((kept, majority)) = quorum::copy_to_keep(&copies) else {
             return Ok(None);
         };
         let differing: Vec<NodeId> = copies

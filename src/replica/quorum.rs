@@ -5,6 +5,8 @@
 //!   least `min_in_sync` replicas; once `N − min_in_sync + 1` have taken the
 //!   new term, at most `min_in_sync − 1` are left that it could still
 //!   reach, so it can acknowledge nothing more.
+//! - [`copy_to_keep`]: which of the differing in-sync copies the scrub
+//!   keeps (S11): the one a majority holds, else the writer's.
 //! - [`judge`]: what the engine does with the outcomes of one mirrored
 //!   request (S5): acknowledge it only when every member of the committed
 //!   in-sync set has it; a member that failed it (or that is no longer in
@@ -12,6 +14,8 @@
 //!   only if at least `min_in_sync` members remain.
 
 use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
 
 use crate::ids::NodeId;
 
@@ -94,6 +98,22 @@ pub fn all_succeeded(
     } else {
         Err(succeeded)
     }
+}
+
+/// The digest to keep among the in-sync copies `(replica, digest)`, given
+/// in read order (the writer's own first), and whether a majority holds
+/// it: the one more than half of them hold, or else the first. `None` when
+/// there are no copies.
+pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<(Bytes, bool)> {
+    let mut counts: BTreeMap<&Bytes, usize> = BTreeMap::new();
+    for (_, digest) in copies {
+        *counts.entry(digest).or_default() += 1;
+    }
+    let majority = counts
+        .into_iter()
+        .find(|(_, count)| 2 * count > copies.len())
+        .map(|(digest, _)| (digest.clone(), true));
+    majority.or_else(|| copies.first().map(|(_, digest)| (digest.clone(), false)))
 }
 
 #[cfg(test)]
@@ -204,5 +224,44 @@ mod tests {
                 "committed {committed}, outcomes {sent}, min {min}"
             );
         }
+    }
+
+    fn copies(digests: &[(u64, &'static [u8])]) -> Vec<(NodeId, Bytes)> {
+        digests
+            .iter()
+            .map(|(id, d)| (NodeId(*id), Bytes::from_static(d)))
+            .collect()
+    }
+
+    #[test]
+    fn the_copy_kept_is_the_majoritys_else_the_writers() {
+        let keep = |d: &'static [u8], majority: bool| Some((Bytes::from_static(d), majority));
+        // The writer's copy (first) rotted: the majority wins.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"x"), (2, b"a"), (3, b"a")])),
+            keep(b"a", true)
+        );
+        // A follower's rotted.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"a"), (2, b"x"), (3, b"a")])),
+            keep(b"a", true)
+        );
+        // No majority: three different, or one against one.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"c"), (2, b"a"), (3, b"b")])),
+            keep(b"c", false)
+        );
+        assert_eq!(
+            copy_to_keep(&copies(&[(2, b"b"), (3, b"a")])),
+            keep(b"b", false)
+        );
+        // Two of four is not a majority.
+        assert_eq!(
+            copy_to_keep(&copies(&[(1, b"w"), (2, b"a"), (3, b"a"), (4, b"b")])),
+            keep(b"w", false)
+        );
+        // All agree: a majority of one.
+        assert_eq!(copy_to_keep(&copies(&[(1, b"a")])), keep(b"a", true));
+        assert_eq!(copy_to_keep(&[]), None);
     }
 }

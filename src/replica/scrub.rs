@@ -15,7 +15,8 @@
 //!    that was only a write in flight vanishes there;
 //! 3. a real difference is logged with the extent and the replicas, and the
 //!    odd copies are overwritten from the copy a majority holds, or from
-//!    the writer's own copy when no copy has a majority ([`copy_to_keep`]),
+//!    the writer's own copy when no copy has a majority
+//!    ([`super::quorum::copy_to_keep`]),
 //!    then flushed. Without a majority nothing says the writer's copy is
 //!    the right one, so the bytes it replaces are saved first, in
 //!    `DATA_DIR/scrub-kept/`, and the log names the files.
@@ -34,42 +35,23 @@
 //!   is served until its repair succeeds (the optional end-to-end read check
 //!   of the design is not built).
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
 use futures::future::join_all;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::engine::{ScrubError, ScrubFinding};
 use super::{Engine, Replica};
-use crate::ids::NodeId;
 use crate::volume::Device;
 
 /// How many extents one digest request covers.
 const EXTENTS_PER_REQUEST: u64 = 64;
 /// The pause between passes when scrubbing continuously.
 const BETWEEN_PASSES: Duration = Duration::from_secs(1);
-
-/// The digest to keep among the in-sync copies `(replica, digest)`, given
-/// in read order (the writer's own first), and whether a majority holds
-/// it: the one more than half of them hold, or else the first. `None` when
-/// there are no copies.
-pub fn copy_to_keep(copies: &[(NodeId, Bytes)]) -> Option<(Bytes, bool)> {
-    let mut counts: BTreeMap<&Bytes, usize> = BTreeMap::new();
-    for (_, digest) in copies {
-        *counts.entry(digest).or_default() += 1;
-    }
-    let majority = counts
-        .into_iter()
-        .find(|(_, count)| 2 * count > copies.len())
-        .map(|(digest, _)| (digest.clone(), true));
-    majority.or_else(|| copies.first().map(|(_, digest)| (digest.clone(), false)))
-}
 
 /// What the scrub has done, for status and metrics.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -454,49 +436,5 @@ async fn pace(done: u64, rate: u64, started: Instant) {
     let elapsed = started.elapsed();
     if due > elapsed {
         tokio::time::sleep(due - elapsed).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn copies(digests: &[(u64, &'static [u8])]) -> Vec<(NodeId, Bytes)> {
-        digests
-            .iter()
-            .map(|(id, d)| (NodeId(*id), Bytes::from_static(d)))
-            .collect()
-    }
-
-    #[test]
-    fn the_copy_kept_is_the_majoritys_else_the_writers() {
-        let keep = |d: &'static [u8], majority: bool| Some((Bytes::from_static(d), majority));
-        // The writer's copy (first) rotted: the majority wins.
-        assert_eq!(
-            copy_to_keep(&copies(&[(1, b"x"), (2, b"a"), (3, b"a")])),
-            keep(b"a", true)
-        );
-        // A follower's rotted.
-        assert_eq!(
-            copy_to_keep(&copies(&[(1, b"a"), (2, b"x"), (3, b"a")])),
-            keep(b"a", true)
-        );
-        // No majority: three different, or one against one.
-        assert_eq!(
-            copy_to_keep(&copies(&[(1, b"c"), (2, b"a"), (3, b"b")])),
-            keep(b"c", false)
-        );
-        assert_eq!(
-            copy_to_keep(&copies(&[(2, b"b"), (3, b"a")])),
-            keep(b"b", false)
-        );
-        // Two of four is not a majority.
-        assert_eq!(
-            copy_to_keep(&copies(&[(1, b"w"), (2, b"a"), (3, b"a"), (4, b"b")])),
-            keep(b"w", false)
-        );
-        // All agree: a majority of one.
-        assert_eq!(copy_to_keep(&copies(&[(1, b"a")])), keep(b"a", true));
-        assert_eq!(copy_to_keep(&[]), None);
     }
 }
