@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const CMD_READ: u16 = 0;
+const CMD_TRIM: u16 = 4;
 const CMD_WRITE: u16 = 1;
 
 /// How a request ended.
@@ -115,6 +116,17 @@ impl Connection {
     ) -> std::io::Result<Reply> {
         let len = data.len() as u32;
         self.request(CMD_WRITE, wire::CMD_FLAG_FUA, offset, len, data, limit)
+            .await
+    }
+
+    /// A discard (`TRIM`) with FUA.
+    pub async fn trim_fua(
+        &mut self,
+        offset: u64,
+        len: u32,
+        limit: Duration,
+    ) -> std::io::Result<Reply> {
+        self.request(CMD_TRIM, wire::CMD_FLAG_FUA, offset, len, &[], limit)
             .await
     }
 

@@ -25,8 +25,9 @@
 //!   errors show) and half to many cold ones (mostly first writes, so a
 //!   replica whose disk cannot allocate fails them).
 //! - Beside them, overlapping writers ([`Layout::overlap`]): a few
-//!   connections writing 4 KiB at random 512-byte offsets within 16 KiB at
-//!   once, so writes to the same bytes are in flight together. No rule can
+//!   connections writing 4 KiB (or, one time in four, discarding it) at
+//!   random 512-byte offsets within 16 KiB at once, so changes to the same
+//!   bytes are in flight together. No rule can
 //!   say which of them a block holds, so their outcomes are only counted;
 //!   the diverged rule (every in-sync replica byte-identical at the end)
 //!   judges them (design S11).
@@ -374,7 +375,12 @@ async fn overlap_writer(
             state = super::rng::splitmix(state);
             data.extend_from_slice(&state.to_be_bytes());
         }
-        match conn.write_fua(offset, &data, WRITE_LIMIT).await {
+        let answer = if rng.below(4) == 0 {
+            conn.trim_fua(offset, BLOCK as u32, WRITE_LIMIT).await
+        } else {
+            conn.write_fua(offset, &data, WRITE_LIMIT).await
+        };
+        match answer {
             Ok(Reply::Ok(_)) => {
                 acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
