@@ -178,6 +178,9 @@ impl Resyncer {
                 .buffer_unordered(COPIES_IN_FLIGHT);
             while let Some(bytes) = copies.next().await {
                 copied += bytes?;
+                // Progress as it copies, not only per digest request: a
+                // request's extents can take long to copy at a capped rate.
+                self.report(id, offset, total, copied, started);
                 self.throttle(copied, started).await;
             }
             offset += len;
