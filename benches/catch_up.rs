@@ -81,7 +81,7 @@ fn median(mut values: Vec<Duration>) -> Duration {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let sizes = env_list("SIZES_GIB", "1,8");
-    let runs = env_list("RUNS", "3").first().copied().unwrap_or(3);
+    let runs = common::env_u64("RUNS", 3);
     let current = PathBuf::from(BIN);
     let baseline = std::env::var_os("BASELINE_BIN").map(PathBuf::from);
     println!("catch-up after a 4 MiB miss, {runs} runs per size");

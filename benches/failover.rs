@@ -25,10 +25,7 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = std::env::var("RUNS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(25);
+    let runs = common::env_u64("RUNS", 25) as usize;
     let mut cluster = Cluster::start(3).await;
     let mut samples = Vec::new();
     for run in 0..runs {

@@ -116,10 +116,7 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = std::env::var("RUNS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(10);
+    let runs = common::env_u64("RUNS", 10) as usize;
     let mut table = Vec::new();
     let paths = std::env::var("PATHS").unwrap_or_else(|_| "attach,HAProxy".into());
     for path in ["attach", "HAProxy"]

@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::cluster::{BIN, Cluster};
+use common::env_u64;
 use common::tools::{run_within, uri};
 
 /// One fio run's figures.
@@ -32,13 +33,6 @@ struct Figures {
     iops: f64,
     p50_us: f64,
     p99_us: f64,
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 /// A fresh cluster of `bin`, fio `span` bytes at QD32 for `seconds`.

@@ -359,6 +359,9 @@ async fn fio_through(
                 &runtime,
                 "--verify=crc32c",
                 "--verify_fatal=1",
+                // Otherwise fio leaves its verify state file in the working
+                // directory (the checkout).
+                "--verify_state_save=0",
             ])
             .output()
             .await

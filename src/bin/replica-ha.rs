@@ -569,6 +569,20 @@ async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
     }
 }
 
+/// "resync 42% (100 of 240 MiB compared, 4 MiB copied, 128 MiB/s, 1 s
+/// left)": a running rebuild of replica `r`, for the table and the watch.
+fn resync_progress(r: &replica_ha::proto::admin::ReplicaStatus) -> String {
+    format!(
+        "resync {:.0}% ({} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
+        100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
+        r.resync_done_bytes >> 20,
+        r.resync_total_bytes >> 20,
+        r.resync_copied_bytes >> 20,
+        r.resync_rate_bytes_per_second / 1048576.0,
+        r.resync_eta_seconds
+    )
+}
+
 /// The live view of one status reply; `rate` is writes and bytes per
 /// second since the last sample.
 fn watch_view(reply: &StatusReply, rate: Option<(f64, f64)>) -> String {
@@ -608,15 +622,7 @@ fn watch_view(reply: &StatusReply, rate: Option<(f64, f64)>) -> String {
     );
     for r in &reply.replicas {
         let progress = if r.resync_running {
-            format!(
-                "resync {:.0}% ({} of {} MiB, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
-                100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
-                r.resync_done_bytes >> 20,
-                r.resync_total_bytes >> 20,
-                r.resync_copied_bytes >> 20,
-                r.resync_rate_bytes_per_second / 1048576.0,
-                r.resync_eta_seconds
-            )
+            resync_progress(r)
         } else if !r.reachable {
             format!("unreachable: {}", r.error)
         } else {
@@ -857,15 +863,7 @@ fn print_status_table(reply: &StatusReply) {
             ("?".into(), "?".into(), format!("unreachable: {}", r.error))
         };
         let note = if r.resync_running {
-            format!(
-                "{note} resync {:.0}% ({} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
-                100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
-                r.resync_done_bytes >> 20,
-                r.resync_total_bytes >> 20,
-                r.resync_copied_bytes >> 20,
-                r.resync_rate_bytes_per_second / 1048576.0,
-                r.resync_eta_seconds
-            )
+            format!("{note} {}", resync_progress(r))
         } else if r.resync_total_bytes > 0 {
             format!(
                 "{note} last resync copied {} MiB",

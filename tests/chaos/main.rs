@@ -32,6 +32,7 @@ use std::io::Read;
 use std::time::Duration;
 
 use common::cluster::{Cluster, one_cluster_at_a_time};
+use common::env_u64;
 use tokio::time::Instant;
 
 use checker::{Evidence, Violation};
@@ -129,15 +130,6 @@ struct Outcome {
     /// A crash or a failure to recover: not a safety violation, but a
     /// failed schedule.
     stuck: Option<String>,
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    match std::env::var(name) {
-        Ok(text) => text
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={text:?} is not a number")),
-        Err(_) => default,
-    }
 }
 
 /// The bounded slice of the default suite; `cluster/chaos` runs campaigns

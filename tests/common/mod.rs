@@ -365,3 +365,16 @@ pub async fn serve_replica_with(
     );
     addr
 }
+
+/// A number from the environment (benchmark and campaign knobs such as
+/// `RUNS`), or `default` when it is unset. A value that is not a number
+/// stops the run with its name, rather than being silently ignored.
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    match std::env::var(name) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={text:?} is not a number")),
+        Err(_) => default,
+    }
+}
