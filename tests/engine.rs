@@ -930,18 +930,21 @@ async fn overlapping_writes_in_flight_end_the_same_on_every_replica() {
             tail[0]
         );
     }
-    // Writes that do not overlap are not held behind a slow one.
-    let slow = rig.engine.write_at(0, Bytes::from(vec![0xa1; 4096]), false);
-    tokio::pin!(slow);
-    let quick = tokio::time::timeout(
-        Duration::from_millis(80),
-        rig.engine.write_at(65536, block(0xc3), false),
-    );
+    // Writes that do not overlap are not held behind one that is stuck:
+    // the second completes while the first is still held on replica 2.
+    rig.replicas[1].set(Fault::HoldWritesOf(0xd4));
+    let stuck = rig.engine.write_at(0, Bytes::from(vec![0xd4; 4096]), false);
+    tokio::pin!(stuck);
     tokio::select! {
-        _ = &mut slow => panic!("the slow write finished first"),
-        quick = quick => quick.expect("not held behind the slow write").unwrap(),
+        _ = &mut stuck => panic!("the held write finished"),
+        () = rig.replicas[1].wait_held(1) => {}
     }
-    slow.await.unwrap();
+    tokio::select! {
+        _ = &mut stuck => panic!("the held write finished"),
+        quick = rig.engine.write_at(65536, block(0xc3), false) => quick.unwrap(),
+    }
+    rig.replicas[1].release(1);
+    stuck.await.unwrap();
 }
 
 /// A discard is a change like a write: stamped with the term and mirrored

@@ -45,6 +45,9 @@ pub enum Fault {
     /// Writes whose data begins with this byte take this long before they
     /// reach the store, as a request overtaken on the network would.
     DelayWritesOf(u8, Duration),
+    /// Writes whose data begins with this byte are held until
+    /// [`FaultyReplica::release`], then pass; everything else passes.
+    HoldWritesOf(u8),
 }
 
 /// A local replica with a switchable fault.
@@ -120,7 +123,7 @@ impl FaultyReplica {
                 Err(ReplicaError::Unavailable("injected".into()))
             }
             Fault::FailWritesAt(_) => Ok(()),
-            Fault::SlowFlushes(_) | Fault::DelayWritesOf(..) => Ok(()),
+            Fault::SlowFlushes(_) | Fault::DelayWritesOf(..) | Fault::HoldWritesOf(_) => Ok(()),
             Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
             Fault::HoldWrites { pass } => {
                 self.held.send_modify(|n| *n += 1);
@@ -167,10 +170,19 @@ impl Replica for FaultyReplica {
                 .unwrap_or_else(|e| Err(ReplicaError::Io(e.to_string())));
         }
         let fault = *self.fault.lock().unwrap();
-        if let Fault::DelayWritesOf(byte, delay) = fault {
-            if data.first() == Some(&byte) {
+        match fault {
+            Fault::DelayWritesOf(byte, delay) if data.first() == Some(&byte) => {
                 tokio::time::sleep(delay).await;
             }
+            Fault::HoldWritesOf(byte) if data.first() == Some(&byte) => {
+                self.held.send_modify(|n| *n += 1);
+                self.released
+                    .acquire()
+                    .await
+                    .expect("the semaphore is never closed")
+                    .forget();
+            }
+            _ => {}
         }
         self.gate(Some(offset)).await?;
         self.inner.write(stamp, offset, data, fua).await
