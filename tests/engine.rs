@@ -1012,3 +1012,37 @@ async fn a_discard_of_a_fenced_writer_is_refused_and_not_applied() {
     );
     assert_eq!(rig.engine.term(), None, "the fenced writer deactivated");
 }
+
+/// A scrub repair while a replica is being rebuilt makes that rebuild start
+/// over: it may have copied the extent from the copy the scrub then found
+/// wrong, and the repair retires the extent's marks.
+#[tokio::test]
+async fn a_scrub_repair_makes_a_running_rebuild_start_over() {
+    use std::os::unix::fs::FileExt;
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(4)).await.unwrap();
+    // n3 leaves the in-sync set, then its rebuild begins and copies extent 0.
+    rig.replicas[2].set(Fault::Fail);
+    rig.engine.write_at(0, block(0x11), false).await.unwrap();
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
+    rig.replicas[2].set(Fault::None);
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    rig.engine.copy_extent(NodeId(3), 0).await.unwrap();
+    assert!(!rig.engine.rebuild_failed(NodeId(3)));
+    // n2's copy of extent 0 rots; the scrub repairs it.
+    let path = rig._dir.path().join(IDS[1].to_string()).join("volume.img");
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(&[0xee; 64], 100).unwrap();
+    let finding = rig
+        .engine
+        .scrub_extent(0)
+        .await
+        .unwrap()
+        .expect("a difference");
+    assert_eq!(finding.differing, vec![NodeId(2)]);
+    assert!(finding.repaired);
+    assert!(
+        rig.engine.rebuild_failed(NodeId(3)),
+        "the rebuild of n3 must compare again"
+    );
+}

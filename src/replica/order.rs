@@ -116,7 +116,8 @@ impl WriteOrder {
     }
 
     /// How many writes are in flight (admitted and not yet left).
-    pub fn in_flight(&self) -> usize {
+    #[cfg(test)]
+    fn in_flight(&self) -> usize {
         self.lock().in_flight.len()
     }
 

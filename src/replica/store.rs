@@ -1338,6 +1338,38 @@ mod tests {
         check("after discards").await;
     }
 
+    /// Once the promotion is over (the new writer clears the older marks),
+    /// the snapshot is dropped: a change behind the store's back (bit rot)
+    /// is seen by the next digest, as the scrub needs.
+    #[tokio::test]
+    async fn predigests_are_dropped_once_older_marks_are_cleared() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        let mib = DEFAULT_EXTENT_SIZE;
+        store
+            .write(Term(1), mib, block(1, 4096), false)
+            .await
+            .unwrap();
+        assert_eq!(store.predigest().await.unwrap(), 1);
+        let (_, hashed_ahead) = store.digests(mib, mib).await.unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(DATA_FILE))
+            .unwrap()
+            .write_all_at(&[0xee; 16], mib)
+            .unwrap();
+        assert_eq!(
+            store.digests(mib, mib).await.unwrap().1,
+            hashed_ahead,
+            "served from the snapshot"
+        );
+        store.clear_dirty_below(Term(2)).await.unwrap();
+        let (_, after) = store.digests(mib, mib).await.unwrap();
+        let bytes = store.read(mib, mib).await.unwrap();
+        assert_eq!(after[0], *blake3::hash(&bytes).as_bytes());
+        assert_ne!(after, hashed_ahead, "the rot is seen");
+    }
+
     #[tokio::test]
     async fn predigests_serve_until_the_next_write() {
         let dir = tempfile::tempdir().unwrap();
