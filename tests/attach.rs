@@ -393,7 +393,9 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
 
     // A crash.
     let fio = fio_through(&socket, 5).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cluster
+        .wait_for_writes(writer, 200, Duration::from_secs(20))
+        .await;
     cluster.kill(writer);
     fio_ok(&fio.await.unwrap());
     cluster.spawn(writer);
@@ -404,7 +406,9 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
     // A transfer.
     let target = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
     let fio = fio_through(&socket, 4).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cluster
+        .wait_for_writes(writer, 200, Duration::from_secs(20))
+        .await;
     let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest { to: target });
     request.set_timeout(Duration::from_secs(10));
     cluster
@@ -419,7 +423,9 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
         .await;
     let fio = fio_through(&socket, 4).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    cluster
+        .wait_for_writes(writer, 200, Duration::from_secs(20))
+        .await;
     assert!(cluster.terminate(writer).success());
     fio_ok(&fio.await.unwrap());
 

@@ -116,18 +116,7 @@ async fn overlapping_writes_across_a_writer_kill_converge_to_identical_replicas(
     ));
     // Kill the writer while the overlapping writes run (fio then fails):
     // once it has taken a few hundred of them.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let taken = cluster.status(writer).await.map_or(0, |s| s.writes_total);
-        if taken >= 300 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the writer took only {taken} writes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cluster.wait_for_writes(writer, 300, WAIT).await;
     cluster.kill(writer);
     let _ = workload.await;
     let survivors: Vec<u64> = all.into_iter().filter(|id| *id != writer).collect();

@@ -80,7 +80,7 @@ pub struct ActiveDevice {
     /// How long a request is held below `min_in_sync` before it fails.
     suspend_timeout: Duration,
     /// The requests held now.
-    suspended: Mutex<Suspended>,
+    suspended: Mutex<Suspension>,
     journal: OnceLock<Arc<dyn GateJournal>>,
 }
 
@@ -98,18 +98,12 @@ pub struct Suspension {
     pub why: String,
 }
 
-#[derive(Debug, Default)]
-struct Suspended {
-    now: Suspension,
-}
-
 /// One held request, until it is released (or dropped).
 struct Held<'a>(&'a ActiveDevice);
 
 impl<'a> Held<'a> {
     fn new(device: &'a ActiveDevice, why: &DeviceError) -> Self {
-        let mut suspended = device.lock_suspended();
-        let now = &mut suspended.now;
+        let mut now = device.lock_suspended();
         if now.waiting == 0 {
             now.since = Some(Instant::now());
             tracing::warn!(%why, "I/O suspended: writes are held until the in-sync set can take them");
@@ -122,8 +116,7 @@ impl<'a> Held<'a> {
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        let mut suspended = self.0.lock_suspended();
-        let now = &mut suspended.now;
+        let mut now = self.0.lock_suspended();
         now.waiting = now.waiting.saturating_sub(1);
         if now.waiting == 0 {
             if let Some(since) = now.since.take() {
@@ -201,10 +194,10 @@ impl ActiveDevice {
 
     /// The requests held below `min_in_sync` now.
     pub fn suspension(&self) -> Suspension {
-        self.lock_suspended().now.clone()
+        self.lock_suspended().clone()
     }
 
-    fn lock_suspended(&self) -> std::sync::MutexGuard<'_, Suspended> {
+    fn lock_suspended(&self) -> std::sync::MutexGuard<'_, Suspension> {
         self.suspended.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -460,6 +460,26 @@ impl Cluster {
         reply.digests
     }
 
+    /// Waits until node `id` has taken `more` writes beyond those it had
+    /// taken when called (a client is writing through it by then).
+    pub async fn wait_for_writes(&self, id: u64, more: u64, within: Duration) {
+        let taken = || async { self.status(id).await.map_or(0, |s| s.writes_total) };
+        let start = taken().await;
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let now = taken().await;
+            if now >= start + more {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node {id} took {} writes in {within:?}, not {more}",
+                now - start
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The in-sync set as `writer` reports it (empty if it does not answer).
     pub async fn in_sync(&self, writer: u64) -> Vec<u64> {
         match self.status(writer).await {
