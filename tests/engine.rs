@@ -1046,3 +1046,27 @@ async fn a_scrub_repair_makes_a_running_rebuild_start_over() {
         "the rebuild of n3 must compare again"
     );
 }
+
+/// A scrub pass with a replica that never answers ends, reporting the
+/// extents it could not compare, instead of stalling on that replica.
+#[tokio::test]
+async fn a_scrub_pass_with_a_silent_replica_ends_and_reports_what_it_could_not_compare() {
+    use replica_ha::replica::scrub::{ScrubConfig, Scrubber};
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(4)).await.unwrap();
+    rig.replicas[1].set(Fault::Hang);
+    let scrubber = Scrubber::new(
+        Arc::clone(&rig.engine),
+        ScrubConfig {
+            rate: 0,
+            keep_dir: None,
+        },
+    );
+    let report = tokio::time::timeout(Duration::from_secs(30), scrubber.pass(0))
+        .await
+        .expect("the pass ends");
+    let extents = SIZE.div_ceil(rig.engine.extent_size());
+    assert_eq!((report.checked, report.unchecked), (0, extents));
+    assert!(report.findings.is_empty());
+    assert_eq!(scrubber.status().unchecked, extents);
+}

@@ -619,7 +619,7 @@ impl Engine {
 
     /// `call` to replica `id`, given up on once the replica falls silent
     /// for the replica timeout (see [`super::liveness`]).
-    async fn bounded<T>(
+    pub(super) async fn bounded<T>(
         &self,
         id: NodeId,
         call: impl std::future::Future<Output = Result<T, ReplicaError>>,

@@ -301,7 +301,14 @@ impl Scrubber {
     /// in-sync replicas right now (writes in flight may cause some).
     async fn suspects(&self, offset: u64, len: u64) -> Result<Vec<u64>, ScrubError> {
         let members: Vec<Arc<dyn Replica>> = self.engine.in_sync_replicas();
-        let answers = join_all(members.iter().map(|r| r.digests(offset, len))).await;
+        // Bounded like every engine request: a silent replica ends this
+        // comparison with an error instead of stalling the pass.
+        let answers = join_all(
+            members
+                .iter()
+                .map(|r| self.engine.bounded(r.id(), r.digests(offset, len))),
+        )
+        .await;
         let mut lists = Vec::with_capacity(members.len());
         for (replica, answer) in members.iter().zip(answers) {
             let (first, digests) = answer.map_err(|cause| ScrubError::Replica {
