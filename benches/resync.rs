@@ -53,15 +53,13 @@ async fn copied(cluster: &Cluster, writer: u64, id: u64) -> u64 {
 
 /// One digest pass over the whole volume on `id`, as the resync makes it.
 async fn digest_pass(cluster: &Cluster, id: u64) -> Duration {
+    let volume = cluster.volume_ref(id).await;
     let mut client = ReplicaClient::new(cluster.peer_channel(id));
     let started = Instant::now();
     for chunk in 0..SIZE / (64 * MIB) {
         client
             .digest(pb::DigestRequest {
-                volume: Some(pb::VolumeRef {
-                    cluster_id: cluster.cluster_id.clone(),
-                    volume: "vol0".into(),
-                }),
+                volume: Some(volume.clone()),
                 offset: chunk * 64 * MIB,
                 length: 64 * MIB,
             })

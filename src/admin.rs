@@ -18,6 +18,8 @@
 //! the cluster or the volume and need a client certificate with role
 //! `admin`. `Scrub` asks the writer for a pass of its scrub (see
 //! `replica::scrub`), and with `now` waits for its findings.
+//! `ChangeMembers` (admin) replaces, adds or removes a member through the
+//! node's [`MembersChanges`] (see `node::membership`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,9 +32,9 @@ use crate::ids::NodeId;
 use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
-    LeaderUpdate, Member, MembersReply, MembersRequest, ReadReply, ReadRequest, ReplicaStatus,
-    ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
-    WatchLeaderRequest, WriteReply, WriteRequest,
+    LeaderUpdate, Member, MembersChange, MembersChangeReply, MembersReply, MembersRequest,
+    ReadReply, ReadRequest, ReplicaStatus, ScrubReply, ScrubRequest, StatusReply, StatusRequest,
+    TransferReply, TransferRequest, WatchLeaderRequest, WriteReply, WriteRequest,
 };
 use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
@@ -40,12 +42,59 @@ use crate::volume::{DeviceError, RangeError};
 /// The admin service of one node.
 pub struct AdminService {
     view: Arc<NodeView>,
+    members: Option<Arc<dyn MembersChanges>>,
+}
+
+/// Why a membership change was not made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MembershipError {
+    /// This node is not the active writer; the leader it knows.
+    #[error("only the writer changes the membership; {}", match .0 {
+        Some(leader) => format!("node {leader} leads, ask it"),
+        None => "no leader is known now".to_string(),
+    })]
+    NotWriter(Option<NodeId>),
+    /// No such member.
+    #[error("node {0} is not a member")]
+    Unknown(NodeId),
+    /// The change is refused, for the reason given.
+    #[error("{0}")]
+    Refused(String),
+    /// Another change runs.
+    #[error("a membership change is in progress: {0}")]
+    InProgress(String),
+    /// The writer's own node is to go: leadership moved to `to` first.
+    #[error("leadership moved to node {to} at {addr}; ask it again")]
+    Moved { to: NodeId, addr: String },
+    /// A step failed (the membership is as far as it got).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Membership changes, as the node makes them.
+#[async_trait::async_trait]
+pub trait MembersChanges: Send + Sync {
+    /// Swaps node `node`'s old incarnation for the new one that waits.
+    async fn replace(&self, node: NodeId) -> Result<String, MembershipError>;
+    /// Adds node `node`, reachable at `addr`.
+    async fn add(&self, node: NodeId, addr: String) -> Result<String, MembershipError>;
+    /// Removes node `node`.
+    async fn remove(&self, node: NodeId) -> Result<String, MembershipError>;
 }
 
 impl AdminService {
     /// A service over a node's parts.
     pub fn new(view: Arc<NodeView>) -> Self {
-        Self { view }
+        Self {
+            view,
+            members: None,
+        }
+    }
+
+    /// Makes membership changes through `members`.
+    pub fn with_membership(mut self, members: Arc<dyn MembersChanges>) -> Self {
+        self.members = Some(members);
+        self
     }
 
     /// The tonic server of this service (the transport sets its limits).
@@ -195,6 +244,9 @@ impl Admin for AdminService {
             scrub_repaired: status.scrub.repaired,
             scrub_passes: status.scrub.passes,
             scrub_rate_bytes_per_second: status.scrub_rate,
+            incarnation: status.facts.member.incarnation().0,
+            member: status.facts.member.0,
+            not_member: status.not_member.clone().unwrap_or_default(),
             writes_total: status.io.writes.load(std::sync::atomic::Ordering::Relaxed),
             write_bytes_total: status
                 .io
@@ -214,6 +266,8 @@ impl Admin for AdminService {
                 live: m.live,
                 leader: m.leader,
                 in_sync: m.in_sync,
+                incarnation: m.incarnation.0,
+                voter: m.voter,
             })
             .collect();
         Ok(Response::new(MembersReply { members }))
@@ -275,13 +329,60 @@ impl Admin for AdminService {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(op, id))]
+    async fn change_members(
+        &self,
+        request: Request<MembersChange>,
+    ) -> Result<Response<MembersChangeReply>, Status> {
+        Caller::of(&request).require_admin("change the membership")?;
+        let request = request.into_inner();
+        let Some(members) = self.members.clone() else {
+            return Err(Status::unimplemented(
+                "this node makes no membership changes",
+            ));
+        };
+        let node = NodeId(request.id);
+        tracing::Span::current().record("op", request.op.as_str());
+        tracing::Span::current().record("id", request.id);
+        if !["replace", "add", "remove"].contains(&request.op.as_str()) {
+            return Err(Status::invalid_argument(format!(
+                "unknown membership change {:?}: replace, add or remove",
+                request.op
+            )));
+        }
+        // On a task of its own: a client that goes away (a deadline,
+        // Ctrl-C) does not cut a change off between its steps.
+        let change = tokio::spawn(async move {
+            match request.op.as_str() {
+                "replace" => members.replace(node).await,
+                "add" => members.add(node, request.addr).await,
+                _ => members.remove(node).await,
+            }
+        });
+        let outcome = change
+            .await
+            .map_err(|err| Status::internal(format!("the membership change failed: {err}")))?;
+        match outcome {
+            Ok(summary) => Ok(Response::new(MembersChangeReply {
+                summary,
+                ..Default::default()
+            })),
+            Err(MembershipError::Moved { to, addr }) => Ok(Response::new(MembersChangeReply {
+                summary: format!("leadership moved to node {to}"),
+                moved_to: to.0,
+                moved_to_addr: addr,
+            })),
+            Err(err) => Err(membership_status(err)),
+        }
+    }
+
     async fn transfer_leader(
         &self,
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
         Caller::of(&request).require_admin("transfer leadership")?;
         let to = NodeId(request.into_inner().to);
-        if !self.view.facts().peers.contains_key(&to) {
+        if !self.view.members().iter().any(|m| m.id == to) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
             )));
@@ -291,6 +392,20 @@ impl Admin for AdminService {
             .await
             .map(|()| Response::new(TransferReply {}))
             .map_err(status_of)
+    }
+}
+
+/// A membership error as a gRPC status (see the proto for the codes).
+fn membership_status(err: MembershipError) -> Status {
+    let message = err.to_string();
+    match err {
+        MembershipError::NotWriter(_) | MembershipError::Refused(_) => {
+            Status::failed_precondition(message)
+        }
+        MembershipError::Unknown(_) => Status::not_found(message),
+        MembershipError::InProgress(_) => Status::aborted(message),
+        MembershipError::Moved { .. } => Status::internal(message),
+        MembershipError::Failed(_) => Status::unavailable(message),
     }
 }
 

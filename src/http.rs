@@ -84,6 +84,23 @@ pub fn render(status: &NodeStatus) -> String {
         let value = u8::from(status.role.as_str() == role);
         text.sample("replica_ha_role", &[("node", &node), ("role", role)], value);
     }
+    text.family(
+        "replica_ha_member",
+        "gauge",
+        "1 while this node is a member of the cluster; 0, with the reason, while it is not (S8: \
+         a replaced disk waits to be re-added, a new node to be added).",
+    );
+    let incarnation = status.facts.member.incarnation().to_string();
+    let reason = status.not_member.as_deref().unwrap_or("");
+    text.sample(
+        "replica_ha_member",
+        &[
+            ("node", &node),
+            ("incarnation", &incarnation),
+            ("reason", reason),
+        ],
+        u8::from(status.not_member.is_none()),
+    );
     let held = status.suspended.as_ref();
     text.single(
         "replica_ha_io_suspended",

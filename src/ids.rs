@@ -8,7 +8,15 @@
 //!   a leadership, of a writer's stamps, of a replica's fence floor and of
 //!   its dirty marks.
 //!
-//! Both serialise as the bare number, so the Raft log and vote, the
+//! - [`Incarnation`] names one life of a node's data dir: a random number
+//!   drawn when the dir is created. A node whose disk was replaced is the
+//!   same [`NodeId`] with a new incarnation (S8).
+//! - [`MemberId`] is a node's id *in Raft*: its [`NodeId`] and its
+//!   [`Incarnation`] in one number. Votes, log entries and the membership
+//!   name members by it, so a vote that one incarnation cast can never be
+//!   cast again by the next: to Raft they are different members.
+//!
+//! All serialise as the bare number, so the Raft log and vote, the
 //! replicated state and the wire keep the formats they had when they were
 //! `u64`, and both print as the bare number, which is what status, metrics
 //! labels and logs show. Protobuf fields and sled keys stay `u64`, and so
@@ -75,6 +83,106 @@ impl fmt::Display for Term {
     }
 }
 
+/// How many low bits of a [`MemberId`] hold the [`NodeId`]; node ids are
+/// below `2^24` (the config says so).
+pub const NODE_ID_BITS: u32 = 24;
+
+/// The largest node id.
+pub const MAX_NODE_ID: u64 = (1 << NODE_ID_BITS) - 1;
+
+/// How many bits an [`Incarnation`] has: the rest of a [`MemberId`].
+const INCARNATION_BITS: u32 = 64 - NODE_ID_BITS;
+
+/// One life of a node's data dir (see the module docs). Incarnation 0 is
+/// that of a data dir made before incarnations existed; a new dir draws a
+/// random non-zero one.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct Incarnation(pub u64);
+
+impl Incarnation {
+    /// A fresh random incarnation: non-zero, and fitting a [`MemberId`].
+    pub fn random() -> Self {
+        let mask = (1u64 << INCARNATION_BITS) - 1;
+        loop {
+            let drawn = random_u64() & mask;
+            if drawn != 0 {
+                return Incarnation(drawn);
+            }
+        }
+    }
+}
+
+/// Prints as hex: it is a random name, not a count.
+impl fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:010x}", self.0)
+    }
+}
+
+/// A member of the Raft group: a node in one incarnation (see the module
+/// docs). The low [`NODE_ID_BITS`] bits are the node id, the rest the
+/// incarnation, so a member of incarnation 0 has the node's own number:
+/// logs and votes written before incarnations existed read unchanged.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct MemberId(pub u64);
+
+impl MemberId {
+    /// Node `node` in incarnation `incarnation`. Bits of either that do
+    /// not fit are dropped; the config keeps node ids small and
+    /// [`Incarnation::random`] keeps incarnations so.
+    pub fn new(node: NodeId, incarnation: Incarnation) -> Self {
+        MemberId((node.0 & MAX_NODE_ID) | (incarnation.0 << NODE_ID_BITS))
+    }
+
+    /// The node.
+    pub fn node(self) -> NodeId {
+        NodeId(self.0 & MAX_NODE_ID)
+    }
+
+    /// The incarnation.
+    pub fn incarnation(self) -> Incarnation {
+        Incarnation(self.0 >> NODE_ID_BITS)
+    }
+}
+
+/// `3` for incarnation 0, else `3/00a1b2c3d4` (node/incarnation).
+impl fmt::Display for MemberId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.incarnation() {
+            Incarnation(0) => write!(f, "{}", self.node()),
+            incarnation => write!(f, "{}/{incarnation}", self.node()),
+        }
+    }
+}
+
+/// openraft's storage test suite builds its node ids from numbers.
+impl From<u64> for MemberId {
+    fn from(id: u64) -> Self {
+        MemberId(id)
+    }
+}
+
+/// 64 random bits, from the standard library's per-process random hash
+/// keys (drawn from the OS) mixed with the time and the process id:
+/// enough to tell data dirs and clusters apart, with no crate for it.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    hasher.write_u128(now);
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +194,25 @@ mod tests {
         assert_eq!(NodeId(3).to_string(), "3");
         assert_eq!("12".parse::<NodeId>(), Ok(NodeId(12)));
         assert!("n1".parse::<NodeId>().is_err());
+    }
+
+    #[test]
+    fn a_member_id_holds_its_node_and_incarnation_and_incarnation_0_is_the_bare_node() {
+        assert_eq!(MemberId::new(NodeId(3), Incarnation(0)), MemberId(3));
+        let fresh = Incarnation::random();
+        assert_ne!(fresh, Incarnation(0));
+        let member = MemberId::new(NodeId(3), fresh);
+        assert_eq!((member.node(), member.incarnation()), (NodeId(3), fresh));
+        assert_ne!(member, MemberId(3), "another incarnation is another member");
+        assert_ne!(Incarnation::random(), fresh, "draws differ");
+        assert_eq!(MemberId(3).to_string(), "3");
+        assert_eq!(
+            MemberId::new(NodeId(3), Incarnation(0xab)).to_string(),
+            "3/00000000ab"
+        );
+        let biggest = MemberId::new(NodeId(MAX_NODE_ID), Incarnation((1 << 40) - 1));
+        assert_eq!(biggest.node(), NodeId(MAX_NODE_ID));
+        assert_eq!(biggest.incarnation(), Incarnation((1 << 40) - 1));
     }
 
     #[test]

@@ -23,7 +23,10 @@
 //!   traits;
 //! - [`volume`]: the [`volume::Device`] seam that the NBD server, the gates
 //!   and the engine all speak;
-//! - [`ids`]: the [`ids::NodeId`] type every layer names a node by;
+//! - [`ids`]: the [`ids::NodeId`] type every layer names a node by, and
+//!   the incarnations that tell a node's lives apart (S8);
+//! - [`members`]: which incarnation of each node this node deals with, as
+//!   the Raft membership says;
 //! - [`net`]: the one `Transport` every gRPC server and channel is made by,
 //!   and where every connection is authenticated (mutual TLS, S9);
 //! - [`certs`]: the cluster CA and the node and client certificates;
@@ -42,6 +45,7 @@ pub mod certs;
 pub mod ha;
 pub mod http;
 pub mod ids;
+pub mod members;
 pub mod metrics;
 pub mod nbd;
 pub mod net;

@@ -33,6 +33,8 @@ const INFO_TIMEOUT: Duration = Duration::from_millis(300);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeFacts {
     pub id: NodeId,
+    /// This node in Raft: its id and its data dir's incarnation.
+    pub member: crate::ids::MemberId,
     /// Where this node's replica service listens, as bound.
     pub data: SocketAddr,
     pub cluster_id: String,
@@ -59,6 +61,7 @@ impl NodeFacts {
 /// admin API takes through it: the data path and a leadership transfer.
 pub struct NodeView {
     facts: NodeFacts,
+    waiting: Arc<crate::members::Waiting>,
     coordinator: Arc<RaftCoordinator>,
     controller: Arc<Controller>,
     replicas: Arc<ReplicaSet>,
@@ -72,6 +75,8 @@ pub struct NodeView {
 /// The parts a [`NodeView`] is made of.
 pub struct NodeParts {
     pub facts: NodeFacts,
+    /// Why this node is not a member yet, while it is not (S8).
+    pub waiting: Arc<crate::members::Waiting>,
     pub coordinator: Arc<RaftCoordinator>,
     pub controller: Arc<Controller>,
     /// The volume's replicas, this node's own first.
@@ -130,6 +135,10 @@ pub struct SuspendedIo {
 pub struct MemberReport {
     pub id: NodeId,
     pub address: String,
+    /// The incarnation the membership names (S8).
+    pub incarnation: crate::ids::Incarnation,
+    /// A voter, not a learner.
+    pub voter: bool,
     /// Heard from within one lease.
     pub live: bool,
     pub leader: bool,
@@ -168,6 +177,8 @@ pub struct NodeStatus {
     pub replicas: Vec<ReplicaReport>,
     /// Why this node refuses reads now; `None` while it serves them.
     pub reads_refused: Option<String>,
+    /// Why this node is not a member of the cluster, while it is not (S8).
+    pub not_member: Option<String>,
     /// Writes held below `min_in_sync` (design C2), and what will end it.
     pub suspended: Option<SuspendedIo>,
     /// What this node's scrub has done (all zero unless it has written).
@@ -184,6 +195,7 @@ impl NodeView {
     pub fn new(parts: NodeParts) -> Self {
         Self {
             facts: parts.facts,
+            waiting: parts.waiting,
             coordinator: parts.coordinator,
             controller: parts.controller,
             replicas: parts.replicas,
@@ -306,6 +318,7 @@ impl NodeView {
             promotions: controller.promotions,
             replicas: self.replica_reports().await,
             reads_refused: self.reads_refused(),
+            not_member: self.not_member(),
             suspended: None,
             scrub: self.scrub.status(),
             scrub_rate: self.scrub.rate(),
@@ -314,20 +327,53 @@ impl NodeView {
         }
     }
 
-    /// Every node of the cluster as this node sees it.
+    /// Why this node is not a member, while it is not: still waiting to be
+    /// (re-)added (see `node::formation`), or removed from a membership
+    /// that it holds.
+    fn not_member(&self) -> Option<String> {
+        if let Some(why) = self.waiting.reason() {
+            return Some(why);
+        }
+        let book = self.coordinator.book();
+        let entries = book.entries();
+        let named = entries.get(&self.facts.id).map(|e| e.member);
+        match named {
+            _ if entries.is_empty() => None,
+            Some(member) if member == self.facts.member => None,
+            Some(member) => Some(format!(
+                "replaced: the membership names incarnation {} of this node, not this one ({})",
+                member.incarnation(),
+                self.facts.member.incarnation()
+            )),
+            None => Some(
+                "removed: this node is not a member of the cluster; stop it, or add it back \
+                 with `replica-ha members add`"
+                    .into(),
+            ),
+        }
+    }
+
+    /// Every member of the cluster as this node's membership names it
+    /// (empty while this node holds no membership).
     pub fn members(&self) -> Vec<MemberReport> {
         let live = self.coordinator.live_members();
         let raft = self.coordinator.status();
         let in_sync = raft.applied.control.in_sync;
-        self.facts
-            .peers
-            .iter()
-            .map(|(id, address)| MemberReport {
-                id: *id,
-                address: address.clone(),
-                live: live.contains(id),
-                leader: raft.leader == Some(*id),
-                in_sync: in_sync.contains(id),
+        self.coordinator
+            .book()
+            .entries()
+            .into_iter()
+            .map(|(id, entry)| MemberReport {
+                id,
+                address: match entry.addr.is_empty() {
+                    true => self.facts.peers.get(&id).cloned().unwrap_or_default(),
+                    false => entry.addr,
+                },
+                incarnation: entry.member.incarnation(),
+                voter: entry.voter,
+                live: live.contains(&id),
+                leader: raft.leader == Some(id),
+                in_sync: in_sync.contains(&id),
             })
             .collect()
     }

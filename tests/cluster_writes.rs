@@ -27,11 +27,8 @@ fn replica_client(cluster: &Cluster, id: u64) -> ReplicaClient<tonic::transport:
     ReplicaClient::new(cluster.peer_channel(id))
 }
 
-fn volume() -> Option<pb::VolumeRef> {
-    Some(pb::VolumeRef {
-        cluster_id: "test-cluster".into(),
-        volume: "vol0".into(),
-    })
+async fn volume(cluster: &Cluster, id: u64) -> Option<pb::VolumeRef> {
+    Some(cluster.volume_ref(id).await)
 }
 
 /// What node `id`'s own replica holds at `offset` (read straight from the
@@ -39,7 +36,7 @@ fn volume() -> Option<pb::VolumeRef> {
 async fn on_replica(cluster: &Cluster, id: u64, offset: u64) -> Bytes {
     replica_client(cluster, id)
         .read(pb::ReadRequest {
-            volume: volume(),
+            volume: volume(cluster, id).await,
             offset,
             length: 4096,
         })
@@ -88,7 +85,7 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
     for id in &fenced {
         let status = replica_client(&cluster, *id)
             .write(pb::WriteRequest {
-                volume: volume(),
+                volume: volume(&cluster, *id).await,
                 term: old_term,
                 offset: 0,
                 data: block(4),
@@ -437,7 +434,7 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     for id in &in_sync {
         let digests = replica_client(&cluster, *id)
             .digest(pb::DigestRequest {
-                volume: volume(),
+                volume: volume(&cluster, *id).await,
                 offset: 0,
                 length: 16 << 20,
             })
@@ -468,10 +465,12 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
     let target = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
     let mut client = replica_client(&cluster, target)
         .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
+    let incarnation = cluster.volume_ref(target).await.incarnation;
     let write = |cluster_id: &str, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
         volume: Some(pb::VolumeRef {
             cluster_id: cluster_id.into(),
             volume: "vol0".into(),
+            incarnation,
         }),
         term,
         offset,
@@ -501,6 +500,17 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
                 Bytes::from(vec![9u8; (32 << 20) + 4096]),
             ),
             Code::InvalidArgument,
+        ),
+        // S8: meant for another incarnation of the node (a replaced disk).
+        (
+            pb::WriteRequest {
+                volume: Some(pb::VolumeRef {
+                    incarnation: incarnation ^ 1,
+                    ..cluster.volume_ref(target).await
+                }),
+                ..write("test-cluster", term + 5, 0, block(9))
+            },
+            Code::FailedPrecondition,
         ),
     ];
     for (request, code) in cases {

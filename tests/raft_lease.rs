@@ -17,7 +17,8 @@ use openraft::{Entry, LogId, StorageError, Vote};
 use replica_ha::ha::Coordinator;
 use replica_ha::raft::network::{Network, Peers, RaftService};
 use replica_ha::raft::{
-    LogStore, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, Term, TypeConfig,
+    LogStore, MemberId, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, Term,
+    TypeConfig,
 };
 use tokio::time::Instant;
 
@@ -33,7 +34,7 @@ impl RaftLogReader<TypeConfig> for StallingLog {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
         &mut self,
         range: RB,
-    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<NodeId>> {
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<MemberId>> {
         self.inner.try_get_log_entries(range).await
     }
 }
@@ -41,7 +42,7 @@ impl RaftLogReader<TypeConfig> for StallingLog {
 impl RaftLogStorage<TypeConfig> for StallingLog {
     type LogReader = LogStore;
 
-    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<MemberId>> {
         self.inner.get_log_state().await
     }
 
@@ -49,22 +50,22 @@ impl RaftLogStorage<TypeConfig> for StallingLog {
         self.inner.get_log_reader().await
     }
 
-    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
+    async fn save_vote(&mut self, vote: &Vote<MemberId>) -> Result<(), StorageError<MemberId>> {
         self.inner.save_vote(vote).await
     }
 
-    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
+    async fn read_vote(&mut self) -> Result<Option<Vote<MemberId>>, StorageError<MemberId>> {
         self.inner.read_vote().await
     }
 
     async fn save_committed(
         &mut self,
-        committed: Option<LogId<NodeId>>,
-    ) -> Result<(), StorageError<NodeId>> {
+        committed: Option<LogId<MemberId>>,
+    ) -> Result<(), StorageError<MemberId>> {
         self.inner.save_committed(committed).await
     }
 
-    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+    async fn read_committed(&mut self) -> Result<Option<LogId<MemberId>>, StorageError<MemberId>> {
         self.inner.read_committed().await
     }
 
@@ -72,7 +73,7 @@ impl RaftLogStorage<TypeConfig> for StallingLog {
         &mut self,
         entries: I,
         callback: LogFlushed<TypeConfig>,
-    ) -> Result<(), StorageError<NodeId>>
+    ) -> Result<(), StorageError<MemberId>>
     where
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
@@ -83,11 +84,11 @@ impl RaftLogStorage<TypeConfig> for StallingLog {
         self.inner.append(entries, callback).await
     }
 
-    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+    async fn truncate(&mut self, log_id: LogId<MemberId>) -> Result<(), StorageError<MemberId>> {
         self.inner.truncate(log_id).await
     }
 
-    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+    async fn purge(&mut self, log_id: LogId<MemberId>) -> Result<(), StorageError<MemberId>> {
         self.inner.purge(log_id).await
     }
 }
@@ -128,14 +129,15 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
             .collect();
         let peers = Peers::new(
             "lease-test".into(),
-            id,
+            MemberId(id.0),
             others,
+            Arc::default(),
             replica_ha::net::Transport::default(),
             timing.election_max,
         );
         let config = timing.raft_config("lease-test").unwrap();
         let raft = Raft::new(
-            id,
+            MemberId(id.0),
             Arc::new(config),
             Network::new(Arc::clone(&peers)),
             log,
@@ -156,7 +158,7 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
                 .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener))
                 .await;
         });
-        let members: BTreeSet<NodeId> = ids.into_iter().collect();
+        let members: BTreeSet<MemberId> = ids.into_iter().map(|id| MemberId(id.0)).collect();
         let _ = raft.initialize(members).await;
         let detector = tokio::spawn({
             let (raft, peers) = (raft.clone(), Arc::clone(&peers));

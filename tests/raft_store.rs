@@ -3,14 +3,14 @@
 
 use openraft::StorageError;
 use openraft::testing::{StoreBuilder, Suite};
-use replica_ha::raft::{LogStore, NodeId, StateMachine, TypeConfig};
+use replica_ha::raft::{LogStore, MemberId, StateMachine, TypeConfig};
 
 struct SledBuilder;
 
 impl StoreBuilder<TypeConfig, LogStore, StateMachine, tempfile::TempDir> for SledBuilder {
     async fn build(
         &self,
-    ) -> Result<(tempfile::TempDir, LogStore, StateMachine), StorageError<NodeId>> {
+    ) -> Result<(tempfile::TempDir, LogStore, StateMachine), StorageError<MemberId>> {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
         let log = LogStore::open(&db).expect("log store");
@@ -35,7 +35,7 @@ async fn vote_and_log_survive_reopening() {
     {
         let db = sled::open(dir.path()).unwrap();
         let mut log = LogStore::open(&db).unwrap();
-        log.save_vote(&Vote::new_committed(7, NodeId(2)))
+        log.save_vote(&Vote::new_committed(7, MemberId(2)))
             .await
             .unwrap();
     }
@@ -43,9 +43,9 @@ async fn vote_and_log_survive_reopening() {
     let mut log = LogStore::open(&db).unwrap();
     assert_eq!(
         log.read_vote().await.unwrap(),
-        Some(Vote::new_committed(7, NodeId(2)))
+        Some(Vote::new_committed(7, MemberId(2)))
     );
     assert!(log.try_get_log_entries(0..10).await.unwrap().is_empty());
     let state = log.get_log_state().await.unwrap();
-    assert_eq!(state.last_log_id, None::<LogId<NodeId>>);
+    assert_eq!(state.last_log_id, None::<LogId<MemberId>>);
 }

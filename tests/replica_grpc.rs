@@ -39,6 +39,9 @@ fn volume(cluster: &str) -> Option<pb::VolumeRef> {
     Some(pb::VolumeRef {
         cluster_id: cluster.into(),
         volume: "vol0".into(),
+        // A replica served alone: the incarnation of a data dir older
+        // than incarnations.
+        incarnation: 0,
     })
 }
 

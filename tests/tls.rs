@@ -36,11 +36,10 @@ fn block(byte: u8, len: usize) -> Bytes {
     Bytes::from(vec![byte; len])
 }
 
-fn volume(cluster: &Cluster) -> Option<pb::VolumeRef> {
-    Some(pb::VolumeRef {
-        cluster_id: cluster.cluster_id.clone(),
-        volume: "vol0".into(),
-    })
+/// The volume as node `id`'s replica expects it named (its incarnation
+/// included), so that only what the test is about can refuse a request.
+async fn volume(cluster: &Cluster, id: u64) -> Option<pb::VolumeRef> {
+    Some(cluster.volume_ref(id).await)
 }
 
 fn timed<T>(message: T) -> tonic::Request<T> {
@@ -62,14 +61,14 @@ async fn held(cluster: &Cluster, id: u64) -> Held {
     let mut client = ReplicaClient::new(cluster.peer_channel(id));
     let status = client
         .status(timed(pb::StatusRequest {
-            volume: volume(cluster),
+            volume: volume(cluster, id).await,
         }))
         .await
         .expect("replica status")
         .into_inner();
     let head = client
         .read(timed(pb::ReadRequest {
-            volume: volume(cluster),
+            volume: volume(cluster, id).await,
             offset: 0,
             length: 64 * 1024,
         }))
@@ -89,6 +88,7 @@ async fn held(cluster: &Cluster, id: u64) -> Held {
 /// returns the outcome of each, by name.
 async fn attack(
     cluster: &Cluster,
+    id: u64,
     channel: Channel,
 ) -> Vec<(&'static str, Result<(), tonic::Status>)> {
     let mut replica = ReplicaClient::new(channel.clone());
@@ -96,12 +96,15 @@ async fn attack(
     let mut admin = AdminClient::new(channel.clone());
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
     let huge = 1u64 << 40;
+    // Meant for the node as it is now (S8), so that only the attacker's
+    // credentials can be what refuses.
+    let member = cluster.status(id).await.expect("status").member;
     let mut outcomes = Vec::new();
     outcomes.push((
         "replica write",
         replica
             .write(timed(pb::WriteRequest {
-                volume: volume(cluster),
+                volume: volume(cluster, id).await,
                 term: huge,
                 offset: 0,
                 data: block(0xee, 64 * 1024),
@@ -115,7 +118,7 @@ async fn attack(
         "replica fence",
         replica
             .fence(timed(pb::FenceRequest {
-                volume: volume(cluster),
+                volume: volume(cluster, id).await,
                 term: 1 << 62,
             }))
             .await
@@ -125,7 +128,7 @@ async fn attack(
         "replica clear dirty",
         replica
             .clear_dirty(timed(pb::ClearDirtyRequest {
-                volume: volume(cluster),
+                volume: volume(cluster, id).await,
                 term: huge,
             }))
             .await
@@ -137,6 +140,7 @@ async fn attack(
             cluster_id: cluster.cluster_id.clone(),
             from: 2,
             payload: Bytes::from_static(b"{}"),
+            to: member,
         }))
         .await
         .map(|_| ()),
@@ -213,7 +217,7 @@ async fn strangers_are_refused_by_every_service_and_change_nothing() {
                 let channel = transport
                     .channel(&addr.to_string(), Expect::AnyNode)
                     .unwrap();
-                for (call, outcome) in attack(&cluster, channel).await {
+                for (call, outcome) in attack(&cluster, *id, channel).await {
                     assert!(
                         outcome.is_err(),
                         "{who}: {call} on node {id} at {addr} was not refused"
@@ -257,10 +261,12 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
         .channel(&cluster.addrs[&1].to_string(), Expect::Node(NodeId(1)))
         .unwrap();
     let mut raft = RaftClient::new(to_node_1.clone());
+    let member_1 = cluster.status(1).await.expect("status").member;
     let claim = |from: u64| RaftMessage {
         cluster_id: cluster.cluster_id.clone(),
         from,
         payload: Bytes::from_static(b"{}"),
+        to: member_1,
     };
     let vote = raft.vote(timed(claim(3))).await.unwrap_err();
     assert_eq!(vote.code(), Code::PermissionDenied, "{vote:?}");
@@ -281,7 +287,7 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
     let mut replica = ReplicaClient::new(admin_to_data);
     let refused = replica
         .fence(timed(pb::FenceRequest {
-            volume: volume(&cluster),
+            volume: volume(&cluster, 1).await,
             term: floor + 100,
         }))
         .await
@@ -316,7 +322,7 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
         .unwrap();
     let refused = ReplicaClient::new(outsider_data)
         .fence(timed(pb::FenceRequest {
-            volume: volume(&cluster),
+            volume: volume(&cluster, 1).await,
             term: floor + 100,
         }))
         .await

@@ -16,7 +16,9 @@ use replica_ha::net::tls::Party;
 use replica_ha::net::{Expect, Limits, Tls, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides, TlsFile};
 use replica_ha::proto::admin::admin_client::AdminClient;
-use replica_ha::proto::admin::{ScrubRequest, StatusReply, StatusRequest, TransferRequest};
+use replica_ha::proto::admin::{
+    MembersChange, MembersRequest, ScrubRequest, StatusReply, StatusRequest, TransferRequest,
+};
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
 #[derive(Parser)]
@@ -61,6 +63,19 @@ enum Command {
         /// cannot be reached (during its restart, say). Ctrl-C ends it.
         #[arg(long)]
         watch: bool,
+        #[command(flatten)]
+        tls: ClientTls,
+    },
+    /// List the cluster's members as a node's committed membership names
+    /// them: id, address, incarnation (a new one for each new data dir),
+    /// voter or learner, live, in-sync. With a subcommand, change the
+    /// membership (ask the writer; needs an admin certificate).
+    Members {
+        /// The node's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:7001")]
+        addr: String,
+        #[command(subcommand)]
+        change: Option<MembersCommand>,
         #[command(flatten)]
         tls: ClientTls,
     },
@@ -117,6 +132,41 @@ enum Command {
         /// The volume size in bytes.
         #[arg(long)]
         size: u64,
+    },
+}
+
+/// A change to the membership, made through Raft's joint consensus.
+#[derive(Subcommand)]
+enum MembersCommand {
+    /// Bring back a node whose data dir was lost: swap its old incarnation
+    /// for the new one that is running and waiting (its `status` says
+    /// "replaced disk: waiting to be re-added"). Its replica leaves the
+    /// in-sync set first, joins as a learner, is rebuilt in full, and only
+    /// then counts toward writes (S5, S8).
+    Replace {
+        /// The node's id.
+        #[arg(long)]
+        id: u64,
+    },
+    /// Add a new node, running with this cluster's peer list and waiting:
+    /// it joins as a learner, catches up on Raft, its replica is rebuilt by
+    /// resync, and then it becomes a voter. Returns once it votes.
+    Add {
+        /// The new node's id.
+        #[arg(long)]
+        id: u64,
+        /// Its gRPC address, HOST:PORT.
+        #[arg(long)]
+        addr: String,
+    },
+    /// Remove a node. Its replica leaves the in-sync set through a
+    /// committed change first; removing the writer's own node hands
+    /// leadership over first. Refused if fewer members than min_in_sync
+    /// would remain.
+    Remove {
+        /// The node's id.
+        #[arg(long)]
+        id: u64,
     },
 }
 
@@ -252,6 +302,15 @@ struct NodeArgs {
     /// Default 120.
     #[arg(long, value_name = "SECONDS")]
     suspend_timeout: Option<u64>,
+    /// While this node is the writer, replace a node's lost incarnation by
+    /// the new one that waits (a replaced disk, restarted empty), without
+    /// `members replace`, once the old one has been silent for
+    /// --auto-replace-after. Off by default.
+    #[arg(long)]
+    auto_replace: bool,
+    /// Seconds the old incarnation must have been silent first (default 60).
+    #[arg(long, value_name = "SECONDS")]
+    auto_replace_after: Option<u64>,
     /// The most bytes per second a resync copies to a returning replica
     /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
     #[arg(long)]
@@ -332,6 +391,16 @@ async fn dispatch(cli: Cli) -> ExitCode {
             addr, json, tls, ..
         } => status(&addr, json, &tls).await,
         Command::Transfer { addr, to, tls } => transfer(&addr, to, &tls).await,
+        Command::Members {
+            addr,
+            change: None,
+            tls,
+        } => list_members(&addr, &tls).await,
+        Command::Members {
+            addr,
+            change: Some(change),
+            tls,
+        } => change_members(&addr, change, &tls).await,
         Command::Scrub { addr, now, tls } => scrub(&addr, now, &tls).await,
         Command::Inspect {
             data_dir,
@@ -456,6 +525,8 @@ async fn run_node(args: NodeArgs) -> ExitCode {
         scrub_rate: args.scrub_rate,
         gate_journal: args.gate_journal,
         suspend_timeout: args.suspend_timeout,
+        auto_replace: args.auto_replace,
+        auto_replace_after: args.auto_replace_after,
         insecure: args.insecure,
         tls: TlsFile {
             dir: args.tls_dir,
@@ -664,6 +735,8 @@ fn status_json(reply: &StatusReply) -> String {
         "is_self": reply.is_self,
         "lease_remaining_ms": reply.lease_remaining_ms,
         "members": reply.members,
+        "incarnation": format!("{:010x}", reply.incarnation),
+        "not_member": (!reply.not_member.is_empty()).then_some(&reply.not_member),
         "prev_writer": optional(reply.prev_writer),
         "prev_writer_term": reply.prev_writer_term,
         "in_sync": reply.in_sync,
@@ -782,6 +855,16 @@ fn utc(unix: u64) -> String {
     }
 }
 
+/// "member", or why this node is not one (S8): "replaced disk: waiting to
+/// be re-added (`replica-ha members replace --id 3`)".
+fn member_line(reply: &StatusReply) -> String {
+    if reply.not_member.is_empty() {
+        "member".into()
+    } else {
+        reply.not_member.clone()
+    }
+}
+
 /// "served", or "refused (replica not in sync)".
 fn reads_line(reply: &StatusReply) -> String {
     if reply.reads_served {
@@ -801,6 +884,8 @@ fn print_status_table(reply: &StatusReply) {
     };
     let rows = [
         ("node", reply.node_id.to_string()),
+        ("incarnation", format!("{:010x}", reply.incarnation)),
+        ("membership", member_line(reply)),
         ("cluster", reply.cluster_id.clone()),
         ("security", reply.security.clone()),
         ("data address", reply.data_address.clone()),
@@ -936,6 +1021,111 @@ async fn scrub(addr: &str, now: bool, tls: &ClientTls) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// `replica-ha members`: one line per member.
+async fn list_members(addr: &str, tls: &ClientTls) -> ExitCode {
+    let outcome = async {
+        let mut client = admin_client(addr, tls)?;
+        let mut request = tonic::Request::new(MembersRequest {});
+        request.set_timeout(Duration::from_secs(5));
+        let members = client
+            .members(request)
+            .await
+            .map_err(|s| describe(&s))?
+            .into_inner()
+            .members;
+        let mut status = tonic::Request::new(StatusRequest {});
+        status.set_timeout(Duration::from_secs(5));
+        let status = client
+            .status(status)
+            .await
+            .map_err(|s| describe(&s))?
+            .into_inner();
+        Ok::<_, String>((members, status))
+    }
+    .await;
+    let (members, status) = match outcome {
+        Ok(answer) => answer,
+        Err(err) => {
+            eprintln!("replica-ha: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if members.is_empty() {
+        println!(
+            "node {} holds no membership: {}",
+            status.node_id,
+            member_line(&status)
+        );
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "{:<6} {:<22} {:<12} {:<8} {:<5} {:<7} ",
+        "id", "address", "incarnation", "role", "live", "in-sync"
+    );
+    for m in &members {
+        let role = match (m.voter, m.leader) {
+            (true, true) => "leader",
+            (true, false) => "voter",
+            (false, _) => "learner",
+        };
+        println!(
+            "{:<6} {:<22} {:<12} {:<8} {:<5} {:<7}",
+            m.id,
+            m.address,
+            format!("{:010x}", m.incarnation),
+            role,
+            if m.live { "yes" } else { "no" },
+            if m.in_sync { "yes" } else { "no" },
+        );
+    }
+    ExitCode::SUCCESS
+}
+
+/// `replica-ha members replace|add|remove`: asks the node at `addr`, and
+/// when the writer's own node is removed, asks again where leadership moved.
+async fn change_members(addr: &str, change: MembersCommand, tls: &ClientTls) -> ExitCode {
+    let (op, id, new_addr) = match change {
+        MembersCommand::Replace { id } => ("replace", id, String::new()),
+        MembersCommand::Add { id, addr } => ("add", id, addr),
+        MembersCommand::Remove { id } => ("remove", id, String::new()),
+    };
+    let mut at = addr.to_string();
+    for _ in 0..2 {
+        let outcome = async {
+            let mut client = admin_client(&at, tls)?;
+            let mut request = tonic::Request::new(MembersChange {
+                op: op.into(),
+                id,
+                addr: new_addr.clone(),
+            });
+            // Adding waits for the new replica's rebuild.
+            request.set_timeout(Duration::from_secs(3600));
+            client
+                .change_members(request)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| describe(&s))
+        }
+        .await;
+        match outcome {
+            Ok(reply) if reply.moved_to != 0 => {
+                println!("{}; asking it at {}", reply.summary, reply.moved_to_addr);
+                at = reply.moved_to_addr;
+            }
+            Ok(reply) => {
+                println!("{}", reply.summary);
+                return ExitCode::SUCCESS;
+            }
+            Err(err) => {
+                eprintln!("replica-ha: members {op} --id {id}: {err}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    eprintln!("replica-ha: members {op} --id {id}: leadership kept moving; try again");
+    ExitCode::FAILURE
 }
 
 async fn transfer(addr: &str, to: u64, tls: &ClientTls) -> ExitCode {

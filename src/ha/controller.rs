@@ -472,7 +472,7 @@ impl Controller {
             );
             self.lock().spent_terms += 1;
             if let Some(Err(err)) =
-                cancellable(observations, stop, self.coordinator.resign()).await?
+                cancellable(observations, stop, self.coordinator.resign_for_fresh_term()).await?
             {
                 tracing::warn!(%term, %err, "could not resign");
             }

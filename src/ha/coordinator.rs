@@ -80,6 +80,14 @@ pub trait Coordinator: Send + Sync {
     /// controller closes its gate before it calls this.
     async fn resign(&self) -> Result<(), HaError>;
 
+    /// Gives up the current term for a newer one: hands leadership to a
+    /// peer, or, when no peer takes over (none can win: their logs are
+    /// behind), starts an election of its own at a higher term. Used by a
+    /// leader whose term it already wrote in (see the controller).
+    async fn resign_for_fresh_term(&self) -> Result<(), HaError> {
+        self.resign().await
+    }
+
     /// Hands leadership to node `to` and returns once it leads; fails with
     /// [`HaError::NotLeader`] if this node does not lead. The controller
     /// closes (and drains) its gate before it calls this, so the target

@@ -11,8 +11,10 @@
 //! mutually authenticated against the cluster CA ([`tls`], [`conn`]), and
 //! every service a server offers is wrapped by [`Transport::serve`] in a
 //! [`PeerGuard`] for its [`Audience`]: Raft and replica requests are
-//! admitted only from a node certificate of this cluster, admin requests
-//! from a client or node certificate of this cluster. The guard records
+//! admitted only from a node certificate of a member of this cluster
+//! (the member list follows the membership), the `Node` service's from any
+//! node certificate of this cluster (a node waiting to be added asks there),
+//! admin requests from a client or node certificate of this cluster. The guard records
 //! who the caller is ([`Caller`]) in the request, where a handler checks
 //! what a message claims (the Raft sender) or what it needs (the `admin`
 //! role). Nothing from a connection reaches Raft, a replica or the admin
@@ -73,6 +75,11 @@ impl Default for Limits {
 pub enum Audience {
     /// Other members of the cluster: Raft and replica traffic.
     Members,
+    /// Any node of the cluster, member or not: the `Node` service, where a
+    /// node that waits to be added or re-added asks who is there and
+    /// announces itself (it learns nothing of the volume or of Raft's
+    /// state beyond whether there is a membership).
+    Nodes,
     /// Operators and their tools: the admin API.
     Operators,
 }
@@ -134,6 +141,28 @@ impl Transport {
     pub fn with_members(mut self, members: Members) -> Self {
         self.members = Some(members);
         self
+    }
+
+    /// Admits node `id`'s certificate to the members' services from now on
+    /// (a node being added). Without a member list, everyone is admitted
+    /// already.
+    pub fn admit_member(&self, id: NodeId) {
+        if let Some(members) = &self.members {
+            members
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id);
+        }
+    }
+
+    /// Stops admitting node `id`'s certificate (a node removed).
+    pub fn expel_member(&self, id: NodeId) {
+        if let Some(members) = &self.members {
+            members
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+        }
     }
 
     /// The limits every connection uses.
@@ -263,7 +292,7 @@ impl PeerGuard {
                 name: name.clone(),
                 role: *role,
             }),
-            (PeerIdentity::Client { .. }, Audience::Members) => {
+            (PeerIdentity::Client { .. }, Audience::Members | Audience::Nodes) => {
                 Err(Status::permission_denied(format!(
                     "{identity} may not call node-to-node services; they need a node certificate"
                 )))

@@ -82,6 +82,10 @@ pub struct ConfigFile {
     /// Seconds a write is held while too few replicas are in sync, before
     /// it fails (0: fail at once).
     pub suspend_timeout: Option<u64>,
+    /// The writer replaces a waiting new incarnation of a node by itself.
+    pub auto_replace: Option<bool>,
+    /// Seconds the old incarnation must have been silent first.
+    pub auto_replace_after: Option<u64>,
     /// Run without TLS: no authentication on any connection.
     pub insecure: Option<bool>,
     /// The node's certificate files.
@@ -140,6 +144,10 @@ pub struct Overrides {
     pub gate_journal: Option<PathBuf>,
     /// `--suspend-timeout SECONDS`.
     pub suspend_timeout: Option<u64>,
+    /// `--auto-replace`.
+    pub auto_replace: bool,
+    /// `--auto-replace-after SECONDS`.
+    pub auto_replace_after: Option<u64>,
     /// `--insecure`: no TLS.
     pub insecure: bool,
     /// `--tls-dir`, `--tls-ca`, `--tls-cert`, `--tls-key`.
@@ -189,6 +197,10 @@ pub struct NodeConfig {
     pub timing: RaftTiming,
     /// How long a write is held below `min_in_sync` before it fails.
     pub suspend_timeout: Duration,
+    /// With `auto_replace`, how long a member's old incarnation must have
+    /// been silent before the writer replaces it by the new one that waits
+    /// (see `node::membership`); `None`: only `members replace` does.
+    pub auto_replace: Option<Duration>,
     /// The node's certificate files, when configured.
     pub tls: Option<TlsFiles>,
     /// No TLS between nodes and on the admin API (`insecure = true`).
@@ -206,6 +218,12 @@ pub struct NodeConfig {
 /// two minutes instead of hanging. Linux's own SCSI command timeout is 30
 /// s; a held write is not a stuck one, so this allows four times that.
 pub const DEFAULT_SUSPEND_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a member's old incarnation must have been silent before
+/// `auto_replace` swaps it for a waiting new one: long past any restart or
+/// network blip of the old one (a replacement costs a full rebuild), short
+/// against the hours a replaced disk would otherwise wait for an operator.
+pub const DEFAULT_AUTO_REPLACE_AFTER: Duration = Duration::from_secs(60);
 
 /// The default resync copy limit: 128 MiB/s, well under a disk's speed so
 /// client I/O keeps its share.
@@ -239,9 +257,7 @@ impl NodeConfig {
         let Some(id) = flags.id.or(file.id) else {
             return fail("no node id: set `id` in the config or pass --id");
         };
-        if id == NodeId(0) {
-            return fail("node id 0 is not allowed; ids are positive integers");
-        }
+        check_node_id("node", id)?;
         let cluster_id = flags
             .cluster_id
             .or(file.cluster_id)
@@ -420,6 +436,12 @@ impl NodeConfig {
                 .suspend_timeout
                 .or(file.suspend_timeout)
                 .map_or(DEFAULT_SUSPEND_TIMEOUT, Duration::from_secs),
+            auto_replace: (flags.auto_replace || file.auto_replace.unwrap_or(false)).then(|| {
+                flags
+                    .auto_replace_after
+                    .or(file.auto_replace_after)
+                    .map_or(DEFAULT_AUTO_REPLACE_AFTER, Duration::from_secs)
+            }),
             tls,
             insecure,
             nbd_tls,
@@ -472,6 +494,22 @@ fn parse_addr(what: &str, text: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
+/// Node ids are positive and fit a Raft member id (see [`crate::ids`]).
+pub fn check_node_id(what: &str, id: NodeId) -> Result<(), ConfigError> {
+    if id == NodeId(0) {
+        return fail(format!(
+            "{what} id 0 is not allowed; ids are positive integers"
+        ));
+    }
+    if id.0 > crate::ids::MAX_NODE_ID {
+        return fail(format!(
+            "{what} id {id} is too large; ids go up to {}",
+            crate::ids::MAX_NODE_ID
+        ));
+    }
+    Ok(())
+}
+
 fn parse_peer(entry: &str) -> Result<(NodeId, SocketAddr), ConfigError> {
     let Some((id, addr)) = entry.split_once('=') else {
         return fail(format!("peer {entry:?} is not ID=HOST:PORT"));
@@ -480,9 +518,7 @@ fn parse_peer(entry: &str) -> Result<(NodeId, SocketAddr), ConfigError> {
         .trim()
         .parse()
         .map_err(|_| ConfigError(format!("peer id {id:?} is not a positive integer")))?;
-    if id == NodeId(0) {
-        return fail("peer id 0 is not allowed; ids are positive integers");
-    }
+    check_node_id("peer", id)?;
     Ok((id, parse_addr(&format!("peer {id}"), addr.trim())?))
 }
 

@@ -1,16 +1,24 @@
 //! The `Node` service on a node's gRPC listener: what a node tells its
-//! peers about itself. Today that is where its replica service listens
-//! (see `replica::channels`); a peer asks once, and again after a call
-//! failed in transport.
+//! peers about itself: where its replica service listens (see
+//! `replica::channels`; a peer asks once, and again after a call failed in
+//! transport), its Raft member id, whether it holds Raft state, and which
+//! member its membership names for the asker (a node with no Raft state
+//! asks these before it forms a cluster or waits; see
+//! [`super::formation`]).
 //!
-//! Members only (the transport's guard), and the asker must claim the node
-//! its certificate names (S9), as for Raft.
+//! Any node certificate of the cluster (the transport's guard, audience
+//! `Nodes`): a node that waits to be added is no member yet, and must be
+//! able to ask and to announce itself. The asker must claim the node its
+//! certificate names (S9), as for Raft, and announces only itself.
 
 use std::net::SocketAddr;
 
 use tonic::{Request, Response, Status};
 
-use crate::ids::NodeId;
+use std::sync::Arc;
+
+use crate::ids::{MemberId, NodeId};
+use crate::members::MemberBook;
 use crate::net::Caller;
 use crate::proto::node::node_server::{Node, NodeServer};
 use crate::proto::node::{HelloReply, HelloRequest};
@@ -18,17 +26,28 @@ use crate::proto::node::{HelloReply, HelloRequest};
 /// See the module docs.
 pub struct HelloService {
     id: NodeId,
+    member: MemberId,
+    /// The membership as this node knows it: empty while it has no Raft
+    /// state.
+    book: Arc<MemberBook>,
     cluster_id: String,
     /// The data listener's address, as bound.
     data: SocketAddr,
 }
 
 impl HelloService {
-    /// The service of node `id` of `cluster_id`, whose replica service is
-    /// bound at `data`.
-    pub fn new(id: NodeId, cluster_id: impl Into<String>, data: SocketAddr) -> Self {
+    /// The service of `member` of `cluster_id`, whose replica service is
+    /// bound at `data` and whose membership `book` holds.
+    pub fn new(
+        member: MemberId,
+        cluster_id: impl Into<String>,
+        data: SocketAddr,
+        book: Arc<MemberBook>,
+    ) -> Self {
         Self {
-            id,
+            id: member.node(),
+            member,
+            book,
             cluster_id: cluster_id.into(),
             data,
         }
@@ -52,10 +71,19 @@ impl Node for HelloService {
                 request.cluster_id, self.cluster_id
             )));
         }
-        caller.check_claim(NodeId(request.from))?;
+        let asker = NodeId(request.from);
+        caller.check_claim(asker)?;
+        let waiting = crate::ids::MemberId(request.waiting_member);
+        if request.waiting_member != 0 && waiting.node() == asker {
+            self.book.note_waiting(waiting);
+        }
+        let members = self.book.entries();
         Ok(Response::new(HelloReply {
             node_id: self.id.0,
             data_address: self.data.to_string(),
+            member: self.member.0,
+            raft_initialized: !members.is_empty(),
+            asker_member: members.get(&asker).map_or(0, |entry| entry.member.0),
         }))
     }
 }

@@ -1,20 +1,25 @@
 //! The node process: wiring, start-up and shutdown.
 //!
 //! Start-up, in order:
-//! 1. Open the data dir. Its Raft Db records the cluster id and node id on
-//!    first use; a data dir of another cluster or node is refused (exit 2).
-//!    Then load the certificates and check them ([`crate::net::tls`]): a
-//!    missing, unreadable, expired or foreign one stops the node (exit 2).
-//!    Without TLS (`insecure = true`) the node warns that nothing is
-//!    authenticated.
+//! 1. Open the data dir. Its Raft Db records the cluster id, the node id
+//!    and a random incarnation on first use (S8: a new data dir is a new
+//!    incarnation); a data dir of another cluster or node is refused
+//!    (exit 2). Then load the certificates and check them
+//!    ([`crate::net::tls`]): a missing, unreadable, expired or foreign one
+//!    stops the node (exit 2). Without TLS (`insecure = true`) the node
+//!    warns that nothing is authenticated.
 //! 2. Start Raft's own runtime ([`crate::raft::runtime`]) and, on it,
 //!    openraft over the sled stores, the coordinator's lease clock and the
 //!    failure detector; then the gRPC server (Raft, replica and admin
 //!    services) on `listen`, whose Raft handlers hop onto Raft's runtime.
-//! 3. Bootstrap without a manual step: a node whose Raft state is empty
-//!    initializes the membership with the full peer list. Every node does
-//!    so with the same list, so the entries agree; a node with any Raft
-//!    state never initializes again.
+//! 3. Formation without a manual step ([`formation`]): a node whose Raft
+//!    state is empty asks its peers. Only in a brand-new cluster (every
+//!    peer it reached empty, and a majority reached) does the founder, the
+//!    lowest id of the peer list, form the membership; a node that finds
+//!    the cluster formed waits as a non-member until a membership change
+//!    names it (S8). A node with any Raft state never forms again; from
+//!    then on the committed membership is the truth, and the peer list
+//!    only gives addresses.
 //! 4. Elections stay off for `election_timeout_max` (the start-up window,
 //!    see [`crate::raft`]); then the failure detector
 //!    ([`crate::raft::detector`]) campaigns whenever the leader goes quiet.
@@ -35,8 +40,10 @@
 //! service reports NOT_SERVING from the first step on.
 
 pub mod config;
+pub mod formation;
 pub mod hello;
 pub mod journal;
+pub mod membership;
 pub mod reads;
 pub mod tasks;
 pub mod volume;
@@ -52,7 +59,8 @@ pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
 use crate::admin::AdminService;
 use crate::ha::{Controller, Coordinator};
-use crate::ids::NodeId;
+use crate::ids::{Incarnation, MemberId, NodeId};
+use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
@@ -129,7 +137,7 @@ struct Listeners {
 impl Node {
     /// Starts a node; see the module docs for the steps.
     pub async fn start(config: NodeConfig) -> Result<Self, NodeError> {
-        let db = open_data_dir(&config)?;
+        let (db, incarnation) = open_data_dir(&config)?;
         let tls = load_tls(&config)?;
         let transport = match (&tls, config.insecure) {
             (Some(tls), false) => Transport::secured(Limits::default(), Arc::clone(tls))
@@ -150,10 +158,13 @@ impl Node {
             .data
             .local_addr()
             .map_err(|e| failed(format!("the data listener: {e}")))?;
-        let raft = start_raft(&config, &db, &transport).await?;
+        let member = crate::ids::MemberId::new(config.id, incarnation);
+        let raft = start_raft(&config, &db, &transport, member).await?;
+        let waiting = Arc::new(crate::members::Waiting::default());
         let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
         let view = Arc::new(NodeView::new(NodeParts {
-            facts: facts(&config, data_addr),
+            facts: facts(&config, data_addr, member),
+            waiting: Arc::clone(&waiting),
             coordinator: Arc::clone(&raft.coordinator),
             controller: Arc::clone(&volume.controller),
             replicas: Arc::clone(&volume.replicas),
@@ -163,19 +174,57 @@ impl Node {
             io: Arc::clone(&volume.io),
             nbd: Arc::default(),
         }));
+        let members = Arc::new(membership::Membership::new(
+            Arc::clone(&raft.coordinator),
+            Arc::clone(&volume.controller),
+            transport.clone(),
+            view.facts().peers.clone(),
+        ));
         let grpc = serve_grpc(
             &transport,
             &raft,
             &volume,
             &view,
+            &members,
             (listeners.grpc, listeners.data),
         )?;
-        bootstrap(&raft.raft, &config).await?;
         let mut tasks = Tasks::default();
+        if let Some(after) = config.auto_replace {
+            tasks.spawn(
+                "auto_replace",
+                membership::auto_replace(Arc::clone(&members), after),
+            );
+        }
+        tasks.spawn(
+            "formation",
+            formation::run(
+                raft.raft.clone(),
+                config.clone(),
+                member,
+                transport.clone(),
+                waiting,
+            ),
+        );
         tasks.spawn(
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
+        if let Some(channels) = volume.replicas.channels() {
+            tasks.spawn(
+                "replica set follows the membership",
+                membership::follow_membership(
+                    Arc::clone(&raft.coordinator),
+                    Arc::clone(&volume.replicas),
+                    transport.clone(),
+                    membership::remote_maker(
+                        Arc::clone(channels),
+                        config.cluster_id.clone(),
+                        config.volume.clone(),
+                        crate::replica::liveness::longest_wait(volume::REPLICA_TIMEOUT),
+                    ),
+                ),
+            );
+        }
         spawn_background(
             &mut tasks,
             &config,
@@ -189,6 +238,7 @@ impl Node {
         );
         tracing::info!(
             node = %config.id,
+            incarnation = %member.incarnation(),
             listen = %config.listen,
             data = %data_addr,
             nbd = ?config.nbd,
@@ -263,7 +313,9 @@ impl Node {
             if let Some(theirs) = applied.borrow_and_update().control.volume.clone() {
                 if theirs != mine {
                     return ConfigError(format!(
-                        "this node is configured with {mine:?} but the cluster was created with {theirs:?}"
+                        "this node is configured with {mine:?} but the cluster was created with {theirs:?} \
+                         (every node, also one added later, must be configured with the cluster's size and \
+                         min_in_sync)"
                     ));
                 }
             }
@@ -358,8 +410,8 @@ fn load_tls(config: &NodeConfig) -> Result<Option<Arc<Tls>>, NodeError> {
 }
 
 /// Step 1: opens the data dir and its Raft Db, and refuses one of another
-/// cluster or node.
-fn open_data_dir(config: &NodeConfig) -> Result<sled::Db, NodeError> {
+/// cluster or node. Returns the Db and the data dir's incarnation.
+fn open_data_dir(config: &NodeConfig) -> Result<(sled::Db, Incarnation), NodeError> {
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| failed(format!("cannot create {}: {e}", config.data_dir.display())))?;
     let db_path = config.data_dir.join("raft");
@@ -369,8 +421,8 @@ fn open_data_dir(config: &NodeConfig) -> Result<sled::Db, NodeError> {
             db_path.display()
         ))
     })?;
-    check_data_dir_identity(&db, config)?;
-    Ok(db)
+    let incarnation = check_data_dir_identity(&db, config)?;
+    Ok((db, incarnation))
 }
 
 /// Step 2: Raft's runtime and, on it, openraft over the sled stores and the
@@ -379,6 +431,7 @@ async fn start_raft(
     config: &NodeConfig,
     db: &sled::Db,
     transport: &Transport,
+    member: MemberId,
 ) -> Result<RaftParts, NodeError> {
     let log_store = LogStore::open(db).map_err(failed)?;
     let state_machine = StateMachine::open(db).map_err(failed)?;
@@ -388,10 +441,12 @@ async fn start_raft(
         .filter(|(id, _)| **id != config.id)
         .map(|(id, addr)| (*id, addr.to_string()))
         .collect();
+    let book = Arc::new(MemberBook::default());
     let peers = Peers::new(
         config.cluster_id.clone(),
-        config.id,
+        member,
         addresses,
+        Arc::clone(&book),
         transport.clone(),
         config.timing.election_max,
     );
@@ -407,7 +462,7 @@ async fn start_raft(
     let raft =
         runtime
             .run({
-                let (id, network) = (config.id, Network::new(Arc::clone(&peers)));
+                let (id, network) = (member, Network::new(Arc::clone(&peers)));
                 let state_machine = state_machine.clone();
                 async move {
                     Raft::new(id, Arc::new(raft_config), network, log_store, state_machine).await
@@ -416,6 +471,25 @@ async fn start_raft(
             .await
             .map_err(failed)?
             .map_err(|e| failed(format!("raft: {e}")))?;
+    // The book holds the stored membership before anything is served: a
+    // peer asking whether this node has Raft state gets the truth at once.
+    // openraft's metrics show it only once its core has reported, so wait
+    // for that when there is state to show.
+    if raft.is_initialized().await.map_err(failed)? {
+        let shown = raft
+            .wait(Some(Duration::from_secs(5)))
+            .metrics(
+                |m| m.membership_config.membership().nodes().next().is_some(),
+                "the stored membership",
+            )
+            .await;
+        if let Err(err) = shown {
+            return Err(failed(format!("Raft did not load its membership: {err}")));
+        }
+    }
+    book.set(crate::raft::coordinator::book_entries(
+        raft.metrics().borrow().membership_config.membership(),
+    ));
     let coordinator = {
         // The lease watcher is spawned here: on Raft's runtime.
         let _on_raft = runtime.handle().enter();
@@ -472,18 +546,26 @@ fn serve_grpc(
     raft: &RaftParts,
     volume: &Volume,
     view: &Arc<NodeView>,
+    members: &Arc<membership::Membership>,
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
 ) -> Result<GrpcServer, NodeError> {
     let (stop_server, stopped) = watch::channel(false);
-    let admin = AdminService::new(Arc::clone(view));
+    let admin = AdminService::new(Arc::clone(view))
+        .with_membership(Arc::clone(members) as Arc<dyn crate::admin::MembersChanges>);
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
     let facts = view.facts();
-    let hello = HelloService::new(facts.id, facts.cluster_id.clone(), facts.data);
+    let hello = HelloService::new(
+        facts.member,
+        facts.cluster_id.clone(),
+        facts.data,
+        Arc::clone(raft.peers.book()),
+    );
     let replica_service = ReplicaService::new(Arc::clone(&volume.store))
+        .of_incarnation(facts.member.incarnation())
         .on_node(facts.id.to_string())
         .on_fenced({
             let controller = Arc::clone(&volume.controller);
@@ -499,7 +581,7 @@ fn serve_grpc(
                 Audience::Members,
                 RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
             ))
-            .add_service(transport.serve(Audience::Members, hello.into_server()))
+            .add_service(transport.serve(Audience::Nodes, hello.into_server()))
             .add_service(transport.serve(Audience::Operators, admin.into_server()))
             .add_service(health_service)
             .add_service(reflection)
@@ -519,19 +601,6 @@ fn serve_grpc(
         tasks: [control, data],
         health,
     })
-}
-
-/// Step 3: a node whose Raft state is empty initializes the membership with
-/// the full peer list (every node does so with the same list).
-async fn bootstrap(raft: &Raft, config: &NodeConfig) -> Result<(), NodeError> {
-    if !raft.is_initialized().await.map_err(failed)? {
-        let members: BTreeSet<_> = config.peers.keys().copied().collect();
-        match raft.initialize(members).await {
-            Ok(()) => tracing::info!(node = %config.id, "bootstrapped the cluster membership"),
-            Err(err) => tracing::info!(node = %config.id, %err, "membership already initialized"),
-        }
-    }
-    Ok(())
 }
 
 /// Steps 4 and 5, and the volume's background work: resync, mark
@@ -600,11 +669,7 @@ fn spawn_background(
     );
     tasks.spawn(
         "volume config",
-        fix_volume_spec(
-            Arc::clone(&raft.coordinator),
-            volume_spec(config),
-            config.peers.keys().copied().collect(),
-        ),
+        fix_volume_spec(Arc::clone(&raft.coordinator), volume_spec(config)),
     );
 }
 
@@ -685,9 +750,10 @@ const HEALTH_POLL: Duration = Duration::from_millis(50);
 
 /// What status repeats of the configuration, and where the data listener
 /// was bound.
-fn facts(config: &NodeConfig, data: std::net::SocketAddr) -> NodeFacts {
+fn facts(config: &NodeConfig, data: std::net::SocketAddr, member: MemberId) -> NodeFacts {
     NodeFacts {
         id: config.id,
+        member,
         data,
         cluster_id: config.cluster_id.clone(),
         volume: config.volume.clone(),
@@ -713,19 +779,34 @@ fn volume_spec(config: &NodeConfig) -> VolumeSpec {
     )
 }
 
-/// Refuses a data dir that belongs to another cluster or node.
-fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), NodeError> {
+/// Refuses a data dir that belongs to another cluster or node, and returns
+/// its incarnation: drawn at random for a new dir (S8), 0 for a dir made
+/// before incarnations existed (recorded as such from then on).
+fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<Incarnation, NodeError> {
     let tree = db.open_tree("node").map_err(failed)?;
     let cluster = tree.get("cluster_id").map_err(failed)?;
     let node = tree.get("node_id").map_err(failed)?;
+    let incarnation = match (&cluster, &node) {
+        (None, None) => Incarnation::random(),
+        _ => match tree.get("incarnation").map_err(failed)? {
+            None => Incarnation(0),
+            Some(bytes) => <[u8; 8]>::try_from(bytes.as_ref())
+                .map(|b| Incarnation(u64::from_be_bytes(b)))
+                .map_err(|_| failed("corrupt incarnation in the data dir"))?,
+        },
+    };
     match (cluster, node) {
         (None, None) => {
-            tree.insert("cluster_id", config.cluster_id.as_bytes())
-                .map_err(failed)?;
-            tree.insert("node_id", &config.id.0.to_be_bytes())
-                .map_err(failed)?;
+            // One batch: a crash never leaves a dir with an identity but no
+            // incarnation, which would read as incarnation 0 (S8).
+            let mut batch = sled::Batch::default();
+            batch.insert("incarnation", &incarnation.0.to_be_bytes());
+            batch.insert("cluster_id", config.cluster_id.as_bytes());
+            batch.insert("node_id", &config.id.0.to_be_bytes());
+            tree.apply_batch(batch).map_err(failed)?;
             db.flush().map_err(failed)?;
-            Ok(())
+            tracing::debug!(node = %config.id, %incarnation, "new data dir");
+            Ok(incarnation)
         }
         (Some(cluster), Some(node)) => {
             let cluster = String::from_utf8_lossy(&cluster).to_string();
@@ -741,19 +822,17 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<(), Nod
                 ))
                 .into());
             }
-            Ok(())
+            tree.insert("incarnation", &incarnation.0.to_be_bytes())
+                .map_err(failed)?;
+            Ok(incarnation)
         }
         _ => Err(failed("incomplete node identity in the data dir")),
     }
 }
 
 /// Whenever this node leads and the cluster has no volume config yet,
-/// commits this node's.
-async fn fix_volume_spec(
-    coordinator: Arc<RaftCoordinator>,
-    volume: VolumeSpec,
-    replicas: BTreeSet<NodeId>,
-) {
+/// commits this node's, with every member's replica in sync (all empty).
+async fn fix_volume_spec(coordinator: Arc<RaftCoordinator>, volume: VolumeSpec) {
     let mut observations = coordinator.observe();
     loop {
         let seen = observations.borrow_and_update().clone();
@@ -764,9 +843,10 @@ async fn fix_volume_spec(
             .volume
             .is_none();
         if seen.is_self && unset {
+            let replicas: BTreeSet<NodeId> = coordinator.book().entries().into_keys().collect();
             let request = Request::Init {
                 volume: volume.clone(),
-                replicas: replicas.clone(),
+                replicas,
             };
             match coordinator.commit(seen.term, request).await {
                 Ok(_) => tracing::info!(?volume, "volume config fixed"),

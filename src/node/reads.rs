@@ -4,6 +4,12 @@
 //! without a network hop. The rule itself (a passive node reads its copy
 //! only while that copy is in the committed in-sync set) lives in the read
 //! gate; this is only the wiring to Raft and the store.
+//!
+//! The in-sync set names nodes, not incarnations, so the copy also counts
+//! only while the applied membership names this node *in this incarnation*
+//! (S8): a new incarnation replaying the log from its start passes through
+//! states in which its node id is in sync, when that meant its former,
+//! lost copy.
 
 use std::sync::Arc;
 
@@ -12,23 +18,29 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::ha::LocalCopy;
-use crate::raft::NodeId;
 use crate::raft::state_machine::Applied;
+use crate::raft::{MemberId, NodeId};
 use crate::replica::{Replica, ReplicaError};
 use crate::volume::DeviceError;
 
 /// See the module docs.
 pub struct RaftLocalCopy {
     id: NodeId,
+    member: MemberId,
     replica: Arc<dyn Replica>,
     applied: watch::Receiver<Applied>,
 }
 
 impl RaftLocalCopy {
-    /// Node `id`'s replica `replica`, in sync while `applied` says so.
-    pub fn new(id: NodeId, replica: Arc<dyn Replica>, applied: watch::Receiver<Applied>) -> Self {
+    /// The replica `replica` of `member`, in sync while `applied` says so.
+    pub fn new(
+        member: MemberId,
+        replica: Arc<dyn Replica>,
+        applied: watch::Receiver<Applied>,
+    ) -> Self {
         Self {
-            id,
+            id: member.node(),
+            member,
             replica,
             applied,
         }
@@ -38,7 +50,13 @@ impl RaftLocalCopy {
 #[async_trait]
 impl LocalCopy for RaftLocalCopy {
     fn in_sync(&self) -> bool {
-        self.applied.borrow().control.in_sync.contains(&self.id)
+        let applied = self.applied.borrow();
+        let named = applied
+            .membership
+            .membership()
+            .nodes()
+            .any(|(member, _)| *member == self.member);
+        named && applied.control.in_sync.contains(&self.id)
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {

@@ -67,7 +67,12 @@ impl Volume {
     ) -> Result<Self, NodeError> {
         let spec = super::volume_spec(config);
         let store = Arc::new(open_store(config, &spec).await?);
-        let replicas = Arc::new(replica_set(config, transport, &store)?);
+        let replicas = Arc::new(replica_set(
+            config,
+            transport,
+            &store,
+            Arc::clone(coordinator.book()),
+        )?);
         let tracker: Arc<dyn InSyncTracker> = Arc::clone(coordinator) as Arc<dyn InSyncTracker>;
         let floors = Arc::new(FloorBook::default());
         let engine = Engine::over(
@@ -118,7 +123,7 @@ impl Volume {
         ));
         let io = Arc::new(DeviceMetrics::default());
         let local_copy = reads::RaftLocalCopy::new(
-            config.id,
+            coordinator.member(),
             replicas.local(),
             coordinator.state_machine().subscribe(),
         );
@@ -154,19 +159,24 @@ async fn open_store(config: &NodeConfig, spec: &VolumeSpec) -> Result<ReplicaSto
 
 /// Every replica of the volume: this node's own without a network hop, the
 /// peers' over `transport`, through one channel pool that learns each
-/// peer's data address from the peer (or from `peer_data`).
+/// peer's data address from the peer (or from `peer_data`), and names in
+/// every request the peer's incarnation that `book` expects (S8).
 fn replica_set(
     config: &NodeConfig,
     transport: &Transport,
     store: &Arc<ReplicaStore>,
+    book: Arc<crate::members::MemberBook>,
 ) -> Result<ReplicaSet, NodeError> {
     let local_id = config.id;
-    let channels = Arc::new(Channels::new(
-        transport.clone(),
-        &config.cluster_id,
-        local_id,
-        REPLICA_TIMEOUT,
-    ));
+    let channels = Arc::new(
+        Channels::new(
+            transport.clone(),
+            &config.cluster_id,
+            local_id,
+            REPLICA_TIMEOUT,
+        )
+        .with_book(book),
+    );
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(local_id, Arc::clone(store)))];
     for (id, addr) in &config.peers {

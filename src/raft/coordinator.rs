@@ -34,7 +34,7 @@ use tokio::time::Instant;
 
 use super::network::Peers;
 use super::state_machine::Applied;
-use super::{NodeId, Raft, Request, Response, StateMachine, Term, WriterRecord};
+use super::{MemberId, NodeId, Raft, Request, Response, StateMachine, Term, WriterRecord};
 use crate::ha::{Coordinator, HaError, InSyncError, InSyncTracker, Leadership, Lease, Writer};
 use crate::proto::raft::TransferRequest;
 
@@ -116,6 +116,8 @@ pub struct LogProgress {
 /// The Raft-backed coordinator. See the module docs.
 pub struct RaftCoordinator {
     id: NodeId,
+    /// This node in Raft (node and incarnation).
+    member: MemberId,
     raft: Raft,
     state_machine: StateMachine,
     peers: Arc<Peers>,
@@ -143,7 +145,7 @@ impl RaftCoordinator {
         peers: Arc<Peers>,
         timing: RaftTiming,
     ) -> Arc<Self> {
-        let id = peers.self_id();
+        let (id, member) = (peers.self_id(), peers.self_member());
         let lease = Arc::new(Mutex::new(None));
         let (tx, observations) = watch::channel(Leadership::default());
         let watcher = tokio::spawn(watch_leadership(
@@ -155,6 +157,7 @@ impl RaftCoordinator {
         ));
         Arc::new(Self {
             id,
+            member,
             raft,
             state_machine,
             peers,
@@ -170,6 +173,21 @@ impl RaftCoordinator {
         &self.raft
     }
 
+    /// The membership as this node knows it (see [`crate::members`]).
+    pub fn book(&self) -> &Arc<crate::members::MemberBook> {
+        self.peers.book()
+    }
+
+    /// When node `peer` was last heard from, if it was since start.
+    pub fn last_heard(&self, peer: NodeId) -> Option<Instant> {
+        self.peers.last_heard(peer)
+    }
+
+    /// This node in Raft (node and incarnation).
+    pub fn member(&self) -> MemberId {
+        self.member
+    }
+
     /// The state machine (its applied control state).
     pub fn state_machine(&self) -> &StateMachine {
         &self.state_machine
@@ -181,7 +199,7 @@ impl RaftCoordinator {
         RaftStatus {
             state: metrics.state,
             term: Term(metrics.current_term),
-            leader: metrics.current_leader,
+            leader: metrics.current_leader.map(MemberId::node),
             lease: *lock(&self.lease),
             applied: self.state_machine.current(),
         }
@@ -194,9 +212,11 @@ impl RaftCoordinator {
             last_log: metrics.last_log_index.unwrap_or(0),
             last_applied: metrics.last_applied.map_or(0, |id| id.index),
             replication: metrics.replication.as_ref().map(|peers| {
+                // One line per node: the incarnation the book expects.
                 peers
                     .iter()
-                    .map(|(peer, matched)| (*peer, matched.map_or(0, |id| id.index)))
+                    .filter(|(peer, _)| self.peers.member_of(peer.node()) == **peer)
+                    .map(|(peer, matched)| (peer.node(), matched.map_or(0, |id| id.index)))
                     .collect()
             }),
         }
@@ -208,7 +228,11 @@ impl RaftCoordinator {
         let since = Instant::now()
             .checked_sub(self.timing.lease())
             .unwrap_or_else(Instant::now);
+        let book = self.peers.book().entries();
         let mut members = self.peers.heard_since(since);
+        // Members only, once there is a membership: a removed node that
+        // still talks is not one.
+        members.retain(|id| book.is_empty() || book.contains_key(id));
         members.push(self.id);
         members.sort_unstable();
         members.dedup();
@@ -238,7 +262,7 @@ impl RaftCoordinator {
     /// Hands leadership to `to` and waits until it leads (or fails).
     async fn hand_leadership_to(&self, to: NodeId) -> Result<(), HaError> {
         let metrics = self.raft.metrics().borrow().clone();
-        if metrics.current_leader != Some(self.id) {
+        if metrics.current_leader != Some(self.member) {
             return Err(HaError::NotLeader);
         }
         if to == self.id {
@@ -246,19 +270,36 @@ impl RaftCoordinator {
         }
         self.peers.begin_transfer(to);
         self.raft.runtime_config().heartbeat(false);
+        // However this ends — also when the caller drops it half-way —
+        // heartbeats come back and the transfer mark goes: a leader left
+        // without heartbeats would neither keep its followers nor hear
+        // that they moved on to a higher term.
+        let _restore = TransferGuard {
+            raft: &self.raft,
+            peers: &self.peers,
+        };
         let request = TransferRequest {
             cluster_id: self.peers.cluster_id().to_string(),
             from: self.id.0,
             term: metrics.current_term,
             target: to.0,
+            to: 0,
         };
         // Tell every peer, the target last: non-targets must hold off
         // before the target's election can start.
-        let mut peers: Vec<NodeId> = self.peers.peer_ids().filter(|p| *p != to).collect();
+        let mut peers: Vec<NodeId> = self
+            .peers
+            .peer_ids()
+            .into_iter()
+            .filter(|p| *p != to)
+            .collect();
         peers.push(to);
         let mut outcome = Ok(());
         for peer in peers {
-            let mut grpc = tonic::Request::new(request.clone());
+            let mut grpc = tonic::Request::new(TransferRequest {
+                to: self.peers.member_of(peer).0,
+                ..request.clone()
+            });
             grpc.set_timeout(self.timing.election_max);
             let sent = match self.peers.client(peer) {
                 Ok(mut client) => client
@@ -279,8 +320,6 @@ impl RaftCoordinator {
         if outcome.is_ok() {
             outcome = self.wait_for_leader(to).await;
         }
-        self.peers.end_transfer();
-        self.raft.runtime_config().heartbeat(true);
         outcome
     }
 
@@ -288,7 +327,10 @@ impl RaftCoordinator {
         let mut metrics = self.raft.metrics();
         let deadline = Instant::now() + self.timing.election_max * 6;
         loop {
-            let leader = metrics.borrow_and_update().current_leader;
+            let leader = metrics
+                .borrow_and_update()
+                .current_leader
+                .map(MemberId::node);
             if leader == Some(to) {
                 return Ok(());
             }
@@ -307,7 +349,7 @@ impl RaftCoordinator {
 
     /// The live peers to hand leadership to: those whose replica is in the
     /// committed in-sync set first, then the most caught-up in Raft.
-    fn successors(&self) -> Vec<NodeId> {
+    pub fn successors(&self) -> Vec<NodeId> {
         let metrics = self.raft.metrics().borrow().clone();
         let Some(replication) = metrics.replication else {
             return Vec::new();
@@ -316,8 +358,13 @@ impl RaftCoordinator {
         let in_sync = self.state_machine.current().control.in_sync;
         // A successor whose replica is in sync writes at once; one still
         // being rebuilt would hold every write until its rebuild ends.
+        // Voters only: a learner cannot win the election.
+        let voters: BTreeSet<MemberId> =
+            metrics.membership_config.membership().voter_ids().collect();
         let mut peers: Vec<(bool, NodeId, Option<u64>)> = replication
             .into_iter()
+            .filter(|(member, _)| voters.contains(member))
+            .map(|(member, matched)| (member.node(), matched))
             .filter(|(id, _)| *id != self.id && live.contains(id))
             .map(|(id, matched)| (in_sync.contains(&id), id, matched.map(|m| m.index)))
             .collect();
@@ -355,6 +402,19 @@ impl RaftCoordinator {
     }
 }
 
+/// Ends a transfer when dropped: heartbeats on again, the mark gone.
+struct TransferGuard<'a> {
+    raft: &'a Raft,
+    peers: &'a Peers,
+}
+
+impl Drop for TransferGuard<'_> {
+    fn drop(&mut self) {
+        self.peers.end_transfer();
+        self.raft.runtime_config().heartbeat(true);
+    }
+}
+
 /// The lease of this node (`self_id`) as leader of `term`: the newest send
 /// time that a quorum of every voter set in `configs` (one, or two during a
 /// joint change) acknowledged in `term`, plus `lease`. `acks` holds each
@@ -364,10 +424,10 @@ impl RaftCoordinator {
 /// runs — so it only ever decides the instant for a lone voter, where no
 /// other node can win an election at all. None without a quorum.
 pub fn lease_from_acks(
-    self_id: NodeId,
+    self_id: MemberId,
     term: Term,
-    configs: &[BTreeSet<NodeId>],
-    acks: &std::collections::HashMap<NodeId, Instant>,
+    configs: &[BTreeSet<MemberId>],
+    acks: &std::collections::HashMap<MemberId, Instant>,
     lease: Duration,
     now: Instant,
 ) -> Option<Lease> {
@@ -396,6 +456,17 @@ pub fn lease_from_acks(
     })
 }
 
+/// The member book's entries for `membership` (see [`crate::members`]).
+pub fn book_entries(
+    membership: &openraft::Membership<MemberId, super::MemberNode>,
+) -> std::collections::BTreeMap<NodeId, crate::members::Entry> {
+    let nodes = membership
+        .nodes()
+        .map(|(member, node)| (*member, node.addr.clone()))
+        .collect();
+    crate::members::entries_of(membership.get_joint_config(), &nodes)
+}
+
 /// Follows openraft's metrics and the recorded acknowledgements, and
 /// publishes this node's lease and leadership. Ends, closing the
 /// observation stream, when Raft stops.
@@ -406,12 +477,15 @@ async fn watch_leadership(
     lease_cell: Arc<Mutex<Option<Lease>>>,
     tx: watch::Sender<Leadership>,
 ) {
-    let id = peers.self_id();
+    let id = peers.self_member();
     let mut metrics = raft.metrics();
     loop {
         let now = Instant::now();
         let (lease, leadership) = {
             let m = metrics.borrow_and_update();
+            peers
+                .book()
+                .set(book_entries(m.membership_config.membership()));
             let term = Term(m.current_term);
             let leads = m.state == ServerState::Leader && m.current_leader == Some(id);
             let lease = if leads {
@@ -427,7 +501,7 @@ async fn watch_leadership(
                 None
             };
             let leadership = Leadership {
-                leader: m.current_leader,
+                leader: m.current_leader.map(MemberId::node),
                 is_self: lease.is_some_and(|l| l.covers(term, now)),
                 term,
             };
@@ -476,7 +550,7 @@ impl Coordinator for RaftCoordinator {
     }
 
     async fn resign(&self) -> Result<(), HaError> {
-        if self.raft.metrics().borrow().current_leader != Some(self.id) {
+        if self.raft.metrics().borrow().current_leader != Some(self.member) {
             return Ok(());
         }
         // Live peers only, the most caught-up first; one that declines or
@@ -494,13 +568,29 @@ impl Coordinator for RaftCoordinator {
         last
     }
 
+    async fn resign_for_fresh_term(&self) -> Result<(), HaError> {
+        let handed = self.resign().await;
+        if self.raft.metrics().borrow().current_leader != Some(self.member) {
+            return handed;
+        }
+        // No peer took over: every live one is behind this node's log (a
+        // restart with one peer stale and another away). Raise the term by
+        // an election of its own; the peers vote for the longer log.
+        tracing::info!(?handed, "no peer took over; campaigning for a fresh term");
+        self.raft
+            .trigger()
+            .elect()
+            .await
+            .map_err(|err| HaError::Coordinator(err.to_string()))
+    }
+
     fn sole_voter(&self) -> bool {
         let metrics = self.raft.metrics().borrow().clone();
         metrics
             .membership_config
             .membership()
             .voter_ids()
-            .all(|id| id == self.id)
+            .all(|id| id == self.member)
     }
 
     fn observe(&self) -> watch::Receiver<Leadership> {
@@ -594,11 +684,14 @@ mod tests {
     #[test]
     fn the_deadline_is_the_quorum_th_newest_ack_plus_the_lease_and_time_does_not_move_it() {
         let t0 = Instant::now();
-        let voters = vec![BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)])];
-        let acks = HashMap::from([(NodeId(2), t0), (NodeId(3), t0 + Duration::from_millis(40))]);
+        let voters = vec![BTreeSet::from([MemberId(1), MemberId(2), MemberId(3)])];
+        let acks = HashMap::from([
+            (MemberId(2), t0),
+            (MemberId(3), t0 + Duration::from_millis(40)),
+        ]);
         for later in [0, 100, 1000, 5000] {
             let now = t0 + Duration::from_millis(later);
-            let lease = lease_from_acks(NodeId(1), Term(7), &voters, &acks, LEASE, now).unwrap();
+            let lease = lease_from_acks(MemberId(1), Term(7), &voters, &acks, LEASE, now).unwrap();
             // Self and node 3 make the quorum: node 3's send time decides.
             assert_eq!(lease.deadline, t0 + Duration::from_millis(40) + LEASE);
             assert_eq!(lease.term, Term(7));
@@ -609,19 +702,22 @@ mod tests {
     fn without_a_quorum_of_acks_there_is_no_lease() {
         let t0 = Instant::now();
         let five = vec![BTreeSet::from([
-            NodeId(1),
-            NodeId(2),
-            NodeId(3),
-            NodeId(4),
-            NodeId(5),
+            MemberId(1),
+            MemberId(2),
+            MemberId(3),
+            MemberId(4),
+            MemberId(5),
         ])];
-        let acks = HashMap::from([(NodeId(2), t0)]);
+        let acks = HashMap::from([(MemberId(2), t0)]);
         assert_eq!(
-            lease_from_acks(NodeId(1), Term(7), &five, &acks, LEASE, t0),
+            lease_from_acks(MemberId(1), Term(7), &five, &acks, LEASE, t0),
             None
         );
-        let acks = HashMap::from([(NodeId(2), t0), (NodeId(4), t0 + Duration::from_millis(10))]);
-        let lease = lease_from_acks(NodeId(1), Term(7), &five, &acks, LEASE, t0).unwrap();
+        let acks = HashMap::from([
+            (MemberId(2), t0),
+            (MemberId(4), t0 + Duration::from_millis(10)),
+        ]);
+        let lease = lease_from_acks(MemberId(1), Term(7), &five, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE, "the older of the two peer acks");
     }
 
@@ -629,15 +725,18 @@ mod tests {
     fn a_joint_config_needs_a_quorum_of_each_half() {
         let t0 = Instant::now();
         let joint = vec![
-            BTreeSet::from([NodeId(1), NodeId(2), NodeId(3)]),
-            BTreeSet::from([NodeId(1), NodeId(4), NodeId(5)]),
+            BTreeSet::from([MemberId(1), MemberId(2), MemberId(3)]),
+            BTreeSet::from([MemberId(1), MemberId(4), MemberId(5)]),
         ];
-        let acks = HashMap::from([(NodeId(2), t0 + Duration::from_millis(30)), (NodeId(4), t0)]);
-        let lease = lease_from_acks(NodeId(1), Term(7), &joint, &acks, LEASE, t0).unwrap();
+        let acks = HashMap::from([
+            (MemberId(2), t0 + Duration::from_millis(30)),
+            (MemberId(4), t0),
+        ]);
+        let lease = lease_from_acks(MemberId(1), Term(7), &joint, &acks, LEASE, t0).unwrap();
         assert_eq!(lease.deadline, t0 + LEASE);
-        let only_old_half = HashMap::from([(NodeId(2), t0)]);
+        let only_old_half = HashMap::from([(MemberId(2), t0)]);
         assert_eq!(
-            lease_from_acks(NodeId(1), Term(7), &joint, &only_old_half, LEASE, t0),
+            lease_from_acks(MemberId(1), Term(7), &joint, &only_old_half, LEASE, t0),
             None
         );
     }
@@ -645,9 +744,17 @@ mod tests {
     #[test]
     fn a_lone_voter_leads_without_acks() {
         let now = Instant::now();
-        let lone = vec![BTreeSet::from([NodeId(1)])];
+        let lone = vec![BTreeSet::from([MemberId(1)])];
+        // S8: another incarnation of a voter acknowledges nothing for it.
+        let voters = vec![BTreeSet::from([MemberId(1), MemberId(2), MemberId(3)])];
+        let other_three = MemberId::new(NodeId(3), crate::ids::Incarnation(9));
+        let acks = HashMap::from([(other_three, now)]);
+        assert_eq!(
+            lease_from_acks(MemberId(1), Term(3), &voters, &acks, LEASE, now),
+            None
+        );
         let lease =
-            lease_from_acks(NodeId(1), Term(3), &lone, &HashMap::new(), LEASE, now).unwrap();
+            lease_from_acks(MemberId(1), Term(3), &lone, &HashMap::new(), LEASE, now).unwrap();
         assert_eq!(lease.deadline, now + LEASE);
     }
 }

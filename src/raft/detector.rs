@@ -92,8 +92,22 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         if metrics.has_changed().is_err() {
             return;
         }
-        if metrics.borrow_and_update().state == ServerState::Leader {
-            continue;
+        {
+            let m = metrics.borrow_and_update();
+            if m.state == ServerState::Leader {
+                continue;
+            }
+            // S8: only a voter campaigns. A node waiting to be (re-)added
+            // has no membership naming it, and a learner has no vote.
+            let me = peers.self_member();
+            if !m
+                .membership_config
+                .membership()
+                .voter_ids()
+                .any(|v| v == me)
+            {
+                continue;
+            }
         }
         let now = Instant::now();
         if peers.transfer_elsewhere() {
@@ -157,9 +171,23 @@ async fn pre_vote(peers: &Peers, next_index: u64, timeout: Duration) -> bool {
         cluster_id: peers.cluster_id().to_string(),
         from: peers.self_id().0,
         next_index,
+        to: 0,
     };
-    let asks = peers.peer_ids().map(|peer| {
-        let request = request.clone();
+    let voters: Vec<_> = peers
+        .book()
+        .entries()
+        .into_iter()
+        .filter(|(id, entry)| entry.voter && *id != peers.self_id())
+        .map(|(id, entry)| (id, entry.member))
+        .collect();
+    let asks = voters.iter().map(|(peer, member)| {
+        let (peer, request) = (
+            *peer,
+            PreVoteRequest {
+                to: member.0,
+                ..request.clone()
+            },
+        );
         async move {
             let Ok(mut client) = peers.client(peer) else {
                 return false;
@@ -174,7 +202,7 @@ async fn pre_vote(peers: &Peers, next_index: u64, timeout: Duration) -> bool {
         .into_iter()
         .filter(|g| *g)
         .count();
-    let cluster = peers.peer_ids().count() + 1;
+    let cluster = voters.len() + 1;
     (granted + 1) * 2 > cluster
 }
 

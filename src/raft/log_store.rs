@@ -19,7 +19,7 @@ use openraft::{Entry, LogId, StorageError, StorageIOError, Vote};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{NodeId, TypeConfig};
+use super::{MemberId, TypeConfig};
 
 const VOTE: &str = "vote";
 const COMMITTED: &str = "committed";
@@ -33,7 +33,7 @@ pub struct LogStore {
     meta: sled::Tree,
 }
 
-type Result<T> = std::result::Result<T, StorageError<NodeId>>;
+type Result<T> = std::result::Result<T, StorageError<MemberId>>;
 
 impl LogStore {
     /// Opens the log trees of `db`.
@@ -85,7 +85,7 @@ impl LogStore {
         self.flush().await.map_err(write_err)
     }
 
-    fn last_entry_id(&self) -> std::result::Result<Option<LogId<NodeId>>, String> {
+    fn last_entry_id(&self) -> std::result::Result<Option<LogId<MemberId>>, String> {
         match self.log.last().map_err(|e| e.to_string())? {
             None => Ok(None),
             Some((_, bytes)) => {
@@ -101,11 +101,11 @@ fn key(index: u64) -> [u8; 8] {
     index.to_be_bytes()
 }
 
-fn read_err(err: impl ToString) -> StorageError<NodeId> {
+fn read_err(err: impl ToString) -> StorageError<MemberId> {
     StorageIOError::read_logs(&std::io::Error::other(err.to_string())).into()
 }
 
-fn write_err(err: impl ToString) -> StorageError<NodeId> {
+fn write_err(err: impl ToString) -> StorageError<MemberId> {
     StorageIOError::write_logs(&std::io::Error::other(err.to_string())).into()
 }
 
@@ -139,7 +139,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>> {
-        let purged: Option<LogId<NodeId>> = self.get_meta(PURGED).map_err(read_err)?;
+        let purged: Option<LogId<MemberId>> = self.get_meta(PURGED).map_err(read_err)?;
         let last = self.last_entry_id().map_err(read_err)?.or(purged);
         Ok(LogState {
             last_purged_log_id: purged,
@@ -151,26 +151,26 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.clone()
     }
 
-    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<()> {
+    async fn save_vote(&mut self, vote: &Vote<MemberId>) -> Result<()> {
         let fail = |e: String| StorageIOError::write_vote(&std::io::Error::other(e));
         self.put_meta(VOTE, vote).map_err(fail)?;
         self.flush().await.map_err(fail)?;
         Ok(())
     }
 
-    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>> {
+    async fn read_vote(&mut self) -> Result<Option<Vote<MemberId>>> {
         self.get_meta(VOTE)
             .map_err(|e| StorageIOError::read_vote(&std::io::Error::other(e)).into())
     }
 
-    async fn save_committed(&mut self, committed: Option<LogId<NodeId>>) -> Result<()> {
+    async fn save_committed(&mut self, committed: Option<LogId<MemberId>>) -> Result<()> {
         self.put_meta(COMMITTED, &committed).map_err(write_err)?;
         self.flush().await.map_err(write_err)
     }
 
-    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>> {
+    async fn read_committed(&mut self) -> Result<Option<LogId<MemberId>>> {
         Ok(self
-            .get_meta::<Option<LogId<NodeId>>>(COMMITTED)
+            .get_meta::<Option<LogId<MemberId>>>(COMMITTED)
             .map_err(read_err)?
             .flatten())
     }
@@ -191,11 +191,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         flushed.map_err(write_err)
     }
 
-    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<()> {
+    async fn truncate(&mut self, log_id: LogId<MemberId>) -> Result<()> {
         self.remove_entries(key(log_id.index).., true).await
     }
 
-    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<()> {
+    async fn purge(&mut self, log_id: LogId<MemberId>) -> Result<()> {
         self.put_meta(PURGED, &log_id).map_err(write_err)?;
         self.remove_entries(..=key(log_id.index), false).await
     }

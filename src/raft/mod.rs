@@ -80,19 +80,38 @@ pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
 pub use state_machine::StateMachine;
 
-pub use crate::ids::{NodeId, Term};
+pub use crate::ids::{Incarnation, MemberId, NodeId, Term};
 
 openraft::declare_raft_types!(
-    /// The openraft type configuration of replica-ha.
+    /// The openraft type configuration of replica-ha. Raft names its
+    /// members by [`MemberId`] (node and incarnation, S8), and keeps each
+    /// member's address in the membership.
     pub TypeConfig:
         D = Request,
         R = Response,
-        NodeId = NodeId,
-        Node = openraft::EmptyNode,
+        NodeId = MemberId,
+        Node = MemberNode,
         Entry = openraft::Entry<TypeConfig>,
         SnapshotData = Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
 );
+
+/// What the membership records of a member besides its id: where its gRPC
+/// listener is. Empty for the members of a cluster formed from the peer
+/// list before addresses were recorded (the peer list then has it); the
+/// serialised form of openraft's `EmptyNode`, `{}`, reads as that.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberNode {
+    /// `HOST:PORT` of the member's gRPC listener.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub addr: String,
+}
+
+impl std::fmt::Display for MemberNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.addr)
+    }
+}
 
 /// The openraft instance of a node.
 pub type Raft = openraft::Raft<TypeConfig>;

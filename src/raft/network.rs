@@ -2,8 +2,16 @@
 //! hands requests to the local openraft instance.
 //!
 //! - openraft's messages travel as JSON in a [`RaftMessage`] that names the
-//!   cluster and the sender; a message of another cluster is refused
-//!   (`FAILED_PRECONDITION`), an undecodable one too (`INVALID_ARGUMENT`).
+//!   cluster, the sender and the member it is meant for; a message of
+//!   another cluster is refused (`FAILED_PRECONDITION`), an undecodable one
+//!   too (`INVALID_ARGUMENT`).
+//! - **S8, no amnesia.** Raft names members by node *and* incarnation
+//!   ([`crate::ids::MemberId`]). Every message, pre-vote and transfer names
+//!   the member it is for, and a node refuses one meant for another
+//!   incarnation of itself (`FAILED_PRECONDITION`, "replaced disk"): a node
+//!   that lost its Raft state never votes, acknowledges an append or counts
+//!   toward a quorum as its former self. Its new incarnation is heard only
+//!   once a committed membership change names it (see [`crate::members`]).
 //! - One lazily connected channel per peer, built by [`crate::net`] inside
 //!   the Raft runtime ([`super::runtime`]) when one is set, so its
 //!   connection is driven there; each call carries openraft's hard deadline
@@ -67,7 +75,8 @@ use tokio::time::Instant;
 use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
-use super::{NodeId, Raft, Term, TypeConfig};
+use super::{MemberId, MemberNode, NodeId, Raft, Term, TypeConfig};
+use crate::members::MemberBook;
 use crate::net::{Caller, Expect, Transport, TransportError};
 use crate::proto::raft::raft_client::RaftClient;
 use crate::proto::raft::raft_server;
@@ -90,7 +99,13 @@ pub enum PeerError {
 pub struct Peers {
     cluster_id: String,
     self_id: NodeId,
+    /// This node in Raft: its id and its data dir's incarnation.
+    self_member: MemberId,
+    /// The configured peer list's addresses (first formation, and peers
+    /// whose address the membership does not record).
     addresses: BTreeMap<NodeId, String>,
+    /// The membership as the coordinator last saw it.
+    book: Arc<MemberBook>,
     transport: Transport,
     channels: Mutex<HashMap<NodeId, Channel>>,
     heard: Mutex<HashMap<NodeId, Instant>>,
@@ -98,9 +113,11 @@ pub struct Peers {
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
     leader_contact: Mutex<Instant>,
-    /// Per peer: the term and send time of the newest request of ours it
-    /// accepted (see the module docs, acknowledgements).
-    acks: Mutex<HashMap<NodeId, (Term, Instant)>>,
+    /// Per member: the term and send time of the newest request of ours it
+    /// accepted (see the module docs, acknowledgements). Per member, not
+    /// per node: one incarnation's acknowledgement never counts for
+    /// another's place in a quorum.
+    acks: Mutex<HashMap<MemberId, (Term, Instant)>>,
     /// Woken on every new acknowledgement.
     acked: tokio::sync::Notify,
     /// When a peer last refused our vote because its log is ahead of ours.
@@ -128,18 +145,22 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Peers {
-    /// `addresses` maps every peer (not this node) to `HOST:PORT`.
+    /// `addresses` maps every configured peer (not this node) to
+    /// `HOST:PORT`; `book` is the membership as the coordinator keeps it.
     pub fn new(
         cluster_id: String,
-        self_id: NodeId,
+        self_member: MemberId,
         addresses: BTreeMap<NodeId, String>,
+        book: Arc<MemberBook>,
         transport: Transport,
         election_timeout_max: Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster_id,
-            self_id,
+            self_id: self_member.node(),
+            self_member,
             addresses,
+            book,
             transport,
             channels: Mutex::default(),
             heard: Mutex::default(),
@@ -173,9 +194,47 @@ impl Peers {
         self.self_id
     }
 
-    /// The peers (without this node).
-    pub fn peer_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.addresses.keys().copied()
+    /// This node in Raft (id and incarnation).
+    pub fn self_member(&self) -> MemberId {
+        self.self_member
+    }
+
+    /// The member book the coordinator keeps.
+    pub fn book(&self) -> &Arc<MemberBook> {
+        &self.book
+    }
+
+    /// The peers (without this node): the members, and before there is a
+    /// membership, the configured peers.
+    pub fn peer_ids(&self) -> Vec<NodeId> {
+        let book = self.book.entries();
+        let known = if book.is_empty() {
+            self.addresses.keys().copied().collect::<Vec<_>>()
+        } else {
+            book.keys().copied().collect()
+        };
+        known.into_iter().filter(|id| *id != self.self_id).collect()
+    }
+
+    /// Where `peer`'s gRPC listener is: this node's peer list's address
+    /// (it knows best how this node reaches the peer: through a proxy, a
+    /// NAT), else the membership's record (a node added at run time).
+    pub fn address(&self, peer: NodeId) -> Option<String> {
+        if let Some(addr) = self.addresses.get(&peer) {
+            return Some(addr.clone());
+        }
+        match self.book.entries().get(&peer) {
+            Some(entry) if !entry.addr.is_empty() => Some(entry.addr.clone()),
+            _ => None,
+        }
+    }
+
+    /// The member a message to `peer` is meant for: the book's, else the
+    /// node's incarnation-0 member (a cluster older than incarnations).
+    pub fn member_of(&self, peer: NodeId) -> MemberId {
+        self.book
+            .member(peer)
+            .unwrap_or(MemberId::new(peer, crate::ids::Incarnation(0)))
     }
 
     /// The peers heard from since `since`.
@@ -185,6 +244,12 @@ impl Peers {
             .filter(|(_, at)| **at >= since)
             .map(|(id, _)| *id)
             .collect()
+    }
+
+    /// When `peer` was last heard from (in either direction), if it was
+    /// since this node started.
+    pub fn last_heard(&self, peer: NodeId) -> Option<Instant> {
+        lock(&self.heard).get(&peer).copied()
     }
 
     fn touch(&self, peer: NodeId) {
@@ -197,10 +262,10 @@ impl Peers {
         let channel = match channels.get(&peer) {
             Some(channel) => channel.clone(),
             None => {
-                let addr = self.addresses.get(&peer).ok_or(PeerError::Unknown(peer))?;
+                let addr = self.address(peer).ok_or(PeerError::Unknown(peer))?;
                 // The channel spawns its connection task where it is built.
                 let _on_raft = self.runtime.get().map(Handle::enter);
-                let channel = self.transport.channel(addr, Expect::Node(peer))?;
+                let channel = self.transport.channel(&addr, Expect::Node(peer))?;
                 channels.insert(peer, channel.clone());
                 channel
             }
@@ -210,7 +275,7 @@ impl Peers {
 
     /// Records that `peer` accepted our vote of `term` in a request sent at
     /// `sent_at`. Keeps only the newest send time of the highest term.
-    fn record_ack(&self, peer: NodeId, term: Term, sent_at: Instant) {
+    fn record_ack(&self, peer: MemberId, term: Term, sent_at: Instant) {
         let mut acks = lock(&self.acks);
         let newer = match acks.get(&peer) {
             Some((known, at)) => term > *known || (term == *known && sent_at > *at),
@@ -223,8 +288,8 @@ impl Peers {
         }
     }
 
-    /// Each peer's newest acknowledged send time in `term`.
-    pub fn acks_in(&self, term: Term) -> HashMap<NodeId, Instant> {
+    /// Each member's newest acknowledged send time in `term`.
+    pub fn acks_in(&self, term: Term) -> HashMap<MemberId, Instant> {
         lock(&self.acks)
             .iter()
             .filter(|(_, (t, _))| *t == term)
@@ -247,6 +312,9 @@ impl Peers {
     /// `next_index`) in a new election now, if it would not.
     fn refuse_pre_vote(&self, candidate: NodeId, next_index: u64, raft: &Raft) -> Option<String> {
         if let Some(why) = self.refuse_vote(candidate) {
+            return Some(why);
+        }
+        if let Some(why) = self.refuse_non_voter(candidate, None) {
             return Some(why);
         }
         let metrics = raft.metrics().borrow().clone();
@@ -322,13 +390,42 @@ impl Peers {
         *lock(&self.transfer) = None;
     }
 
+    /// Why node `candidate` (as `member`, when the request names it) may
+    /// not be elected as far as this node's membership goes: it is not a
+    /// voter, or not in the incarnation the membership names (S8). Refusing
+    /// a vote is always safe; this keeps a removed node, or a node's former
+    /// incarnation, from disturbing the members. A node with no membership
+    /// (forming) refuses nobody on this ground.
+    fn refuse_non_voter(&self, candidate: NodeId, member: Option<MemberId>) -> Option<String> {
+        let book = self.book.entries();
+        if book.is_empty() {
+            return None;
+        }
+        match book.get(&candidate) {
+            None => Some(format!("node {candidate} is not a member")),
+            Some(entry) if !entry.voter => Some(format!("node {candidate} is not a voter")),
+            Some(entry) if member.is_some_and(|m| m != entry.member) => Some(format!(
+                "member {} is not the incarnation of node {candidate} in the membership ({})",
+                member.unwrap_or_default(),
+                entry.member
+            )),
+            Some(_) => None,
+        }
+    }
+
     /// Why a vote from `candidate` must be refused now, if it must.
     fn refuse_vote(&self, candidate: NodeId) -> Option<String> {
         let now = Instant::now();
-        if now < self.votes_from {
+        let transfer = *lock(&self.transfer);
+        // The target of a running transfer gets the vote even in the
+        // start-up window: the leader that this node heard (or is) hands
+        // over, so no forgotten lease of another leader can be running.
+        let transfer_target =
+            matches!(transfer, Some((target, until)) if target == candidate && now < until);
+        if now < self.votes_from && !transfer_target {
             return Some("starting up: not voting yet".into());
         }
-        match *lock(&self.transfer) {
+        match transfer {
             Some((target, until)) if now < until && candidate != target => {
                 Some(format!("leadership is being transferred to node {target}"))
             }
@@ -336,20 +433,31 @@ impl Peers {
         }
     }
 
-    fn envelope<T: Serialize>(&self, payload: &T) -> Result<RaftMessage, String> {
+    /// `payload` in an envelope for member `to` (a reply's goes back to
+    /// whoever asked: `to` 0).
+    fn envelope<T: Serialize>(&self, to: u64, payload: &T) -> Result<RaftMessage, String> {
         Ok(RaftMessage {
             cluster_id: self.cluster_id.clone(),
             from: self.self_id.0,
             payload: serde_json::to_vec(payload)
                 .map_err(|e| format!("encode: {e}"))?
                 .into(),
+            to,
         })
     }
 
-    /// Checks the envelope of an incoming message (its cluster, and the
-    /// node it says it comes from, which must be the node whose certificate
-    /// `caller` presented: S9), records its sender and returns it.
-    fn admit(&self, caller: &Caller, cluster_id: &str, from: u64) -> Result<NodeId, Status> {
+    /// Checks the envelope of an incoming message: its cluster; the node it
+    /// says it comes from, which must be the node whose certificate
+    /// `caller` presented (S9) and a member or configured peer; and the
+    /// member it is meant for, which must be this node in this incarnation
+    /// (S8). Records the sender and returns it.
+    fn admit(
+        &self,
+        caller: &Caller,
+        cluster_id: &str,
+        from: u64,
+        to: u64,
+    ) -> Result<NodeId, Status> {
         if cluster_id != self.cluster_id {
             return Err(Status::failed_precondition(format!(
                 "message of cluster {cluster_id:?}, this node belongs to {:?}",
@@ -358,9 +466,18 @@ impl Peers {
         }
         let from = NodeId(from);
         caller.check_claim(from)?;
-        if !self.addresses.contains_key(&from) {
+        if !self.addresses.contains_key(&from) && self.book.member(from).is_none() {
             return Err(Status::permission_denied(format!(
                 "node {from} is not a member of this cluster"
+            )));
+        }
+        let to = MemberId(to);
+        if to != self.self_member {
+            return Err(Status::failed_precondition(format!(
+                "replaced disk: this is node {} in incarnation {}, not member {to}; it answers                  only once a membership change names it (`replica-ha members replace --id {}`)",
+                self.self_id,
+                self.self_member.incarnation(),
+                self.self_id
             )));
         }
         self.touch(from);
@@ -437,7 +554,7 @@ impl Network {
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
-    async fn new_client(&mut self, target: NodeId, _node: &openraft::EmptyNode) -> PeerClient {
+    async fn new_client(&mut self, target: MemberId, _node: &MemberNode) -> PeerClient {
         PeerClient {
             target,
             peers: Arc::clone(&self.peers),
@@ -445,9 +562,9 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     }
 }
 
-/// The client side of Raft's RPCs to one peer.
+/// The client side of Raft's RPCs to one member.
 pub struct PeerClient {
-    target: NodeId,
+    target: MemberId,
     peers: Arc<Peers>,
 }
 
@@ -458,7 +575,7 @@ enum Rpc {
     Snapshot,
 }
 
-type RpcResult<T, E> = Result<T, RPCError<NodeId, openraft::EmptyNode, RaftError<NodeId, E>>>;
+type RpcResult<T, E> = Result<T, RPCError<MemberId, MemberNode, RaftError<MemberId, E>>>;
 
 impl PeerClient {
     async fn call<Req, Resp, E>(&self, rpc: Rpc, request: &Req, ttl: Duration) -> RpcResult<Resp, E>
@@ -470,11 +587,12 @@ impl PeerClient {
         let unreachable = |why: String| RPCError::Unreachable(Unreachable::new(&NetErr(why)));
         let message = self
             .peers
-            .envelope(request)
+            .envelope(self.target.0, request)
             .map_err(|e| RPCError::Network(NetworkError::new(&NetErr(e))))?;
+        let node = self.target.node();
         let mut client = self
             .peers
-            .client(self.target)
+            .client(node)
             .map_err(|e| unreachable(e.to_string()))?;
         let mut grpc = GrpcRequest::new(message);
         grpc.set_timeout(ttl);
@@ -491,13 +609,14 @@ impl PeerClient {
                 return RPCError::Network(NetworkError::new(&NetErr(why)));
             }
             // A channel whose connection failed is rebuilt on the next call.
-            self.peers.forget_channel(self.target);
+            self.peers.forget_channel(node);
             unreachable(why)
         })?
         .into_inner();
-        self.peers.touch(self.target);
-        let result: Result<Resp, RaftError<NodeId, E>> = serde_json::from_slice(&reply.payload)
-            .map_err(|e| unreachable(format!("malformed reply: {e}")))?;
+        self.peers.touch(node);
+        let result: Result<Resp, RaftError<MemberId, E>> =
+            serde_json::from_slice(&reply.payload)
+                .map_err(|e| unreachable(format!("malformed reply: {e}")))?;
         result.map_err(|err| RPCError::RemoteError(RemoteError::new(self.target, err)))
     }
 }
@@ -532,9 +651,9 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> RpcResult<AppendEntriesResponse<NodeId>, openraft::error::Infallible> {
+    ) -> RpcResult<AppendEntriesResponse<MemberId>, openraft::error::Infallible> {
         let (term, sent_at) = (Term(rpc.vote.leader_id().get_term()), Instant::now());
-        let response: AppendEntriesResponse<NodeId> =
+        let response: AppendEntriesResponse<MemberId> =
             self.call(Rpc::Append, &rpc, option.hard_ttl()).await?;
         if accepts_leader(&response) {
             self.peers.record_ack(self.target, term, sent_at);
@@ -546,20 +665,21 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: InstallSnapshotRequest<TypeConfig>,
         option: RPCOption,
-    ) -> RpcResult<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
+    ) -> RpcResult<InstallSnapshotResponse<MemberId>, InstallSnapshotError> {
         self.call(Rpc::Snapshot, &rpc, option.hard_ttl()).await
     }
 
     async fn vote(
         &mut self,
-        rpc: VoteRequest<NodeId>,
+        rpc: VoteRequest<MemberId>,
         option: RPCOption,
-    ) -> RpcResult<VoteResponse<NodeId>, openraft::error::Infallible> {
+    ) -> RpcResult<VoteResponse<MemberId>, openraft::error::Infallible> {
         // A granted vote is not counted toward the lease: the voter's vote is
         // not committed yet, so openraft's vote lease does not hold it back
         // from another candidate. The first heartbeat's replies, one round
         // trip later, start the lease.
-        let response: VoteResponse<NodeId> = self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
+        let response: VoteResponse<MemberId> =
+            self.call(Rpc::Vote, &rpc, option.hard_ttl()).await?;
         // A refusal because the peer's log is ahead: this node cannot win;
         // the detector holds off so the up-to-date node can.
         if !response.vote_granted && response.last_log_id > rpc.last_log_id {
@@ -571,7 +691,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
 
 /// Whether an AppendEntries reply shows the follower took the sender's vote
 /// as its own: every reply but `HigherVote`.
-fn accepts_leader(response: &AppendEntriesResponse<NodeId>) -> bool {
+fn accepts_leader(response: &AppendEntriesResponse<MemberId>) -> bool {
     match response {
         AppendEntriesResponse::Success
         | AppendEntriesResponse::PartialSuccess(_)
@@ -657,7 +777,7 @@ impl RaftService {
 
 fn reply<T: Serialize>(peers: &Peers, result: &T) -> Result<GrpcResponse<RaftMessage>, Status> {
     peers
-        .envelope(result)
+        .envelope(0, result)
         .map(GrpcResponse::new)
         .map_err(Status::internal)
 }
@@ -671,7 +791,7 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&caller, &message.cluster_id, message.from)?;
+            peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
             let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
             let result = raft.append_entries(rpc).await;
             if result.as_ref().is_ok_and(accepts_leader) {
@@ -689,10 +809,19 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &message.cluster_id, message.from)?;
-            let rpc: VoteRequest<NodeId> = decode(&message.payload)?;
+            let from = peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
+            let rpc: VoteRequest<MemberId> = decode(&message.payload)?;
             if let Some(why) = peers.refuse_vote(from) {
                 return Err(Status::unavailable(why));
+            }
+            let member = rpc.vote.leader_id().voted_for();
+            if member.is_some_and(|m| m.node() != from) {
+                return Err(Status::permission_denied(format!(
+                    "node {from} asks for a vote for another node"
+                )));
+            }
+            if let Some(why) = peers.refuse_non_voter(from, member) {
+                return Err(Status::failed_precondition(why));
             }
             let result = raft.vote(rpc).await;
             if result.as_ref().is_ok_and(|vote| vote.vote_granted) {
@@ -710,7 +839,7 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let message = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            peers.admit(&caller, &message.cluster_id, message.from)?;
+            peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
             let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
             reply(&peers, &raft.install_snapshot(rpc).await)
         })
@@ -724,7 +853,7 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &request.cluster_id, request.from)?;
+            let from = peers.admit(&caller, &request.cluster_id, request.from, request.to)?;
             let refusal = peers.refuse_pre_vote(from, request.next_index, &raft);
             if refusal.is_none() {
                 peers.note_pre_vote_granted();
@@ -744,10 +873,11 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let request = request.into_inner();
         self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &request.cluster_id, request.from)?;
+            let from = peers.admit(&caller, &request.cluster_id, request.from, request.to)?;
             let target = NodeId(request.target);
             let metrics = raft.metrics().borrow().clone();
-            if metrics.current_leader != Some(from) || metrics.current_term != request.term {
+            let leader = metrics.current_leader.map(MemberId::node);
+            if leader != Some(from) || metrics.current_term != request.term {
                 return Err(Status::failed_precondition(format!(
                     "node {from} does not lead term {} here (leader {:?}, term {})",
                     request.term, metrics.current_leader, metrics.current_term
@@ -785,8 +915,9 @@ mod tests {
             .collect();
         Peers::new(
             "c".into(),
-            NodeId(1),
+            MemberId(1),
             addresses,
+            Arc::default(),
             Transport::default(),
             Duration::from_millis(300),
         )
@@ -797,16 +928,65 @@ mod tests {
         let peers = peers();
         let since = Instant::now();
         let anyone = Caller::Unauthenticated;
-        let other_cluster = peers.admit(&anyone, "d", 2).unwrap_err();
+        let other_cluster = peers.admit(&anyone, "d", 2, 1).unwrap_err();
         assert_eq!(other_cluster.code(), tonic::Code::FailedPrecondition);
-        let stranger = peers.admit(&anyone, "c", 9).unwrap_err();
+        let stranger = peers.admit(&anyone, "c", 9, 1).unwrap_err();
         assert_eq!(stranger.code(), tonic::Code::PermissionDenied);
         assert!(
             peers.heard_since(since).is_empty(),
             "a refused sender is not heard"
         );
-        assert_eq!(peers.admit(&anyone, "c", 2).unwrap(), NodeId(2));
+        assert_eq!(peers.admit(&anyone, "c", 2, 1).unwrap(), NodeId(2));
         assert_eq!(peers.heard_since(since), vec![NodeId(2)]);
+    }
+
+    #[test]
+    fn a_message_meant_for_another_incarnation_of_this_node_is_refused() {
+        let peers = peers();
+        let anyone = Caller::Unauthenticated;
+        let former = MemberId::new(NodeId(1), crate::ids::Incarnation(77));
+        let refused = peers.admit(&anyone, "c", 2, former.0).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            refused.message().starts_with("replaced disk"),
+            "{refused:?}"
+        );
+        assert_eq!(peers.admit(&anyone, "c", 2, 1).unwrap(), NodeId(2));
+    }
+
+    #[test]
+    fn only_a_voter_in_the_named_incarnation_may_be_elected() {
+        let peers = peers();
+        // No membership yet (forming): nobody is refused on this ground.
+        assert_eq!(peers.refuse_non_voter(NodeId(9), None), None);
+        let entry = |member: MemberId, voter: bool| crate::members::Entry {
+            member,
+            addr: String::new(),
+            voter,
+        };
+        let three_new = MemberId::new(NodeId(3), crate::ids::Incarnation(5));
+        peers.book().set(
+            [
+                (NodeId(1), entry(MemberId(1), true)),
+                (NodeId(2), entry(MemberId(2), true)),
+                (NodeId(3), entry(three_new, false)),
+            ]
+            .into(),
+        );
+        assert_eq!(peers.refuse_non_voter(NodeId(2), Some(MemberId(2))), None);
+        assert!(
+            peers.refuse_non_voter(NodeId(9), None).is_some(),
+            "not a member"
+        );
+        assert!(
+            peers.refuse_non_voter(NodeId(3), Some(three_new)).is_some(),
+            "a learner"
+        );
+        let two_old = MemberId::new(NodeId(2), crate::ids::Incarnation(1));
+        assert!(
+            peers.refuse_non_voter(NodeId(2), Some(two_old)).is_some(),
+            "a former incarnation"
+        );
     }
 
     #[test]
@@ -850,7 +1030,9 @@ mod tests {
     fn a_message_is_admitted_only_from_the_node_whose_certificate_sent_it() {
         let peers = peers();
         let since = Instant::now();
-        let impostor = peers.admit(&Caller::Node(NodeId(3)), "c", 2).unwrap_err();
+        let impostor = peers
+            .admit(&Caller::Node(NodeId(3)), "c", 2, 1)
+            .unwrap_err();
         assert_eq!(impostor.code(), tonic::Code::PermissionDenied);
         assert!(impostor.message().contains("claims node 2"), "{impostor:?}");
         let tool = Caller::Client {
@@ -858,7 +1040,7 @@ mod tests {
             role: crate::certs::Role::Admin,
         };
         assert_eq!(
-            peers.admit(&tool, "c", 2).unwrap_err().code(),
+            peers.admit(&tool, "c", 2, 1).unwrap_err().code(),
             tonic::Code::PermissionDenied
         );
         assert!(
@@ -866,7 +1048,7 @@ mod tests {
             "a refused sender is not heard"
         );
         assert_eq!(
-            peers.admit(&Caller::Node(NodeId(2)), "c", 2).unwrap(),
+            peers.admit(&Caller::Node(NodeId(2)), "c", 2, 1).unwrap(),
             NodeId(2)
         );
     }

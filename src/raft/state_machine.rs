@@ -23,7 +23,7 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::{ControlState, NodeId, Response, TypeConfig};
+use super::{ControlState, MemberId, MemberNode, Response, TypeConfig};
 
 const STATE: &str = "state";
 const SNAPSHOT: &str = "snapshot";
@@ -32,16 +32,16 @@ const SNAPSHOT: &str = "snapshot";
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Applied {
     /// The last applied log id.
-    pub last_applied: Option<LogId<NodeId>>,
+    pub last_applied: Option<LogId<MemberId>>,
     /// The last applied membership.
-    pub membership: StoredMembership<NodeId, openraft::EmptyNode>,
+    pub membership: StoredMembership<MemberId, MemberNode>,
     /// The control data.
     pub control: ControlState,
 }
 
 #[derive(Serialize, Deserialize)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<NodeId, openraft::EmptyNode>,
+    meta: SnapshotMeta<MemberId, MemberNode>,
     data: Vec<u8>,
 }
 
@@ -53,13 +53,13 @@ pub struct StateMachine {
     applied: Arc<watch::Sender<Applied>>,
 }
 
-type Result<T> = std::result::Result<T, StorageError<NodeId>>;
+type Result<T> = std::result::Result<T, StorageError<MemberId>>;
 
-fn sm_read(err: impl ToString) -> StorageError<NodeId> {
+fn sm_read(err: impl ToString) -> StorageError<MemberId> {
     StorageIOError::read_state_machine(&std::io::Error::other(err.to_string())).into()
 }
 
-fn sm_write(err: impl ToString) -> StorageError<NodeId> {
+fn sm_write(err: impl ToString) -> StorageError<MemberId> {
     StorageIOError::write_state_machine(&std::io::Error::other(err.to_string())).into()
 }
 
@@ -143,8 +143,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn applied_state(
         &mut self,
     ) -> Result<(
-        Option<LogId<NodeId>>,
-        StoredMembership<NodeId, openraft::EmptyNode>,
+        Option<LogId<MemberId>>,
+        StoredMembership<MemberId, MemberNode>,
     )> {
         let applied = self.current();
         Ok((applied.last_applied, applied.membership))
@@ -169,6 +169,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 EntryPayload::Membership(membership) => {
                     applied.membership =
                         StoredMembership::new(Some(entry.log_id), membership.clone());
+                    // A node that left the membership leaves the in-sync
+                    // set with it: its copy is no longer kept current, and
+                    // were it added again later (on an empty disk), it must
+                    // not count as in sync (S5).
+                    let members: std::collections::BTreeSet<_> =
+                        membership.nodes().map(|(m, _)| m.node()).collect();
+                    applied.control.in_sync.retain(|id| members.contains(id));
                     Response {
                         applied: true,
                         refused: None,
@@ -193,7 +200,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<NodeId, openraft::EmptyNode>,
+        meta: &SnapshotMeta<MemberId, MemberNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<()> {
         let data = snapshot.into_inner();

@@ -29,8 +29,8 @@ use tonic::transport::Channel;
 use super::ReplicaError;
 use crate::ids::NodeId;
 use crate::net::{Expect, Transport};
-use crate::proto::node::HelloRequest;
 use crate::proto::node::node_client::NodeClient;
+use crate::proto::node::{HelloReply, HelloRequest};
 
 /// One channel slot per peer; a resolution in progress holds its lock.
 type Slot = Arc<tokio::sync::Mutex<Option<Channel>>>;
@@ -53,6 +53,8 @@ pub struct Channels {
     /// How long asking a peer for its data address may take.
     timeout: Duration,
     peers: Mutex<BTreeMap<NodeId, Peer>>,
+    /// Which incarnation of each peer to expect (S8); none: incarnation 0.
+    book: Option<Arc<crate::members::MemberBook>>,
 }
 
 impl Channels {
@@ -70,7 +72,21 @@ impl Channels {
             local,
             timeout,
             peers: Mutex::default(),
+            book: None,
         }
+    }
+
+    /// Expects of each peer the incarnation `book` names from now on.
+    pub fn with_book(mut self, book: Arc<crate::members::MemberBook>) -> Self {
+        self.book = Some(book);
+        self
+    }
+
+    /// The incarnation of peer `id` that requests are meant for.
+    pub fn incarnation(&self, id: NodeId) -> crate::ids::Incarnation {
+        self.book
+            .as_ref()
+            .map_or(crate::ids::Incarnation(0), |book| book.incarnation(id))
     }
 
     /// The transport every channel is made by.
@@ -134,23 +150,16 @@ impl Channels {
                 "cannot learn node {id}'s data address at {control}: {why}"
             ))
         };
-        let mut client = self
-            .transport
-            .client(control, Expect::Node(id), NodeClient::new)
-            .map_err(|err| unreachable(err.to_string()))?;
-        let mut request = tonic::Request::new(HelloRequest {
-            cluster_id: self.cluster_id.clone(),
-            from: self.local.0,
-        });
-        request.set_timeout(self.timeout);
-        let reply = client
-            .hello(request)
-            .await
-            .map_err(|status| unreachable(status.message().to_string()))?
-            .into_inner();
-        if reply.node_id != id.0 {
-            return Err(unreachable(format!("node {} answered", reply.node_id)));
-        }
+        let reply = hello(
+            &self.transport,
+            &self.cluster_id,
+            self.local,
+            id,
+            control,
+            self.timeout,
+        )
+        .await
+        .map_err(unreachable)?;
         data_address(&reply.data_address, control).ok_or_else(|| {
             unreachable(format!(
                 "its data address {:?} is not HOST:PORT",
@@ -161,6 +170,65 @@ impl Channels {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeId, Peer>> {
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Asks node `id` at `control` (its gRPC address) who it is, on behalf of
+/// `from` of `cluster_id`; gives up after `timeout`. An answer from
+/// another node is an error. `from` is a node (it then announces nothing)
+/// or a member with no Raft state, which announces itself waiting (see
+/// `HelloRequest.waiting_member`).
+pub async fn hello(
+    transport: &Transport,
+    cluster_id: &str,
+    from: impl Into<Asker>,
+    id: NodeId,
+    control: &str,
+    timeout: Duration,
+) -> Result<HelloReply, String> {
+    let mut client = transport
+        .client(control, Expect::Node(id), NodeClient::new)
+        .map_err(|err| err.to_string())?;
+    let (from, waiting_member) = match from.into() {
+        Asker::Node(node) => (node, 0),
+        Asker::Waiting(member) => (member.node(), member.0),
+    };
+    let mut request = tonic::Request::new(HelloRequest {
+        cluster_id: cluster_id.to_string(),
+        from: from.0,
+        waiting_member,
+    });
+    request.set_timeout(timeout);
+    let reply = client
+        .hello(request)
+        .await
+        .map_err(|status| status.message().to_string())?
+        .into_inner();
+    if reply.node_id != id.0
+        || (reply.member != 0 && reply.member & crate::ids::MAX_NODE_ID != id.0)
+    {
+        return Err(format!("node {} answered", reply.node_id));
+    }
+    Ok(reply)
+}
+
+/// Who asks in a [`hello`].
+pub enum Asker {
+    /// A node, announcing nothing.
+    Node(NodeId),
+    /// A member with no Raft state, waiting to be added or re-added.
+    Waiting(crate::ids::MemberId),
+}
+
+impl From<NodeId> for Asker {
+    fn from(node: NodeId) -> Self {
+        Asker::Node(node)
+    }
+}
+
+impl From<crate::ids::MemberId> for Asker {
+    fn from(member: crate::ids::MemberId) -> Self {
+        Asker::Waiting(member)
     }
 }
 

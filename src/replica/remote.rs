@@ -49,6 +49,7 @@ impl RemoteReplica {
             volume: pb::VolumeRef {
                 cluster_id: cluster_id.to_string(),
                 volume: volume.to_string(),
+                incarnation: 0,
             },
             timeout,
         }
@@ -100,8 +101,13 @@ impl RemoteReplica {
         request
     }
 
+    /// The volume, and the incarnation of this replica's node that the
+    /// membership names (S8).
     fn volume(&self) -> Option<pb::VolumeRef> {
-        Some(self.volume.clone())
+        Some(pb::VolumeRef {
+            incarnation: self.channels.incarnation(self.id).0,
+            ..self.volume.clone()
+        })
     }
 }
 

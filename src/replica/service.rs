@@ -1,7 +1,11 @@
 //! The replica gRPC service: a node's store, served to the writer.
 //!
 //! Every request names the cluster and the volume; a request for another
-//! one is refused (`PERMISSION_DENIED`) before the store is touched. The
+//! one is refused (`PERMISSION_DENIED`) before the store is touched. It
+//! also names the incarnation of this node's data dir that the writer
+//! expects (S8): a replica whose disk was replaced is a new, empty copy,
+//! and refuses (`FAILED_PRECONDITION`) every request meant for the copy it
+//! replaced, so it never counts as that copy toward S5. The
 //! store enforces the fencing token exactly as in-process (S2, S3), so the
 //! wire adds no path around it. Errors map to gRPC codes in one place,
 //! [`status_of`], and back in one place, [`error_of`]:
@@ -27,7 +31,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
 use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
-use crate::ids::Term;
+use crate::ids::{Incarnation, Term};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::volume::RangeError;
@@ -144,6 +148,8 @@ pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
 /// Serves one store.
 pub struct ReplicaService {
     store: Arc<ReplicaStore>,
+    /// This node's data dir's incarnation.
+    incarnation: Incarnation,
     on_fenced: Option<OnFenced>,
     /// The node this service runs on, for the handlers' spans.
     node: String,
@@ -154,9 +160,17 @@ impl ReplicaService {
     pub fn new(store: Arc<ReplicaStore>) -> Self {
         Self {
             store,
+            incarnation: Incarnation(0),
             on_fenced: None,
             node: String::new(),
         }
+    }
+
+    /// Serves the replica of incarnation `incarnation` of this node's data
+    /// dir: requests meant for another are refused.
+    pub fn of_incarnation(mut self, incarnation: Incarnation) -> Self {
+        self.incarnation = incarnation;
+        self
     }
 
     /// Names the node this service runs on in the handlers' spans.
@@ -181,6 +195,19 @@ impl ReplicaService {
     fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {
         let identity = self.store.identity();
         match volume {
+            Some(v)
+                if v.cluster_id == identity.cluster_id
+                    && v.volume == identity.volume
+                    && v.incarnation != self.incarnation.0 =>
+            {
+                Err(Status::failed_precondition(format!(
+                    "replaced disk: this replica is incarnation {}, not {}; it holds no \
+                     acknowledged write until a membership change names it and a full \
+                     resync has rebuilt it",
+                    self.incarnation,
+                    Incarnation(v.incarnation)
+                )))
+            }
             Some(v) if v.cluster_id == identity.cluster_id && v.volume == identity.volume => Ok(()),
             Some(v) => Err(Status::permission_denied(format!(
                 "request for cluster {:?} volume {:?}; this replica holds cluster {:?} volume {:?}",

@@ -598,6 +598,14 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool, shim: bool) -> 
             tokio::time::sleep(step.hold).await;
             let _ = std::fs::remove_file(&file);
         }
+        Fault::WipeFollower => {
+            let id = resolve(cluster, Target::Follower, pick).await;
+            cluster.kill(id);
+            cluster.wipe(id);
+            tokio::time::sleep(step.hold).await;
+            cluster.spawn(id);
+            replace(cluster, id).await;
+        }
         Fault::DiskFull(target) => {
             let id = resolve(cluster, target, pick).await;
             Disks::fill(cluster, id);
@@ -608,6 +616,42 @@ async fn inject(cluster: &mut Cluster, step: &Step, disks: bool, shim: bool) -> 
     }
     tokio::time::sleep(step.settle).await;
     fault
+}
+
+/// Brings node `id`, restarted on a wiped data dir, back: waits until it
+/// says it waits to be re-added, then asks the writer to replace it, again
+/// until it is done (a change meets elections and refusals now and then).
+/// Bounded: gives up with a note after a minute.
+async fn replace(cluster: &Cluster, id: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let waiting = cluster
+            .status(id)
+            .await
+            .is_some_and(|s| s.not_member.starts_with("replaced disk"));
+        if waiting {
+            let writer = resolve(cluster, Target::Leader, 0).await;
+            let (ok, out, err) = cluster
+                .cli(writer, &["members", "replace", "--id", &id.to_string()])
+                .await;
+            if ok {
+                eprintln!("chaos:   node {id} replaced: {}", out.trim());
+                return;
+            }
+            last = err.trim().to_string();
+        } else if cluster
+            .status(id)
+            .await
+            .is_some_and(|s| s.not_member.is_empty())
+            && cluster.member_ids(id).await.contains(&id)
+        {
+            // Replaced already (an earlier attempt got through).
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("chaos:   node {id} could not be replaced within a minute: {last}");
 }
 
 /// The file in a node's data dir that the fsync shim reads.

@@ -44,6 +44,11 @@ pub enum Fault {
     /// stalls for 2 s at a time during the hold, through an LD_PRELOAD
     /// shim: its lease must run out on time, and no gate may overlap.
     SlowFsync(Target),
+    /// The follower's data dir is deleted (a replaced disk) and it
+    /// restarts as a new incarnation; the harness waits until it says it
+    /// waits to be re-added, and replaces it (`members replace`). Its
+    /// rebuild must not lose or mix up anything (S8).
+    WipeFollower,
 }
 
 impl fmt::Display for Fault {
@@ -62,6 +67,7 @@ impl fmt::Display for Fault {
             Fault::DiskFull(t) => write!(f, "disk-full-{}", target(t)),
             Fault::Fill => write!(f, "fill"),
             Fault::SlowFsync(t) => write!(f, "slow-fsync-{}", target(t)),
+            Fault::WipeFollower => write!(f, "wipe-follower"),
         }
     }
 }
@@ -101,7 +107,7 @@ fn draw(rng: &mut Rng) -> Step {
             } else {
                 Target::Follower
             };
-            let (fault, hold) = match rng.below(9) {
+            let (fault, hold) = match rng.below(10) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
                 // lease runs out while the process is stopped; up to longer
@@ -115,6 +121,7 @@ fn draw(rng: &mut Rng) -> Step {
                 5 => (Fault::DiskFull(target), rng.millis(400, 3000)),
                 6 => (Fault::Fill, rng.millis(1500, 5000)),
                 7 => (Fault::SlowFsync(target), rng.millis(1000, 5000)),
+                8 => (Fault::WipeFollower, rng.millis(100, 1500)),
                 _ => (Fault::Transfer, Duration::ZERO),
             };
             Step {

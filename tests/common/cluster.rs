@@ -87,6 +87,10 @@ pub struct Cluster {
     pub os_chosen_data_ports: bool,
     /// The node binary ([`BIN`] unless a benchmark compares another build).
     pub bin: PathBuf,
+    /// The nodes that form the cluster, when not all of `ids` do: these
+    /// list only each other as peers; the others (nodes to add later) list
+    /// every node, so they can reach the members and wait to be added.
+    pub founders: Option<Vec<u64>>,
 }
 
 impl Cluster {
@@ -163,6 +167,7 @@ impl Cluster {
             admin,
             os_chosen_data_ports: false,
             bin: PathBuf::from(BIN),
+            founders: None,
         }
     }
 
@@ -275,7 +280,11 @@ impl Cluster {
             args.push("--data-listen".into());
             args.push(self.data_addrs[&id].to_string());
         }
-        for peer in &self.ids {
+        let listed = match &self.founders {
+            Some(founders) if founders.contains(&id) => founders.clone(),
+            _ => self.ids.clone(),
+        };
+        for peer in &listed {
             let addr = match self.proxies.get(&(id, *peer)) {
                 Some(proxy) => proxy.addr,
                 None => self.addrs[peer],
@@ -289,6 +298,80 @@ impl Cluster {
         }
         args.extend(self.extra_args.iter().cloned());
         args
+    }
+
+    /// Deletes everything in node `id`'s data dir (the node must be
+    /// stopped): a replaced disk. A directory that cannot go (a mount
+    /// point, the fault campaign's small disks) is emptied instead. The
+    /// log stays.
+    pub fn wipe(&self, id: u64) {
+        fn empty(dir: &std::path::Path) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    if std::fs::remove_dir_all(&path).is_err() {
+                        empty(&path);
+                    }
+                } else {
+                    std::fs::remove_file(&path).unwrap();
+                }
+            }
+        }
+        empty(&self.data_dir(id));
+    }
+
+    /// Runs the CLI command `args[0]` with the rest of `args` against node
+    /// `id` (admin certificate; the address and certificate flags go right
+    /// after the command, before any subcommand) and returns whether it
+    /// succeeded, its stdout and its stderr.
+    pub async fn cli(&self, id: u64, args: &[&str]) -> (bool, String, String) {
+        let mut command = tokio::process::Command::new(&self.bin);
+        command.arg(args[0]);
+        command.args(["--addr", &self.addrs[&id].to_string()]);
+        command.args(self.cli_tls("admin"));
+        command.args(&args[1..]);
+        let output = command.output().await.expect("run the CLI");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    }
+
+    /// The members node `id`'s membership names.
+    pub async fn member_ids(&self, id: u64) -> Vec<u64> {
+        let mut request = tonic::Request::new(replica_ha::proto::admin::MembersRequest {});
+        request.set_timeout(Duration::from_secs(2));
+        match self.admin(id).members(request).await {
+            Ok(reply) => reply.into_inner().members.iter().map(|m| m.id).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Waits until node `id`'s status passes `check`; panics with the last
+    /// status after `within`.
+    pub async fn wait_status(
+        &self,
+        id: u64,
+        within: Duration,
+        what: &str,
+        check: impl Fn(&StatusReply) -> bool,
+    ) -> StatusReply {
+        let deadline = Instant::now() + within;
+        loop {
+            let status = self.status(id).await;
+            if let Some(status) = status.as_ref().filter(|s| check(s)) {
+                return status.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {id}: {what} not within {within:?}; last status {status:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Starts (or restarts) node `id`, appending to its log.
@@ -397,6 +480,27 @@ impl Cluster {
     }
 
     /// Node `id`'s status, if it answers within 500 ms.
+    /// The volume as node `id`'s replica service expects it named: this
+    /// cluster's volume, in the incarnation of node `id`'s data dir (S8).
+    /// Waits (up to 10 s) for the node to answer.
+    pub async fn volume_ref(&self, id: u64) -> replica_ha::proto::replica::VolumeRef {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.status(id).await {
+                return replica_ha::proto::replica::VolumeRef {
+                    cluster_id: self.cluster_id.clone(),
+                    volume: "vol0".into(),
+                    incarnation: status.incarnation,
+                };
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node {id} did not answer status"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub async fn status(&self, id: u64) -> Option<StatusReply> {
         let mut client = self.admin(id);
         let mut request = tonic::Request::new(StatusRequest {});
@@ -444,13 +548,11 @@ impl Cluster {
     /// `[offset, offset + length)`, asked of its replica service.
     pub async fn digests(&self, id: u64, offset: u64, length: u64) -> Vec<bytes::Bytes> {
         use replica_ha::proto::replica as pb;
+        let volume = self.volume_ref(id).await;
         let mut client = pb::replica_client::ReplicaClient::new(self.peer_channel(id));
         let reply = client
             .digest(pb::DigestRequest {
-                volume: Some(pb::VolumeRef {
-                    cluster_id: self.cluster_id.clone(),
-                    volume: "vol0".into(),
-                }),
+                volume: Some(volume),
                 offset,
                 length,
             })

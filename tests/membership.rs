@@ -1,0 +1,463 @@
+//! S8 (no amnesia) and membership changes, with real node processes: a node
+//! whose data dir is lost never votes as its former self and waits to be
+//! replaced; replace, add and remove work under a writing client without
+//! losing an acknowledged write; refused changes say why.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::cluster::Cluster;
+use replica_ha::proto::admin::WriteRequest;
+use replica_ha::proto::admin::admin_client::AdminClient;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::transport::Channel;
+
+const WAIT: Duration = Duration::from_secs(30);
+const BLOCK: u64 = 4096;
+/// The test volume's size (the harness's default).
+const SIZE: u64 = 16 << 20;
+
+/// Block `i`'s contents: every block written differs from every other.
+fn pattern(i: u64) -> Bytes {
+    let mut data = vec![0u8; BLOCK as usize];
+    for (n, chunk) in data.chunks_mut(8).enumerate() {
+        chunk.copy_from_slice(&(i.wrapping_mul(0x9e37_79b9) ^ n as u64).to_le_bytes());
+    }
+    Bytes::from(data)
+}
+
+/// A client that writes block after block (each once, to its own offset)
+/// to whichever node takes it, until told to stop, and returns what was
+/// acknowledged. A write that fails is sent again, unchanged, to the next
+/// node: it is acknowledged once, or the client stops with it unanswered.
+async fn client(
+    mut nodes: Vec<(u64, AdminClient<Channel>)>,
+    mut stop: watch::Receiver<bool>,
+) -> BTreeMap<u64, Bytes> {
+    let mut acked = BTreeMap::new();
+    let mut at = 0usize;
+    for i in 0..SIZE / BLOCK {
+        let (offset, data) = (i * BLOCK, pattern(i));
+        loop {
+            if *stop.borrow_and_update() {
+                return acked;
+            }
+            let count = nodes.len();
+            let (_, node) = &mut nodes[at % count];
+            let mut request = tonic::Request::new(WriteRequest {
+                offset,
+                data: data.clone(),
+                fua: false,
+            });
+            request.set_timeout(Duration::from_secs(3));
+            if node.write(request).await.is_ok() {
+                acked.insert(offset, data);
+                break;
+            }
+            at += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    acked
+}
+
+/// Starts [`client`] over every node of `ids`.
+fn start_client(
+    cluster: &Cluster,
+    ids: &[u64],
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<BTreeMap<u64, Bytes>>,
+) {
+    let nodes = ids.iter().map(|id| (*id, cluster.admin(*id))).collect();
+    let (stop, stopped) = watch::channel(false);
+    (stop, tokio::spawn(client(nodes, stopped)))
+}
+
+/// Every acknowledged block reads back from `writer`.
+async fn check_acked(cluster: &Cluster, writer: u64, acked: &BTreeMap<u64, Bytes>) {
+    assert!(!acked.is_empty(), "the client wrote nothing");
+    for (offset, data) in acked {
+        let read = cluster.read(writer, *offset, BLOCK as u32).await.unwrap();
+        assert!(
+            read == *data,
+            "the acknowledged block at {offset} reads back wrong from node {writer}"
+        );
+    }
+}
+
+/// The BLAKE3 digests of every extent are identical on all of `ids`.
+async fn assert_identical(cluster: &Cluster, ids: &[u64]) {
+    let first = cluster.digests(ids[0], 0, SIZE).await;
+    for id in &ids[1..] {
+        assert!(
+            cluster.digests(*id, 0, SIZE).await == first,
+            "node {id}'s replica differs from node {}'s",
+            ids[0]
+        );
+    }
+}
+
+/// Node `id` is not a member and says why, starting with `reason`.
+async fn wait_not_member(cluster: &Cluster, id: u64, reason: &str) {
+    cluster
+        .wait_status(id, WAIT, &format!("\"{reason}…\""), |s| {
+            s.not_member.starts_with(reason)
+        })
+        .await;
+}
+
+/// The scenario: a follower misses acknowledged writes; the writer
+/// dies and the other follower, the only other holder of those writes,
+/// loses its disk. The stale follower and the wiped node must not make a
+/// writer; once the old writer returns, the writes are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_node_never_lends_its_former_vote_to_a_stale_follower() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start(3).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != writer).collect();
+    let (stale, holder) = (others[0], others[1]);
+    cluster.kill(stale);
+    // 4 MiB, acknowledged by the writer and the holder only.
+    let written: Vec<Bytes> = (0..4u64)
+        .map(|i| Bytes::from(vec![0xa0 + i as u8; 1 << 20]))
+        .collect();
+    for (i, data) in written.iter().enumerate() {
+        cluster
+            .write(writer, (i as u64) << 20, data.clone())
+            .await
+            .unwrap();
+    }
+    cluster.kill(writer);
+    cluster.kill(holder);
+    cluster.wipe(holder);
+    cluster.spawn(holder);
+    cluster.spawn(stale);
+    wait_not_member(&cluster, holder, "replaced disk: waiting to be re-added").await;
+    // Several election rounds: nobody opens a write gate.
+    let watch_until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < watch_until {
+        for id in [stale, holder] {
+            if let Some(status) = cluster.status(id).await {
+                assert!(
+                    !status.gate_open,
+                    "node {id} opened its write gate without the acknowledged data: {status:?}"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = cluster.status(holder).await.unwrap();
+    assert!(
+        status
+            .not_member
+            .contains(&format!("members replace --id {holder}")),
+        "{status:?}"
+    );
+    // The old writer returns: the acknowledged writes are on whichever
+    // node then writes.
+    cluster.spawn(writer);
+    let (now, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    assert_ne!(now, holder, "the wiped node became the writer");
+    for (i, data) in written.iter().enumerate() {
+        let read = cluster.read(now, (i as u64) << 20, 1 << 20).await.unwrap();
+        assert!(read == *data, "MiB {i} is lost on node {now}");
+    }
+}
+
+/// A single follower's data dir wiped: it does not bootstrap or vote, its
+/// status says it waits; `members replace` brings it back, rebuilt in
+/// full, while a client writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_follower_waits_and_members_replace_rebuilds_it() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start(3).await;
+    let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let wiped = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let (stop, client) = start_client(&cluster, &[1, 2, 3]);
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    let before = cluster.status(wiped).await.unwrap().incarnation;
+    cluster.kill(wiped);
+    cluster.wipe(wiped);
+    cluster.spawn(wiped);
+    wait_not_member(&cluster, wiped, "replaced disk: waiting to be re-added").await;
+    let waiting = cluster.status(wiped).await.unwrap();
+    assert_ne!(
+        waiting.incarnation, before,
+        "a new data dir, a new incarnation"
+    );
+    assert_eq!(waiting.term, 0, "the waiting node took no part in any vote");
+    // The writer carries on without it.
+    let (still, still_term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    assert_eq!((still, still_term), (writer, term));
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    let (ok, out, err) = cluster
+        .cli(writer, &["members", "replace", "--id", &wiped.to_string()])
+        .await;
+    assert!(ok, "members replace failed: {out}{err}");
+    assert!(out.contains("rebuilt in full"), "{out}");
+    cluster
+        .wait_status(wiped, WAIT, "a member again", |s| s.not_member.is_empty())
+        .await;
+    cluster.wait_in_sync(writer, wiped, true, WAIT).await;
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    stop.send_replace(true);
+    let acked = client.await.unwrap();
+    check_acked(&cluster, writer, &acked).await;
+    assert_identical(&cluster, &[1, 2, 3]).await;
+    let (ok, out, _) = cluster.cli(writer, &["members"]).await;
+    assert!(ok);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&wiped.to_string()))
+        .unwrap_or_default();
+    assert!(
+        line.contains(&format!("{:010x}", waiting.incarnation)) && line.contains("voter"),
+        "{out}"
+    );
+}
+
+/// Grow from three nodes to five and shrink back to three while a client
+/// writes: nothing acknowledged is lost and the replicas end identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_to_five_and_shrink_to_three_under_a_writing_client() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(5);
+    cluster.founders = Some(vec![1, 2, 3]);
+    // Nodes 4 and 5 list five peers, whose default min_in_sync would be 3.
+    cluster
+        .extra_args
+        .extend(["--min-in-sync".into(), "2".into()]);
+    for id in [1, 2, 3] {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let (stop, client) = start_client(&cluster, &[1, 2, 3]);
+    for id in [4, 5] {
+        cluster.spawn(id);
+        wait_not_member(&cluster, id, "new node: waiting to be added").await;
+    }
+    for id in [4u64, 5] {
+        let addr = cluster.addrs[&id].to_string();
+        let (ok, out, err) = cluster
+            .cli(
+                writer,
+                &["members", "add", "--id", &id.to_string(), "--addr", &addr],
+            )
+            .await;
+        assert!(ok, "members add {id}: {out}{err}");
+        cluster.wait_in_sync(writer, id, true, WAIT).await;
+    }
+    let (ok, out, _) = cluster.cli(writer, &["members"]).await;
+    assert!(ok);
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("voter") || l.contains("leader"))
+            .count(),
+        5,
+        "{out}"
+    );
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    for id in [5u64, 4] {
+        let (ok, out, err) = cluster
+            .cli(writer, &["members", "remove", "--id", &id.to_string()])
+            .await;
+        assert!(ok, "members remove {id}: {out}{err}");
+        cluster.wait_in_sync(writer, id, false, WAIT).await;
+    }
+    let deadline = Instant::now() + WAIT;
+    while cluster.member_ids(writer).await != [1, 2, 3] {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            cluster.member_ids(writer).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    stop.send_replace(true);
+    let acked = client.await.unwrap();
+    check_acked(&cluster, writer, &acked).await;
+    assert_identical(&cluster, &[1, 2, 3]).await;
+    let (_, out, _) = cluster.cli(writer, &["members"]).await;
+    assert_eq!(out.lines().count(), 4, "a header and three members: {out}");
+}
+
+/// Removing the writer's own node moves leadership first: the client sees
+/// one change of writer, and the removed node no longer counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_the_writers_node_hands_over_first() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let (stop, client) = start_client(&cluster, &[1, 2, 3]);
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    // Who writes, sampled while the removal runs.
+    let (done, mut finished) = watch::channel(false);
+    let sampler = async {
+        let mut seen: Vec<u64> = Vec::new();
+        while !*finished.borrow_and_update() {
+            for id in [1, 2, 3] {
+                if let Some(s) = cluster.status(id).await {
+                    if s.gate_open && seen.last() != Some(&id) {
+                        seen.push(id);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        seen
+    };
+    let remove = async {
+        let out = cluster
+            .cli(writer, &["members", "remove", "--id", &writer.to_string()])
+            .await;
+        done.send_replace(true);
+        out
+    };
+    let (mut seen, (ok, out, err)) = tokio::join!(sampler, remove);
+    assert!(ok, "members remove --id {writer}: {out}{err}");
+    assert!(out.contains("leadership moved to node"), "{out}");
+    // The sampler may have stopped before it saw the new writer's gate.
+    let (new, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    if seen.last() != Some(&new) {
+        seen.push(new);
+    }
+    assert_ne!(new, writer);
+    assert_eq!(seen, [writer, new], "one change of writer, no more");
+    let deadline = Instant::now() + WAIT;
+    while cluster.member_ids(new).await.len() != 2 {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            cluster.member_ids(new).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.wait_for_writes(new, 50, WAIT).await;
+    stop.send_replace(true);
+    let acked = client.await.unwrap();
+    check_acked(&cluster, new, &acked).await;
+    let rest: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != writer).collect();
+    assert_identical(&cluster, &rest).await;
+    assert_eq!(cluster.member_ids(new).await, rest);
+}
+
+/// Each refused change gives its error and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_membership_changes_say_why() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(4);
+    cluster.founders = Some(vec![1, 2, 3]);
+    cluster
+        .extra_args
+        .extend(["--min-in-sync".into(), "3".into()]);
+    for id in [1, 2, 3] {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let follower_id = follower.to_string();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["members", "remove", "--id", "9"],
+            "node 9 is not a member",
+        ),
+        (
+            &["members", "replace", "--id", "9"],
+            "node 9 is not a member",
+        ),
+        (
+            &["members", "remove", "--id", &follower_id],
+            "fewer than min_in_sync",
+        ),
+        (
+            &["members", "replace", "--id", &follower_id],
+            "has no new incarnation waiting",
+        ),
+        (
+            &[
+                "members",
+                "add",
+                "--id",
+                &follower_id,
+                "--addr",
+                "127.0.0.1:1",
+            ],
+            "is a member already",
+        ),
+    ];
+    for (args, expect) in cases {
+        let (ok, out, err) = cluster.cli(writer, args).await;
+        assert!(!ok, "{args:?} was not refused: {out}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+    }
+    let (ok, _, err) = cluster
+        .cli(follower, &["members", "remove", "--id", "9"])
+        .await;
+    assert!(!ok && err.contains("only the writer"), "{err}");
+    // A second change while one runs: adding node 4, which is not running,
+    // waits for it to announce itself.
+    let addr = cluster.addrs[&4].to_string();
+    let first = async {
+        cluster
+            .cli(writer, &["members", "add", "--id", "4", "--addr", &addr])
+            .await
+    };
+    let second = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        cluster
+            .cli(writer, &["members", "remove", "--id", "9"])
+            .await
+    };
+    let ((first_ok, _, first_err), (second_ok, _, second_err)) = tokio::join!(first, second);
+    assert!(
+        !first_ok && first_err.contains("did not announce itself"),
+        "{first_err}"
+    );
+    assert!(
+        !second_ok && second_err.contains("membership change is in progress"),
+        "{second_err}"
+    );
+    let (_, out, _) = cluster.cli(writer, &["members"]).await;
+    assert_eq!(out.lines().count(), 4, "nothing changed: {out}");
+}
+
+/// With `auto_replace`, the writer brings a wiped follower back by itself
+/// once its old incarnation has been silent long enough.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_replace_brings_a_wiped_follower_back_by_itself() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster.extra_args.extend([
+        "--auto-replace".into(),
+        "--auto-replace-after".into(),
+        "2".into(),
+    ]);
+    for id in [1, 2, 3] {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let wiped = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    cluster.write(writer, 0, pattern(1)).await.unwrap();
+    cluster.kill(wiped);
+    cluster.wipe(wiped);
+    let died = Instant::now();
+    cluster.spawn(wiped);
+    cluster
+        .wait_status(wiped, WAIT, "a member again", |s| s.not_member.is_empty())
+        .await;
+    assert!(
+        died.elapsed() >= Duration::from_secs(2),
+        "replaced before the old incarnation was silent for auto_replace_after"
+    );
+    cluster.wait_in_sync(writer, wiped, true, WAIT).await;
+    assert!(cluster.log(writer).contains("auto_replace: replacing"));
+    assert_identical(&cluster, &[1, 2, 3]).await;
+}
