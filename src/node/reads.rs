@@ -69,3 +69,52 @@ impl LocalCopy for RaftLocalCopy {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Incarnation;
+    use crate::raft::MemberNode;
+    use openraft::{Membership, StoredMembership};
+
+    /// A new incarnation replaying the log passes through states in which
+    /// its node id is in sync: its copy must not count then (S8, S10).
+    #[tokio::test]
+    async fn the_copy_counts_only_for_the_incarnation_the_membership_names() {
+        let old = MemberId::new(NodeId(3), Incarnation(7));
+        let new = MemberId::new(NodeId(3), Incarnation(9));
+        let applied_with = |member: MemberId| {
+            let membership = StoredMembership::new(
+                None,
+                Membership::new(
+                    vec![[MemberId(1), member].into()],
+                    [
+                        (MemberId(1), MemberNode::default()),
+                        (member, MemberNode::default()),
+                    ]
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+                ),
+            );
+            let mut applied = Applied {
+                membership,
+                ..Applied::default()
+            };
+            applied.control.in_sync = [NodeId(1), NodeId(3)].into();
+            applied
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let spec = crate::volume::VolumeSpec::new("c", "v", 1 << 20, 2);
+        let opened = crate::replica::ReplicaStore::open(dir.path(), (&spec).into())
+            .await
+            .unwrap();
+        let store: Arc<dyn Replica> = Arc::new(crate::replica::LocalReplica::new(
+            NodeId(3),
+            Arc::new(opened),
+        ));
+        let (_tx, rx) = watch::channel(applied_with(old));
+        assert!(!RaftLocalCopy::new(new, Arc::clone(&store), rx).in_sync());
+        let (_tx, rx) = watch::channel(applied_with(new));
+        assert!(RaftLocalCopy::new(new, store, rx).in_sync());
+    }
+}

@@ -224,3 +224,61 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use openraft::storage::RaftStateMachine;
+    use openraft::{CommittedLeaderId, Entry, EntryPayload, LogId, Membership};
+
+    use super::*;
+    use crate::ids::NodeId;
+    use crate::raft::Request;
+    use crate::volume::VolumeSpec;
+
+    fn entry(index: u64, payload: EntryPayload<TypeConfig>) -> Entry<TypeConfig> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, MemberId(1)), index),
+            payload,
+        }
+    }
+
+    /// A node removed from the membership leaves the in-sync set with it,
+    /// so that it does not count as in sync if it is ever added again on
+    /// an empty disk (S5).
+    #[tokio::test]
+    async fn a_membership_without_a_node_drops_it_from_the_in_sync_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = sled::open(dir.path()).unwrap();
+        let mut machine = StateMachine::open(&db).unwrap();
+        let nodes = |ids: &[u64]| -> BTreeMap<MemberId, MemberNode> {
+            ids.iter()
+                .map(|id| (MemberId(*id), MemberNode::default()))
+                .collect()
+        };
+        let voters =
+            |ids: &[u64]| -> BTreeSet<MemberId> { ids.iter().map(|id| MemberId(*id)).collect() };
+        let init = Request::Init {
+            volume: VolumeSpec::new("c", "v", 4096, 2),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+        };
+        machine
+            .apply(vec![
+                entry(1, EntryPayload::Normal(init)),
+                entry(
+                    2,
+                    EntryPayload::Membership(Membership::new(
+                        vec![voters(&[1, 2])],
+                        nodes(&[1, 2]),
+                    )),
+                ),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(
+            machine.current().control.in_sync,
+            [NodeId(1), NodeId(2)].into()
+        );
+    }
+}
