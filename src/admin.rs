@@ -247,6 +247,7 @@ impl Admin for AdminService {
             incarnation: status.facts.member.incarnation().0,
             member: status.facts.member.0,
             not_member: status.not_member.clone().unwrap_or_default(),
+            cluster_uuid: status.cluster_uuid.clone().unwrap_or_default(),
             writes_total: status.io.writes.load(std::sync::atomic::Ordering::Relaxed),
             write_bytes_total: status
                 .io

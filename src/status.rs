@@ -179,6 +179,8 @@ pub struct NodeStatus {
     pub reads_refused: Option<String>,
     /// Why this node is not a member of the cluster, while it is not (S8).
     pub not_member: Option<String>,
+    /// The cluster's uuid, once the first leader drew it.
+    pub cluster_uuid: Option<String>,
     /// Writes held below `min_in_sync` (design C2), and what will end it.
     pub suspended: Option<SuspendedIo>,
     /// What this node's scrub has done (all zero unless it has written).
@@ -319,6 +321,7 @@ impl NodeView {
             replicas: self.replica_reports().await,
             reads_refused: self.reads_refused(),
             not_member: self.not_member(),
+            cluster_uuid: control.uuid.clone(),
             suspended: None,
             scrub: self.scrub.status(),
             scrub_rate: self.scrub.rate(),

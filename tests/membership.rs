@@ -183,6 +183,8 @@ async fn a_wiped_follower_waits_and_members_replace_rebuilds_it() {
     let (stop, client) = start_client(&cluster, &[1, 2, 3]);
     cluster.wait_for_writes(writer, 50, WAIT).await;
     let before = cluster.status(wiped).await.unwrap().incarnation;
+    let uuid = cluster.status(writer).await.unwrap().cluster_uuid;
+    assert_eq!(uuid.len(), 36, "the cluster has a uuid: {uuid:?}");
     cluster.kill(wiped);
     cluster.wipe(wiped);
     cluster.spawn(wiped);
@@ -206,6 +208,11 @@ async fn a_wiped_follower_waits_and_members_replace_rebuilds_it() {
         .wait_status(wiped, WAIT, "a member again", |s| s.not_member.is_empty())
         .await;
     cluster.wait_in_sync(writer, wiped, true, WAIT).await;
+    assert_eq!(
+        cluster.status(wiped).await.unwrap().cluster_uuid,
+        uuid,
+        "the new incarnation joined the same cluster"
+    );
     cluster.wait_for_writes(writer, 50, WAIT).await;
     stop.send_replace(true);
     let acked = client.await.unwrap();

@@ -736,6 +736,7 @@ fn status_json(reply: &StatusReply) -> String {
         "lease_remaining_ms": reply.lease_remaining_ms,
         "members": reply.members,
         "incarnation": format!("{:010x}", reply.incarnation),
+        "cluster_uuid": (!reply.cluster_uuid.is_empty()).then_some(&reply.cluster_uuid),
         "not_member": (!reply.not_member.is_empty()).then_some(&reply.not_member),
         "prev_writer": optional(reply.prev_writer),
         "prev_writer_term": reply.prev_writer_term,
@@ -886,7 +887,13 @@ fn print_status_table(reply: &StatusReply) {
         ("node", reply.node_id.to_string()),
         ("incarnation", format!("{:010x}", reply.incarnation)),
         ("membership", member_line(reply)),
-        ("cluster", reply.cluster_id.clone()),
+        (
+            "cluster",
+            match reply.cluster_uuid.as_str() {
+                "" => reply.cluster_id.clone(),
+                uuid => format!("{} ({uuid})", reply.cluster_id),
+            },
+        ),
         ("security", reply.security.clone()),
         ("data address", reply.data_address.clone()),
         ("role", reply.role.clone()),

@@ -830,6 +830,21 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<Incarna
     }
 }
 
+/// A random (version 4) UUID, in its usual text form.
+fn new_uuid() -> String {
+    let (a, b) = (crate::ids::random_u64(), crate::ids::random_u64());
+    let a = (a & !0xf000) | 0x4000; // version 4
+    let b = (b & !(0b11 << 62)) | (0b10 << 62); // RFC 4122 variant
+    format!(
+        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xffff,
+        b >> 48,
+        b & 0xffff_ffff_ffff
+    )
+}
+
 /// Whenever this node leads and the cluster has no volume config yet,
 /// commits this node's, with every member's replica in sync (all empty).
 async fn fix_volume_spec(coordinator: Arc<RaftCoordinator>, volume: VolumeSpec) {
@@ -847,6 +862,7 @@ async fn fix_volume_spec(coordinator: Arc<RaftCoordinator>, volume: VolumeSpec) 
             let request = Request::Init {
                 volume: volume.clone(),
                 replicas,
+                uuid: new_uuid(),
             };
             match coordinator.commit(seen.term, request).await {
                 Ok(_) => tracing::info!(?volume, "volume config fixed"),

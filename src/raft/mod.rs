@@ -135,6 +135,10 @@ pub enum Request {
         volume: VolumeSpec,
         /// Every replica's node id.
         replicas: BTreeSet<NodeId>,
+        /// The cluster's uuid, drawn by the first leader (empty in an
+        /// entry written before there were uuids).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        uuid: String,
     },
     /// Records `node` as the writer of `term`. Refused if a writer of this
     /// or a newer term is already recorded: each term has one stint.
@@ -179,16 +183,25 @@ pub struct ControlState {
     pub writer: Option<WriterRecord>,
     /// The replicas that hold every acknowledged write.
     pub in_sync: BTreeSet<NodeId>,
+    /// The cluster's uuid, fixed with the volume config at the first
+    /// bootstrap (none for a cluster formed before there were uuids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
 }
 
 impl ControlState {
     /// Applies `request`; pure, so every node computes the same result.
     pub fn apply(&mut self, request: &Request) -> Response {
         let refused = match request {
-            Request::Init { volume, replicas } => match &self.volume {
+            Request::Init {
+                volume,
+                replicas,
+                uuid,
+            } => match &self.volume {
                 None => {
                     self.volume = Some(volume.clone());
                     self.in_sync = replicas.clone();
+                    self.uuid = (!uuid.is_empty()).then(|| uuid.clone());
                     None
                 }
                 Some(existing) if existing == volume => None,
@@ -294,6 +307,7 @@ mod tests {
         state.apply(&Request::Init {
             volume: volume(4096),
             replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
         });
         state.apply(&Request::Promote(WriterRecord {
             node: NodeId(1),
@@ -327,12 +341,14 @@ mod tests {
         let init = Request::Init {
             volume: volume(4096),
             replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
         };
         assert!(state.apply(&init).applied);
         assert!(state.apply(&init).applied, "the same init is idempotent");
         let other = Request::Init {
             volume: volume(8192),
             replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
         };
         let response = state.apply(&other);
         assert!(!response.applied);
@@ -345,6 +361,7 @@ mod tests {
         state.apply(&Request::Init {
             volume: volume(4096),
             replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
         });
         assert!(
             state

@@ -262,6 +262,7 @@ mod tests {
         let init = Request::Init {
             volume: VolumeSpec::new("c", "v", 4096, 2),
             replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
         };
         machine
             .apply(vec![
