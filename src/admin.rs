@@ -383,7 +383,7 @@ impl Admin for AdminService {
     ) -> Result<Response<TransferReply>, Status> {
         Caller::of(&request).require_admin("transfer leadership")?;
         let to = NodeId(request.into_inner().to);
-        if !self.view.members().iter().any(|m| m.id == to) {
+        if !self.view.members().iter().any(|m| m.id == to && m.voter) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
             )));

@@ -349,8 +349,8 @@ impl NodeView {
                 self.facts.member.incarnation()
             )),
             None => Some(
-                "removed: this node is not a member of the cluster; stop it, or add it back \
-                 with `replica-ha members add`"
+                "removed: this node is not a member of the cluster; stop it (to add it back, \
+                 empty its data dir and run `replica-ha members add`)"
                     .into(),
             ),
         }

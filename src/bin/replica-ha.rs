@@ -71,8 +71,8 @@ enum Command {
     /// voter or learner, live, in-sync. With a subcommand, change the
     /// membership (ask the writer; needs an admin certificate).
     Members {
-        /// The node's gRPC address.
-        #[arg(long, default_value = "127.0.0.1:7001")]
+        /// The node's gRPC address (before or after the subcommand).
+        #[arg(long, global = true, default_value = "127.0.0.1:7001")]
         addr: String,
         #[command(subcommand)]
         change: Option<MembersCommand>,
@@ -177,22 +177,22 @@ enum MembersCommand {
 struct ClientTls {
     /// The certificate directory: DIR/ca.crt and, with --as NAME,
     /// DIR/NAME.crt and DIR/NAME.key.
-    #[arg(long, value_name = "DIR", env = "REPLICA_HA_TLS_DIR")]
+    #[arg(long, global = true, value_name = "DIR", env = "REPLICA_HA_TLS_DIR")]
     tls_dir: Option<PathBuf>,
     /// The client certificate's name in --tls-dir.
-    #[arg(long = "as", value_name = "NAME", env = "REPLICA_HA_AS")]
+    #[arg(long = "as", global = true, value_name = "NAME", env = "REPLICA_HA_AS")]
     name: Option<String>,
     /// The cluster CA certificate (instead of --tls-dir's).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE")]
     ca: Option<PathBuf>,
     /// The client certificate (instead of --tls-dir's).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE")]
     cert: Option<PathBuf>,
     /// The client certificate's key (instead of --tls-dir's).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, global = true, value_name = "FILE")]
     key: Option<PathBuf>,
     /// Connect without TLS, to a node that runs with `insecure = true`.
-    #[arg(long, env = "REPLICA_HA_INSECURE")]
+    #[arg(long, global = true, env = "REPLICA_HA_INSECURE")]
     insecure: bool,
 }
 

@@ -471,7 +471,12 @@ impl Peers {
                 "node {from} is not a member of this cluster"
             )));
         }
-        let to = MemberId(to);
+        // 0: a node of the version before incarnations, which names no
+        // member; it can mean only incarnation 0 of this node.
+        let to = match to {
+            0 => MemberId::new(self.self_id, crate::ids::Incarnation(0)),
+            to => MemberId(to),
+        };
         if to != self.self_member {
             return Err(Status::failed_precondition(format!(
                 "replaced disk: this is node {} in incarnation {}, not member {to}; it answers                  only once a membership change names it (`replica-ha members replace --id {}`)",
@@ -952,6 +957,19 @@ mod tests {
             "{refused:?}"
         );
         assert_eq!(peers.admit(&anyone, "c", 2, 1).unwrap(), NodeId(2));
+        // A sender from before incarnations names no member (0): that can
+        // mean only incarnation 0, so a replaced node refuses it.
+        assert_eq!(peers.admit(&anyone, "c", 2, 0).unwrap(), NodeId(2));
+        let replaced = Peers::new(
+            "c".into(),
+            former,
+            [(NodeId(2), "127.0.0.1:2".to_string())].into(),
+            Arc::default(),
+            Transport::default(),
+            Duration::from_millis(300),
+        );
+        let refused = replaced.admit(&anyone, "c", 2, 0).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     }
 
     #[test]
