@@ -71,8 +71,10 @@ enum Command {
     /// voter or learner, live, in-sync. With a subcommand, change the
     /// membership (ask the writer; needs an admin certificate).
     Members {
-        /// The node's gRPC address (before or after the subcommand).
-        #[arg(long, global = true, default_value = "127.0.0.1:7001")]
+        /// The gRPC address of the node to ask (the writer, for a change).
+        /// Give it before the subcommand: `add` has an `--addr` of its own,
+        /// the new node's.
+        #[arg(long, default_value = "127.0.0.1:7001")]
         addr: String,
         #[command(subcommand)]
         change: Option<MembersCommand>,
