@@ -468,3 +468,36 @@ async fn auto_replace_brings_a_wiped_follower_back_by_itself() {
     assert!(cluster.log(writer).contains("auto_replace: replacing"));
     assert_identical(&cluster, &[1, 2, 3]).await;
 }
+
+/// A node whose replica directory is gone while its Raft state is there
+/// refuses to start (exit 2, saying what to do), rather than count an
+/// empty copy as the one it held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_replica_dir_with_raft_state_intact_refuses_to_start() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start(3).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let lost = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    cluster.write(writer, 0, pattern(3)).await.unwrap();
+    cluster.kill(lost);
+    std::fs::remove_dir_all(cluster.data_dir(lost).join("replica")).unwrap();
+    cluster.spawn(lost);
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some((_, status)) = cluster.exited().into_iter().find(|(id, _)| *id == lost) {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "node {lost} kept running");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(2));
+    let log = cluster.log(lost);
+    assert!(
+        log.contains("is missing but this node's Raft state is there"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!("members replace --id {lost}")),
+        "{log}"
+    );
+}

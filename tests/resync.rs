@@ -122,10 +122,11 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
         assert_eq!(&cluster.read(follower, *offset, 4096).await.unwrap(), data);
     }
 
-    // 3. The follower's disk is replaced: an empty replica dir.
+    // 3. The follower's disk is replaced: an empty data dir, a new
+    // incarnation, brought back by `members replace` (S8).
     let mut cluster = Arc::into_inner(cluster).expect("no other holder");
     cluster.kill(follower);
-    std::fs::remove_dir_all(cluster.data_dir(follower).join("replica")).unwrap();
+    cluster.wipe(follower);
     // A write notices it is gone, and the in-sync set shrinks.
     cluster
         .write(writer, 0, Bytes::from(vec![0xee; 4096]))
@@ -133,6 +134,18 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
         .unwrap();
     cluster.wait_in_sync(writer, follower, false, WAIT).await;
     cluster.spawn(follower);
+    cluster
+        .wait_status(follower, WAIT, "waiting to be re-added", |s| {
+            s.not_member.starts_with("replaced disk")
+        })
+        .await;
+    let (ok, out, err) = cluster
+        .cli(
+            writer,
+            &["members", "replace", "--id", &follower.to_string()],
+        )
+        .await;
+    assert!(ok, "members replace: {out}{err}");
     cluster
         .wait_in_sync(writer, follower, true, Duration::from_secs(60))
         .await;

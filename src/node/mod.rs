@@ -159,7 +159,25 @@ impl Node {
             .local_addr()
             .map_err(|e| failed(format!("the data listener: {e}")))?;
         let member = crate::ids::MemberId::new(config.id, incarnation);
+        let replica_dir = config.data_dir.join("replica");
+        let replica_missing = !replica_dir.exists();
         let raft = start_raft(&config, &db, &transport, member).await?;
+        if replica_missing && raft.raft.is_initialized().await.map_err(failed)? {
+            // S8 covers the whole data dir: a lost replica with the Raft
+            // state intact would otherwise be recreated empty and count as
+            // the copy this member held.
+            return Err(ConfigError(format!(
+                "{} is missing but this node's Raft state is there (a lost disk?): started like \
+                 this, an empty copy would count as the one node {} held. Empty the whole data \
+                 dir {} so that the node comes back as a new incarnation, then run `replica-ha \
+                 members replace --id {}` on the writer",
+                replica_dir.display(),
+                config.id,
+                config.data_dir.display(),
+                config.id
+            ))
+            .into());
+        }
         let waiting = Arc::new(crate::members::Waiting::default());
         let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
         let view = Arc::new(NodeView::new(NodeParts {
