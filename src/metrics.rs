@@ -98,6 +98,14 @@ impl MeteredDevice {
 
 #[async_trait]
 impl Device for MeteredDevice {
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        self.inner.allocation(offset, len).await
+    }
+
     async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
         let result = self.inner.read_at(offset, len).await;
         match &result {

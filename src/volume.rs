@@ -105,6 +105,14 @@ pub trait Device: Send + Sync {
     /// The size of the device in bytes.
     fn size(&self) -> u64;
 
+    /// Which parts of `[offset, offset + len)` hold data and which are
+    /// holes (read as zeroes, hold no space): extents in order, covering
+    /// the range. Gated like a read. The default knows of no holes.
+    async fn allocation(&self, offset: u64, len: u64) -> Result<Vec<Extent>, DeviceError> {
+        crate::volume::check_span(offset, len, self.size())?;
+        Ok(vec![Extent { len, hole: false }])
+    }
+
     /// Whether a write would be admitted now. Advisory — every write is
     /// still checked when it is made — and used to offer clients a
     /// read-only or a writable export.
@@ -120,6 +128,25 @@ pub trait Device: Send + Sync {
         } else {
             Access::ReadOnly
         }
+    }
+}
+
+/// A run of the volume that is all data or all hole (see
+/// [`Device::allocation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Its length in bytes.
+    pub len: u64,
+    /// It holds no data: it reads as zeroes.
+    pub hole: bool,
+}
+
+/// Checks that `[offset, offset + len)` lies within a volume of `size`
+/// bytes (any length: an allocation query is not a transfer).
+pub fn check_span(offset: u64, len: u64, size: u64) -> Result<(), RangeError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(RangeError::OutOfRange { offset, len, size }),
     }
 }
 

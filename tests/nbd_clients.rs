@@ -597,3 +597,83 @@ async fn a_discard_frees_space_on_every_replica() {
         );
     }
 }
+
+/// `base:allocation` through real clients: `nbdinfo --map` and `qemu-img
+/// map` show data where it was written and holes where nothing was and
+/// where it was trimmed, on the writer and on an in-sync follower; `nbdcopy`
+/// of the mostly empty volume reads only what is allocated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_status_shows_data_and_holes_to_nbdinfo_qemu_img_and_nbdcopy() {
+    let _one = one_cluster_at_a_time().await;
+    let (cluster, writer) = started("64MiB").await;
+    let nbd = cluster.nbd_addrs[&writer];
+    let written = qemu_io(
+        nbd,
+        false,
+        &[
+            "write -P 0x5a 4M 8M".into(),
+            "write -P 0x6b 32M 1M".into(),
+            "discard 6M 2M".into(),
+            "flush".into(),
+        ],
+    )
+    .await;
+    assert!(qemu_io_ok(&written), "{written:?}");
+    const M: u64 = 1 << 20;
+    // (start, length, data?) as both tools must show them.
+    let want = vec![
+        (0, 4 * M, false),
+        (4 * M, 2 * M, true),
+        (6 * M, 2 * M, false),
+        (8 * M, 4 * M, true),
+        (12 * M, 20 * M, false),
+        (32 * M, M, true),
+        (33 * M, 31 * M, false),
+    ];
+    let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
+    for id in [writer, follower] {
+        let map = run_ok("nbdinfo", &["--map", &uri(cluster.nbd_addrs[&id])]).await;
+        let got: Vec<(u64, u64, bool)> = map
+            .lines()
+            .map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let data = fields[3] == "data";
+                (fields[0].parse().unwrap(), fields[1].parse().unwrap(), data)
+            })
+            .collect();
+        assert_eq!(got, want, "nbdinfo --map on node {id}:\n{map}");
+    }
+    let json = run_ok(
+        "qemu-img",
+        &["map", "--output=json", "-f", "raw", &uri(nbd)],
+    )
+    .await;
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
+    let got: Vec<(u64, u64, bool)> = entries
+        .iter()
+        .map(|e| {
+            (
+                e["start"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                e["data"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "qemu-img map:\n{json}");
+    // nbdcopy skips the holes: what crossed the writer's data path is the
+    // allocated 7 MiB, not the 64 MiB volume.
+    let read_bytes = || {
+        let (_, metrics) = http_get(cluster.http_addrs[&writer], "/metrics");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("replica_ha_read_bytes_total "))
+            .map_or(0.0, |v| v.parse::<f64>().unwrap()) as u64
+    };
+    let before = read_bytes();
+    run_ok("nbdcopy", &[&uri(nbd), "null:"]).await;
+    let moved = read_bytes() - before;
+    assert!(
+        (7 * M..=8 * M).contains(&moved),
+        "nbdcopy read {moved} bytes of the 64 MiB volume"
+    );
+}

@@ -270,6 +270,14 @@ impl Device for ActiveDevice {
         self.engine.read_at(offset, len).await
     }
 
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        self.engine.allocation(offset, len).await
+    }
+
     async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         self.held(|| self.engine.discard(offset, len)).await
     }

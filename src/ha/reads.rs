@@ -40,6 +40,16 @@ pub trait LocalCopy: Send + Sync {
     fn in_sync(&self) -> bool;
     /// Reads `len` bytes at `offset` of this node's replica.
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError>;
+    /// Where this node's replica holds data in `[offset, offset + len)`
+    /// (see [`Device::allocation`]); the default knows of no holes.
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        let _ = offset;
+        Ok(vec![crate::volume::Extent { len, hole: false }])
+    }
 }
 
 /// The read gate. See the module docs.
@@ -72,6 +82,21 @@ impl Device for ReadGate {
             return Err(DeviceError::NotInSync);
         }
         self.local.read(offset, len).await
+    }
+
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        if self.writer.is_writable() {
+            return self.writer.allocation(offset, len).await;
+        }
+        crate::volume::check_span(offset, len, self.size())?;
+        if !self.local.in_sync() {
+            return Err(DeviceError::NotInSync);
+        }
+        self.local.allocation(offset, len).await
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {

@@ -2,9 +2,12 @@
 //! haggling until the client picks the export (`GO` or `EXPORT_NAME`) or
 //! gives up (`ABORT`, or closing the socket).
 //!
-//! Options served: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`, and
-//! `STARTTLS` when the export has TLS. Every other option gets
-//! `NBD_REP_ERR_UNSUP`, so clients fall back to simple replies. Malformed
+//! Options served: `EXPORT_NAME`, `ABORT`, `LIST`, `INFO`, `GO`,
+//! `STRUCTURED_REPLY`, `LIST_META_CONTEXT` and `SET_META_CONTEXT` (the one
+//! context `base:allocation`, for `NBD_CMD_BLOCK_STATUS`; setting one needs
+//! structured replies first), and `STARTTLS` when the export has TLS. Every
+//! other option gets `NBD_REP_ERR_UNSUP`. What was negotiated before
+//! `STARTTLS` is forgotten inside TLS, as the protocol asks. Malformed
 //! option data gets `NBD_REP_ERR_INVALID`; a bad magic, unknown client
 //! flags or an option longer than [`MAX_OPTION_LEN`] end the connection,
 //! since the stream can no longer be trusted.
@@ -45,6 +48,11 @@ pub struct Session {
     /// For a writable session, the gate's term it was opened under: the
     /// session lasts only while the device grants exactly that term.
     pub term: Option<Term>,
+    /// Structured replies were negotiated: reads and block status are
+    /// answered in chunks.
+    pub structured: bool,
+    /// The id of `base:allocation`, when the client selected it.
+    pub allocation: Option<u32>,
 }
 
 impl Session {
@@ -110,6 +118,8 @@ where
     };
     let secured = matches!(phase, Phase::Secured { .. });
     let tls_required = export.tls_required() && !secured;
+    let mut structured = false;
+    let mut allocation: Option<u32> = None;
     loop {
         let mut header = [0u8; 16];
         stream.read_exact(&mut header).await?;
@@ -135,8 +145,41 @@ where
             stream.flush().await?;
             continue;
         }
-        let offer = export.offer();
+        let offer = export.offer().map(|session| Session {
+            structured,
+            allocation,
+            ..session
+        });
         match option {
+            wire::OPT_STRUCTURED_REPLY if !data.is_empty() => {
+                let why = b"NBD_OPT_STRUCTURED_REPLY takes no data";
+                stream.write_all(&reply(wire::REP_ERR_INVALID, why)).await?;
+            }
+            wire::OPT_STRUCTURED_REPLY => {
+                structured = true;
+                stream.write_all(&reply(wire::REP_ACK, &[])).await?;
+            }
+            wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => {
+                let set = option == wire::OPT_SET_META_CONTEXT;
+                match meta_contexts(export, &data, set, structured) {
+                    Err((kind, why)) => {
+                        stream.write_all(&reply(kind, why.as_bytes())).await?;
+                    }
+                    Ok(found) => {
+                        if set {
+                            allocation = found.then_some(wire::BASE_ALLOCATION_ID);
+                        }
+                        if found {
+                            let body =
+                                wire::meta_context(wire::BASE_ALLOCATION_ID, wire::BASE_ALLOCATION);
+                            stream
+                                .write_all(&reply(wire::REP_META_CONTEXT, &body))
+                                .await?;
+                        }
+                        stream.write_all(&reply(wire::REP_ACK, &[])).await?;
+                    }
+                }
+            }
             wire::OPT_STARTTLS => {
                 let refusal: Option<(u32, &[u8])> = if !export.has_tls() {
                     Some((
@@ -224,6 +267,42 @@ where
         }
         stream.flush().await?;
     }
+}
+
+/// Answers a meta context option: whether `base:allocation` is listed
+/// (`LIST`) or selected (`SET`), or the refusal to send. A `LIST` with no
+/// query, or the query `base:`, lists it; a `SET` selects it only when
+/// asked for by name, and needs structured replies first.
+fn meta_contexts(
+    export: &Export,
+    data: &[u8],
+    set: bool,
+    structured: bool,
+) -> Result<bool, (u32, String)> {
+    let request = wire::parse_meta_context_request(data)
+        .map_err(|err| (wire::REP_ERR_INVALID, err.to_string()))?;
+    if set && !structured {
+        return Err((
+            wire::REP_ERR_INVALID,
+            "NBD_OPT_SET_META_CONTEXT needs NBD_OPT_STRUCTURED_REPLY first".into(),
+        ));
+    }
+    if !export.answers_to(&request.name) {
+        return Err((
+            wire::REP_ERR_UNKNOWN,
+            format!("no export named {:?}", lossy(&request.name)),
+        ));
+    }
+    let named = |q: &Vec<u8>| q.as_slice() == wire::BASE_ALLOCATION.as_bytes();
+    Ok(if set {
+        request.queries.iter().any(named)
+    } else {
+        request.queries.is_empty()
+            || request
+                .queries
+                .iter()
+                .any(|q| named(q) || q.as_slice() == b"base:")
+    })
 }
 
 /// The `NBD_REP_INFO` bodies for an `INFO`/`GO`: always the size and flags,

@@ -153,10 +153,14 @@ impl Export {
                     | wire::TFLAG_SEND_WRITE_ZEROES
                     | wire::TFLAG_SEND_FAST_ZERO,
                 term: Some(term),
+                structured: false,
+                allocation: None,
             }),
             Access::ReadOnly => Ok(handshake::Session {
                 flags: flags | wire::TFLAG_READ_ONLY,
                 term: None,
+                structured: false,
+                allocation: None,
             }),
             Access::Refused(why) => Err(why),
         }

@@ -71,6 +71,40 @@ impl Client {
         OptionReply { option, kind, data }
     }
 
+    /// Negotiates structured replies and, with `allocation`, the
+    /// `base:allocation` context, then `GO`.
+    async fn go_structured(&mut self, allocation: bool) {
+        self.greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).await;
+        self.send_option(OPT_STRUCTURED_REPLY, &[]).await;
+        assert_eq!(self.option_reply().await.kind, REP_ACK);
+        if allocation {
+            let data = meta_context_data("vol0", &[BASE_ALLOCATION, "qemu:dirty-bitmap:x"]);
+            self.send_option(OPT_SET_META_CONTEXT, &data).await;
+            let context = self.option_reply().await;
+            assert_eq!(context.kind, REP_META_CONTEXT);
+            assert_eq!(
+                context.data,
+                meta_context(BASE_ALLOCATION_ID, BASE_ALLOCATION)
+            );
+            assert_eq!(self.option_reply().await.kind, REP_ACK);
+        }
+        self.send_option(OPT_GO, &info_request(b"vol0", &[])).await;
+        assert_eq!(self.option_reply().await.kind, REP_INFO);
+        assert_eq!(self.option_reply().await.kind, REP_ACK);
+    }
+
+    /// Reads one structured reply chunk: (flags, type, cookie, payload).
+    async fn chunk(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        assert_eq!(self.io.read_u32().await.unwrap(), STRUCTURED_REPLY_MAGIC);
+        let flags = self.io.read_u16().await.unwrap();
+        let kind = self.io.read_u16().await.unwrap();
+        let cookie = self.io.read_u64().await.unwrap();
+        let len = self.io.read_u32().await.unwrap();
+        let mut payload = vec![0; len as usize];
+        self.io.read_exact(&mut payload).await.unwrap();
+        (flags, kind, cookie, payload)
+    }
+
     /// Handshakes with `GO` and returns the transmission flags.
     async fn go(&mut self) -> u16 {
         self.greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).await;
@@ -203,7 +237,20 @@ async fn bad_options_get_error_replies_and_the_handshake_goes_on() {
         (OPT_GO, info_request(b"other", &[]), REP_ERR_UNKNOWN),
         (OPT_INFO, info_request(b"vol1", &[]), REP_ERR_UNKNOWN),
         (5, vec![], REP_ERR_UNSUP), // STARTTLS
-        (8, vec![], REP_ERR_UNSUP), // STRUCTURED_REPLY
+        (OPT_STRUCTURED_REPLY, vec![1], REP_ERR_INVALID),
+        // SET_META_CONTEXT before structured replies, malformed, for
+        // another export.
+        (
+            OPT_SET_META_CONTEXT,
+            meta_context_data("vol0", &[BASE_ALLOCATION]),
+            REP_ERR_INVALID,
+        ),
+        (OPT_LIST_META_CONTEXT, vec![0, 0, 0, 9], REP_ERR_INVALID),
+        (
+            OPT_LIST_META_CONTEXT,
+            meta_context_data("other", &[]),
+            REP_ERR_UNKNOWN,
+        ),
         (999, vec![7; 100], REP_ERR_UNSUP),
     ];
     for (option, data, kind) in refusals {
@@ -614,11 +661,17 @@ proptest! {
     /// Arbitrary requests after a good handshake: every reply answers a
     /// cookie that was sent, nothing out of range is written, no panic.
     #[test]
-    fn arbitrary_requests_never_panic(requests in proptest::collection::vec(any_request(), 1..12), tail in proptest::collection::vec(any::<u8>(), 0..40)) {
+    fn arbitrary_requests_never_panic(requests in proptest::collection::vec(any_request(), 1..12), tail in proptest::collection::vec(any::<u8>(), 0..40), structured in any::<bool>()) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
             let (engine, mut client) = server(Some(Term(1)));
-            client.go().await;
+            if structured {
+                // Structured replies and base:allocation: block status
+                // (type 7) is served, reads come in chunks.
+                client.go_structured(true).await;
+            } else {
+                client.go().await;
+            }
             let mut stream = Vec::new();
             for (cookie, (kind, flags, offset, len)) in requests.iter().enumerate() {
                 stream.put_u32(REQUEST_MAGIC);
@@ -650,6 +703,61 @@ proptest! {
             Ok(())
         })?;
     }
+}
+
+/// With structured replies, a read is one `OFFSET_DATA` chunk and a block
+/// status query one `BLOCK_STATUS` chunk, each flagged done; a failure is
+/// an `ERROR` chunk. Other commands keep simple replies.
+#[tokio::test]
+async fn structured_replies_carry_reads_and_block_status() {
+    let (_, mut client) = server(Some(Term(1)));
+    client.go_structured(true).await;
+    assert_eq!(client.write(1, 4096, b"structured").await, 0);
+    client.send(0, 0, 2, 4096, 10, &[]).await;
+    let (flags, kind, cookie, payload) = client.chunk().await;
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 2)
+    );
+    assert_eq!(&payload[..8], &4096u64.to_be_bytes());
+    assert_eq!(&payload[8..], b"structured");
+    // Block status: descriptors covering the range (the fake has no holes).
+    client.send(7, 0, 3, 0, 1 << 20, &[]).await;
+    let (flags, kind, cookie, payload) = client.chunk().await;
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 3)
+    );
+    assert_eq!(&payload[..4], &BASE_ALLOCATION_ID.to_be_bytes());
+    let total: u64 = payload[4..]
+        .chunks(8)
+        .map(|d| u64::from(u32::from_be_bytes([d[0], d[1], d[2], d[3]])))
+        .sum();
+    assert_eq!(total, 1 << 20);
+    // Out of range: an error chunk.
+    client.send(0, 0, 4, SIZE as u64, 512, &[]).await;
+    let (flags, kind, cookie, payload) = client.chunk().await;
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 4)
+    );
+    assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
+    client.finish().await.unwrap();
+}
+
+/// Block status without the context selected is refused (`EINVAL`).
+#[tokio::test]
+async fn block_status_needs_the_allocation_context() {
+    let (_, mut client) = server(Some(Term(1)));
+    client.go_structured(false).await;
+    client.send(7, 0, 9, 0, 4096, &[]).await;
+    let (flags, kind, cookie, payload) = client.chunk().await;
+    assert_eq!(
+        (flags, kind, cookie),
+        (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 9)
+    );
+    assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
+    client.finish().await.unwrap();
 }
 
 #[tokio::test]

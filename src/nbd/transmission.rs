@@ -78,15 +78,36 @@ impl Failure {
     }
 }
 
+/// What a request that succeeded gives back.
+#[derive(Debug)]
+enum Answer {
+    /// Nothing but success.
+    Done,
+    /// A read's data.
+    Data(Bytes),
+    /// `base:allocation` descriptors: (length, state flags).
+    Extents(Vec<(u32, u32)>),
+}
+
 /// A finished request, on its way to the client.
 struct Reply {
     cookie: u64,
     /// 0 on success, else an NBD error code.
     error: u32,
-    /// Read data (sent only on success).
-    data: Option<Bytes>,
+    /// What it gives back (sent only on success).
+    answer: Answer,
+    /// Where a read began (a structured data chunk says so).
+    offset: u64,
+    /// Answered in structured reply chunks: a read or a block status
+    /// query, when the client negotiated structured replies.
+    chunked: bool,
     /// Released once the reply is written.
     _budget: OwnedSemaphorePermit,
+}
+
+/// Whether `request` is answered in chunks in `session`.
+fn chunked(session: Session, request: &Request) -> bool {
+    session.structured && matches!(request.command, Command::Read | Command::BlockStatus)
 }
 
 /// Serves requests until the client disconnects or sends garbage.
@@ -187,7 +208,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
                 return Ok(());
             }
             Err(error) => {
-                let _ = replies.send(refusal(&request, error, permit));
+                let _ = replies.send(refusal(session, &request, error, permit));
                 continue;
             }
         };
@@ -199,10 +220,10 @@ async fn read_requests<R: AsyncRead + Unpin>(
                 Ok(_executing) => execute(device, session, &request, payload).await,
                 Err(_) => Err(Failure::Error(wire::EIO)),
             };
-            let (error, data) = match result {
+            let (error, answer) = match result {
                 // What completed is answered, even after the gate closed.
-                Ok(data) => (0, data),
-                Err(Failure::Error(error)) if session.open(device) => (error, None),
+                Ok(answer) => (0, answer),
+                Err(Failure::Error(error)) if session.open(device) => (error, Answer::Done),
                 // A request that met the closed gate, or failed once it had
                 // closed, gets no answer: the client retries it on the new
                 // writer after the connection closes.
@@ -218,7 +239,9 @@ async fn read_requests<R: AsyncRead + Unpin>(
             let _ = replies.send(Reply {
                 cookie: request.cookie,
                 error,
-                data,
+                answer,
+                offset: request.offset,
+                chunked: chunked(session, &request),
                 _budget: permit,
             });
         });
@@ -249,12 +272,14 @@ async fn read_payload<R: AsyncRead + Unpin>(
     Ok(Ok(buf.freeze()))
 }
 
-fn refusal(request: &Request, error: u32, budget: OwnedSemaphorePermit) -> Reply {
+fn refusal(session: Session, request: &Request, error: u32, budget: OwnedSemaphorePermit) -> Reply {
     tracing::debug!(?request, error, "NBD request refused");
     Reply {
         cookie: request.cookie,
         error,
-        data: None,
+        answer: Answer::Done,
+        offset: request.offset,
+        chunked: chunked(session, request),
         _budget: budget,
     }
 }
@@ -280,7 +305,7 @@ async fn execute(
     session: Session,
     request: &Request,
     payload: Bytes,
-) -> Result<Option<Bytes>, Failure> {
+) -> Result<Answer, Failure> {
     if !session.open(device) {
         return Err(Failure::Closed);
     }
@@ -297,23 +322,23 @@ async fn execute(
         Command::Read => device
             .read_at(offset, len)
             .await
-            .map(Some)
+            .map(Answer::Data)
             .map_err(|e| Failure::of(&e, false)),
         Command::Write => device
             .write_at(offset, payload, request.fua())
             .await
-            .map(|()| None)
+            .map(|()| Answer::Done)
             .map_err(|e| Failure::of(&e, true)),
         // A read-only connection wrote nothing, so it has nothing to flush.
-        Command::Flush if !session.writable() => Ok(None),
+        Command::Flush if !session.writable() => Ok(Answer::Done),
         Command::Flush => device
             .flush()
             .await
-            .map(|()| None)
+            .map(|()| Answer::Done)
             .map_err(|e| Failure::of(&e, true)),
         Command::Trim => discard(device, offset, len, request.fua())
             .await
-            .map(|()| None),
+            .map(|()| Answer::Done),
         // Zeroes may be a hole unless the client said NO_HOLE; written
         // zeroes are slow, so a client that wants them fast hears so.
         Command::WriteZeroes if request.fast_zero() && !request.may_punch() => {
@@ -321,18 +346,59 @@ async fn execute(
         }
         Command::WriteZeroes if request.may_punch() => discard(device, offset, len, request.fua())
             .await
-            .map(|()| None),
+            .map(|()| Answer::Done),
         Command::WriteZeroes => write_zeroes(device, offset, len, request.fua())
             .await
-            .map(|()| None),
+            .map(|()| Answer::Done),
         // Reads are served from a replica's page cache already; the hint
         // is checked and needs nothing more.
         Command::Cache => match offset.checked_add(len) {
-            Some(end) if end <= device.size() => Ok(None),
+            Some(end) if end <= device.size() => Ok(Answer::Done),
             _ => Err(Failure::Error(wire::EINVAL)),
         },
+        Command::BlockStatus => block_status(device, session, request).await,
         Command::Disconnect | Command::Other(_) => Err(Failure::Error(wire::EINVAL)),
     }
+}
+
+/// `BLOCK_STATUS` for `base:allocation` (the only context): where this
+/// node's copy holds data, and where holes that read as zeroes. Needs the
+/// context selected and a non-empty range within the volume; with
+/// `REQ_ONE`, only the first extent.
+async fn block_status(
+    device: &dyn Device,
+    session: Session,
+    request: &Request,
+) -> Result<Answer, Failure> {
+    let (offset, len) = (request.offset, u64::from(request.len));
+    if session.allocation.is_none() || len == 0 {
+        return Err(Failure::Error(wire::EINVAL));
+    }
+    check_span(device, offset, len)?;
+    let extents = device
+        .allocation(offset, len)
+        .await
+        .map_err(|e| Failure::of(&e, false))?;
+    let mut descriptors: Vec<(u32, u32)> = extents
+        .iter()
+        .filter(|extent| extent.len > 0)
+        .map(|extent| {
+            let state = if extent.hole {
+                wire::STATE_HOLE | wire::STATE_ZERO
+            } else {
+                0
+            };
+            // Within a request of a u32 length, so it fits.
+            (extent.len.min(len) as u32, state)
+        })
+        .collect();
+    if descriptors.is_empty() {
+        return Err(Failure::Error(wire::EIO));
+    }
+    if request.flags & wire::CMD_FLAG_REQ_ONE != 0 {
+        descriptors.truncate(1);
+    }
+    Ok(Answer::Extents(descriptors))
 }
 
 /// `TRIM`, and `WRITE_ZEROES` without `NO_HOLE`: the range is discarded on
@@ -430,11 +496,32 @@ async fn write_replies<W: AsyncWrite + Unpin>(
             },
         };
         let Some(reply) = next else { break };
-        writer
-            .write_all(&wire::simple_reply(reply.error, reply.cookie))
-            .await?;
-        if let (0, Some(data)) = (reply.error, &reply.data) {
-            writer.write_all(data).await?;
+        match (reply.chunked, reply.error, &reply.answer) {
+            (true, 0, Answer::Data(data)) => {
+                let head = wire::data_chunk_head(reply.cookie, reply.offset, data.len());
+                writer.write_all(&head).await?;
+                writer.write_all(data).await?;
+            }
+            (true, 0, Answer::Extents(extents)) => {
+                let chunk =
+                    wire::block_status_chunk(reply.cookie, wire::BASE_ALLOCATION_ID, extents);
+                writer.write_all(&chunk).await?;
+            }
+            (true, error, _) => {
+                // A failed one, or (never) a chunked one with nothing to say.
+                let error = if error == 0 { wire::EIO } else { error };
+                writer
+                    .write_all(&wire::error_chunk(error, reply.cookie))
+                    .await?;
+            }
+            (false, error, answer) => {
+                writer
+                    .write_all(&wire::simple_reply(error, reply.cookie))
+                    .await?;
+                if let (0, Answer::Data(data)) = (error, answer) {
+                    writer.write_all(data).await?;
+                }
+            }
         }
         if queue.is_empty() {
             writer.flush().await?;

@@ -34,11 +34,15 @@ pub const OPT_LIST: u32 = 3;
 pub const OPT_STARTTLS: u32 = 5;
 pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
+pub const OPT_STRUCTURED_REPLY: u32 = 8;
+pub const OPT_LIST_META_CONTEXT: u32 = 9;
+pub const OPT_SET_META_CONTEXT: u32 = 10;
 
 /// Option reply types.
 pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
+pub const REP_META_CONTEXT: u32 = 4;
 const REP_ERROR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_ERROR | 1;
 pub const REP_ERR_INVALID: u32 = REP_ERROR | 3;
@@ -66,8 +70,24 @@ pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 /// On `WRITE_ZEROES`: fail with `ENOTSUP` at once rather than zero slowly.
+pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
-const KNOWN_CMD_FLAGS: u16 = CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO;
+const KNOWN_CMD_FLAGS: u16 =
+    CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_REQ_ONE | CMD_FLAG_FAST_ZERO;
+
+/// Structured replies (`NBD_OPT_STRUCTURED_REPLY`).
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+pub const REPLY_FLAG_DONE: u16 = 1 << 0;
+pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
+
+/// The one metadata context served, and its id on this server.
+pub const BASE_ALLOCATION: &str = "base:allocation";
+pub const BASE_ALLOCATION_ID: u32 = 1;
+/// `base:allocation` block states.
+pub const STATE_HOLE: u32 = 1 << 0;
+pub const STATE_ZERO: u32 = 1 << 1;
 
 /// Error values in replies (errno numbers fixed by the protocol).
 pub const EPERM: u32 = 1;
@@ -156,6 +176,8 @@ pub enum Command {
     /// A hint to have the range ready for reading soon.
     Cache,
     WriteZeroes,
+    /// Which parts of a range hold data (`base:allocation`).
+    BlockStatus,
     /// A command this server does not implement.
     Other(u16),
 }
@@ -171,6 +193,7 @@ impl Command {
             Command::Trim => 4,
             Command::Cache => 5,
             Command::WriteZeroes => 6,
+            Command::BlockStatus => 7,
             Command::Other(kind) => kind,
         }
     }
@@ -184,6 +207,7 @@ impl Command {
             4 => Command::Trim,
             5 => Command::Cache,
             6 => Command::WriteZeroes,
+            7 => Command::BlockStatus,
             other => Command::Other(other),
         }
     }
@@ -233,6 +257,110 @@ impl Request {
             _ => 0,
         }
     }
+}
+
+/// `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT` data: the
+/// export name and the context queries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaContextRequest {
+    pub name: Vec<u8>,
+    pub queries: Vec<Vec<u8>>,
+}
+
+/// Parses the data of a meta context option: a 32-bit name length, the
+/// name, a 32-bit query count, and each query as a 32-bit length and its
+/// bytes. Anything short, long or left over is malformed.
+pub fn parse_meta_context_request(data: &[u8]) -> Result<MetaContextRequest, WireError> {
+    let malformed = || WireError::Malformed {
+        what: "NBD_OPT_*_META_CONTEXT data",
+    };
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8], WireError> {
+        let end = at
+            .checked_add(n)
+            .filter(|end| *end <= data.len())
+            .ok_or_else(malformed)?;
+        let bytes = &data[at..end];
+        at = end;
+        Ok(bytes)
+    };
+    let name_len = u32::from_be_bytes(array(take(4)?)) as usize;
+    let name = take(name_len)?.to_vec();
+    let count = u32::from_be_bytes(array(take(4)?)) as usize;
+    let mut queries = Vec::new();
+    for _ in 0..count {
+        let len = u32::from_be_bytes(array(take(4)?)) as usize;
+        queries.push(take(len)?.to_vec());
+    }
+    if at != data.len() {
+        return Err(malformed());
+    }
+    Ok(MetaContextRequest { name, queries })
+}
+
+/// The data of a meta context option, as a client sends it.
+pub fn meta_context_data(name: &str, queries: &[&str]) -> Vec<u8> {
+    let mut data = Vec::new();
+    data.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    data.extend_from_slice(name.as_bytes());
+    data.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for query in queries {
+        data.extend_from_slice(&(query.len() as u32).to_be_bytes());
+        data.extend_from_slice(query.as_bytes());
+    }
+    data
+}
+
+/// An `NBD_REP_META_CONTEXT` body: the context's id and name.
+pub fn meta_context(id: u32, name: &str) -> Vec<u8> {
+    let mut body = id.to_be_bytes().to_vec();
+    body.extend_from_slice(name.as_bytes());
+    body
+}
+
+/// A structured reply chunk's header; `len` bytes of payload follow.
+pub fn chunk_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; 20] {
+    let mut buf = [0u8; 20];
+    buf[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    buf[4..6].copy_from_slice(&flags.to_be_bytes());
+    buf[6..8].copy_from_slice(&kind.to_be_bytes());
+    buf[8..16].copy_from_slice(&cookie.to_be_bytes());
+    buf[16..20].copy_from_slice(&len.to_be_bytes());
+    buf
+}
+
+/// The final chunk of a structured reply that failed with `error`.
+pub fn error_chunk(error: u32, cookie: u64) -> Vec<u8> {
+    let mut chunk = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6).to_vec();
+    chunk.extend_from_slice(&error.to_be_bytes());
+    chunk.extend_from_slice(&0u16.to_be_bytes());
+    chunk
+}
+
+/// The header and offset of the one `OFFSET_DATA` chunk that answers a
+/// read of `len` bytes at `offset`; the data follows.
+pub fn data_chunk_head(cookie: u64, offset: u64, len: usize) -> Vec<u8> {
+    let mut chunk = chunk_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_OFFSET_DATA,
+        cookie,
+        8 + len as u32,
+    )
+    .to_vec();
+    chunk.extend_from_slice(&offset.to_be_bytes());
+    chunk
+}
+
+/// The one `BLOCK_STATUS` chunk for context `id`: each `(length, flags)`.
+pub fn block_status_chunk(cookie: u64, id: u32, extents: &[(u32, u32)]) -> Vec<u8> {
+    let len = 4 + 8 * extents.len() as u32;
+    let mut chunk = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, len).to_vec();
+    chunk.extend_from_slice(&id.to_be_bytes());
+    for (length, flags) in extents {
+        chunk.extend_from_slice(&length.to_be_bytes());
+        chunk.extend_from_slice(&flags.to_be_bytes());
+    }
+    chunk
 }
 
 /// Parses a request header.
@@ -514,12 +642,31 @@ mod tests {
         #[test]
         fn parsers_never_panic(data in proptest::collection::vec(any::<u8>(), 0..64)) {
             let _ = parse_info_request(&data);
+            let _ = parse_meta_context_request(&data);
             if let Ok(buf) = <[u8; REQUEST_LEN]>::try_from(&data[..data.len().min(REQUEST_LEN)]) {
                 let _ = parse_request(&buf);
             }
             if let Ok(buf) = <[u8; 16]>::try_from(&data[..data.len().min(16)]) {
                 let _ = parse_option_header(&buf);
             }
+        }
+
+        #[test]
+        fn well_formed_meta_context_requests_parse_and_cut_ones_do_not(
+            name in "[a-z0-9]{0,12}",
+            queries in proptest::collection::vec("[a-z:]{0,20}", 0..5),
+            cut in 1usize..8,
+        ) {
+            let refs: Vec<&str> = queries.iter().map(String::as_str).collect();
+            let data = meta_context_data(&name, &refs);
+            let parsed = parse_meta_context_request(&data).unwrap();
+            prop_assert_eq!(parsed.name, name.as_bytes().to_vec());
+            let want: Vec<Vec<u8>> = queries.iter().map(|q| q.as_bytes().to_vec()).collect();
+            prop_assert_eq!(parsed.queries, want);
+            prop_assert!(parse_meta_context_request(&data[..data.len().saturating_sub(cut)]).is_err());
+            let mut longer = data.clone();
+            longer.push(0);
+            prop_assert!(parse_meta_context_request(&longer).is_err());
         }
 
         #[test]

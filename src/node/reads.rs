@@ -60,13 +60,25 @@ impl LocalCopy for RaftLocalCopy {
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
+        self.replica.read(offset, len).await.map_err(device_error)
+    }
+
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
         self.replica
-            .read(offset, len)
+            .allocation(offset, len)
             .await
-            .map_err(|err| match err {
-                ReplicaError::Range(range) => DeviceError::Range(range),
-                other => DeviceError::Io(other.to_string()),
-            })
+            .map_err(device_error)
+    }
+}
+
+fn device_error(err: ReplicaError) -> DeviceError {
+    match err {
+        ReplicaError::Range(range) => DeviceError::Range(range),
+        other => DeviceError::Io(other.to_string()),
     }
 }
 

@@ -1397,6 +1397,31 @@ impl Device for Engine {
         Err(DeviceError::NoReadableReplica(errors.join("; ")))
     }
 
+    /// The allocation of the first copy in the read order (this node's
+    /// own while it is in sync): where it holds data, every in-sync copy
+    /// holds the same bytes, and a hole reads as zeroes on all of them.
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        crate::volume::check_span(offset, len, self.config.volume.size)?;
+        let mut errors = Vec::new();
+        for replica in self.read_order() {
+            match self
+                .bounded(replica.id(), replica.allocation(offset, len))
+                .await
+            {
+                Ok(extents) => return Ok(extents),
+                Err(err) => errors.push(format!("{}: {err}", replica.id())),
+            }
+        }
+        if errors.is_empty() {
+            errors.push("the in-sync set is empty".into());
+        }
+        Err(DeviceError::NoReadableReplica(errors.join("; ")))
+    }
+
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
         check_request(offset, data.len() as u64, self.config.volume.size)?;
         self.change(offset, data.len() as u64, |stamp, replica| {

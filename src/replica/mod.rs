@@ -233,6 +233,18 @@ impl From<sled::Error> for ReplicaError {
 pub trait Replica: Send + Sync {
     /// The id of the node that holds this copy.
     fn id(&self) -> NodeId;
+
+    /// Which parts of `[offset, offset + len)` of this copy hold data and
+    /// which are holes (see [`crate::volume::Device::allocation`]). The
+    /// default, for a copy that cannot say, knows of no holes.
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
+        let _ = offset;
+        Ok(vec![crate::volume::Extent { len, hole: false }])
+    }
     /// Writes `data` at `offset` on behalf of the writer of `stamp`.
     async fn write(
         &self,
@@ -291,6 +303,13 @@ impl LocalReplica {
 impl Replica for LocalReplica {
     fn id(&self) -> NodeId {
         self.id
+    }
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
+        self.store.allocation(offset, len).await
     }
     async fn write(
         &self,

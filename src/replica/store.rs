@@ -360,6 +360,20 @@ impl ReplicaStore {
         .await
     }
 
+    /// Which parts of `[offset, offset + len)` hold data and which are
+    /// holes, from the data file itself (`SEEK_DATA` / `SEEK_HOLE`; data in
+    /// the page cache counts as data). A file system that cannot say
+    /// reports all data.
+    pub async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
+        crate::volume::check_span(offset, len, self.size())?;
+        let file = Arc::clone(&self.file);
+        run_io(move || Ok(allocation_of(&file, offset, offset + len))).await
+    }
+
     /// Makes every write that finished before this call durable, on behalf
     /// of the writer of `stamp` (S2 applies as for writes, and so does the
     /// raise of the floor to a newer generation).
@@ -868,6 +882,48 @@ fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()
         }
         Err(err) => Err(err.into()),
     }
+}
+
+/// The data and hole runs of `[start, end)` of `file`, in order (see
+/// [`ReplicaStore::allocation`]); adjacent runs alike are merged.
+fn allocation_of(file: &std::fs::File, start: u64, end: u64) -> Vec<crate::volume::Extent> {
+    use rustix::fs::{SeekFrom, seek};
+    let mut runs: Vec<crate::volume::Extent> = Vec::new();
+    let mut push = |len: u64, hole: bool| {
+        if len == 0 {
+            return;
+        }
+        match runs.last_mut() {
+            Some(last) if last.hole == hole => last.len += len,
+            _ => runs.push(crate::volume::Extent { len, hole }),
+        }
+    };
+    let mut at = start;
+    while at < end {
+        let data = match seek(file, SeekFrom::Data(at)) {
+            Ok(data) => data.min(end),
+            // No data from `at` to the end of the file.
+            Err(rustix::io::Errno::NXIO) => end,
+            // The file system cannot say: all data.
+            Err(_) => {
+                push(end - at, false);
+                break;
+            }
+        };
+        push(data - at, true);
+        if data >= end {
+            break;
+        }
+        let hole = match seek(file, SeekFrom::Hole(data)) {
+            Ok(hole) => hole.min(end),
+            Err(_) => end,
+        };
+        // A hole at `data` would contradict SEEK_DATA; never loop in place.
+        let hole = hole.max(data + 1).min(end);
+        push(hole - data, false);
+        at = hole;
+    }
+    runs
 }
 
 /// Whether `[start, end)` of `file` holds no data at all, so it reads as
