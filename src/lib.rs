@@ -1,6 +1,6 @@
 //! replica-ha: a replicated block volume with one fenced writer.
 //!
-//! The design, its invariants (S1–S10) and what the system does not do yet
+//! The design, its invariants (S1–S11) and what the system does not do yet
 //! are in `docs/design.md`; each module's doc restates the invariants it
 //! enforces. The modules, from the edges inward:
 //! - [`attach`]: the client side, on the client's host: serves the volume

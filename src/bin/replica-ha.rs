@@ -1070,8 +1070,8 @@ async fn list_members(addr: &str, tls: &ClientTls) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     println!(
-        "{:<6} {:<22} {:<12} {:<8} {:<5} {:<7} ",
-        "id", "address", "incarnation", "role", "live", "in-sync"
+        "{:<6} {:<22} {:<12} {:<8} {:<5} in-sync",
+        "id", "address", "incarnation", "role", "live"
     );
     for m in &members {
         let role = match (m.voter, m.leader) {
@@ -1080,7 +1080,7 @@ async fn list_members(addr: &str, tls: &ClientTls) -> ExitCode {
             (false, _) => "learner",
         };
         println!(
-            "{:<6} {:<22} {:<12} {:<8} {:<5} {:<7}",
+            "{:<6} {:<22} {:<12} {:<8} {:<5} {}",
             m.id,
             m.address,
             format!("{:010x}", m.incarnation),
