@@ -131,6 +131,11 @@ pub trait Device: Send + Sync {
     }
 }
 
+/// The most runs one allocation query returns (the protocol suggests at
+/// most 2^20 descriptors a reply; fewer keep a reply within 512 KiB). A
+/// query that meets more answers for the part it covered.
+pub const MAX_RUNS: u64 = 1 << 16;
+
 /// A run of the volume that is all data or all hole (see
 /// [`Device::allocation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

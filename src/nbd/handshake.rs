@@ -161,6 +161,10 @@ where
             }
             wire::OPT_LIST_META_CONTEXT | wire::OPT_SET_META_CONTEXT => {
                 let set = option == wire::OPT_SET_META_CONTEXT;
+                if set {
+                    // A SET replaces what was selected, even when it fails.
+                    allocation = None;
+                }
                 match meta_contexts(export, &data, set, structured) {
                     Err((kind, why)) => {
                         stream.write_all(&reply(kind, why.as_bytes())).await?;
@@ -170,8 +174,9 @@ where
                             allocation = found.then_some(wire::BASE_ALLOCATION_ID);
                         }
                         if found {
-                            let body =
-                                wire::meta_context(wire::BASE_ALLOCATION_ID, wire::BASE_ALLOCATION);
+                            // A LIST names contexts without ids (0).
+                            let id = if set { wire::BASE_ALLOCATION_ID } else { 0 };
+                            let body = wire::meta_context(id, wire::BASE_ALLOCATION);
                             stream
                                 .write_all(&reply(wire::REP_META_CONTEXT, &body))
                                 .await?;

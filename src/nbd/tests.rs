@@ -734,13 +734,68 @@ async fn structured_replies_carry_reads_and_block_status() {
         .map(|d| u64::from(u32::from_be_bytes([d[0], d[1], d[2], d[3]])))
         .sum();
     assert_eq!(total, 1 << 20);
-    // Out of range: an error chunk.
+    // Out of range: an error chunk, for a read and for block status.
     client.send(0, 0, 4, SIZE as u64, 512, &[]).await;
     let (flags, kind, cookie, payload) = client.chunk().await;
     assert_eq!(
         (flags, kind, cookie),
         (REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 4)
     );
+    assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
+    client.send(7, 0, 5, SIZE as u64 - 512, 1024, &[]).await;
+    let (_, kind, cookie, payload) = client.chunk().await;
+    assert_eq!((kind, cookie), (REPLY_TYPE_ERROR, 5));
+    assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
+    // A read of length 0: a NONE chunk (an OFFSET_DATA chunk must carry a
+    // byte).
+    client.send(0, 0, 6, 4096, 0, &[]).await;
+    assert_eq!(
+        client.chunk().await,
+        (REPLY_FLAG_DONE, REPLY_TYPE_NONE, 6, vec![])
+    );
+    // REQ_ONE belongs to block status only.
+    client.send(0, CMD_FLAG_REQ_ONE, 7, 0, 512, &[]).await;
+    let (_, kind, _, payload) = client.chunk().await;
+    assert_eq!(kind, REPLY_TYPE_ERROR);
+    assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
+    client.send(7, CMD_FLAG_REQ_ONE, 8, 0, 4096, &[]).await;
+    let (_, kind, _, payload) = client.chunk().await;
+    assert_eq!((kind, payload.len()), (REPLY_TYPE_BLOCK_STATUS, 12));
+    client.finish().await.unwrap();
+}
+
+/// LIST names the context with id 0; a SET that fails clears what an
+/// earlier SET selected, so block status is then refused.
+#[tokio::test]
+async fn meta_context_list_and_a_failed_set() {
+    let (_, mut client) = server(Some(Term(1)));
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    client
+        .send_option(OPT_LIST_META_CONTEXT, &meta_context_data("vol0", &[]))
+        .await;
+    let listed = client.option_reply().await;
+    assert_eq!(
+        (listed.kind, listed.data),
+        (REP_META_CONTEXT, meta_context(0, BASE_ALLOCATION))
+    );
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.send_option(OPT_STRUCTURED_REPLY, &[]).await;
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    let select = meta_context_data("vol0", &[BASE_ALLOCATION]);
+    client.send_option(OPT_SET_META_CONTEXT, &select).await;
+    assert_eq!(client.option_reply().await.kind, REP_META_CONTEXT);
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    let failing = meta_context_data("other", &[BASE_ALLOCATION]);
+    client.send_option(OPT_SET_META_CONTEXT, &failing).await;
+    assert_eq!(client.option_reply().await.kind, REP_ERR_UNKNOWN);
+    client
+        .send_option(OPT_GO, &info_request(b"vol0", &[]))
+        .await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.send(7, 0, 1, 0, 4096, &[]).await;
+    let (_, kind, _, payload) = client.chunk().await;
+    assert_eq!(kind, REPLY_TYPE_ERROR);
     assert_eq!(&payload[..4], &EINVAL.to_be_bytes());
     client.finish().await.unwrap();
 }

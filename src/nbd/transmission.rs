@@ -288,6 +288,8 @@ fn refusal(session: Session, request: &Request, error: u32, budget: OwnedSemapho
 fn cost(request: &Request) -> u32 {
     let bytes = match request.command {
         Command::Read | Command::Write => u64::from(request.len).min(u64::from(MAX_REQUEST_LEN)),
+        // Its largest reply: a descriptor per run, at most MAX_RUNS.
+        Command::BlockStatus => 8 * crate::volume::MAX_RUNS,
         _ => 0,
     };
     units(bytes)
@@ -311,6 +313,7 @@ async fn execute(
     }
     if request.has_unknown_flags()
         || (request.fast_zero() && request.command != Command::WriteZeroes)
+        || (request.flags & wire::CMD_FLAG_REQ_ONE != 0 && request.command != Command::BlockStatus)
     {
         return Err(Failure::Error(wire::EINVAL));
     }
@@ -371,27 +374,33 @@ async fn block_status(
     request: &Request,
 ) -> Result<Answer, Failure> {
     let (offset, len) = (request.offset, u64::from(request.len));
-    if session.allocation.is_none() || len == 0 {
+    let beyond = offset
+        .checked_add(len)
+        .is_none_or(|end| end > device.size());
+    if session.allocation.is_none() || len == 0 || beyond {
         return Err(Failure::Error(wire::EINVAL));
     }
-    check_span(device, offset, len)?;
     let extents = device
         .allocation(offset, len)
         .await
         .map_err(|e| Failure::of(&e, false))?;
-    let mut descriptors: Vec<(u32, u32)> = extents
-        .iter()
-        .filter(|extent| extent.len > 0)
-        .map(|extent| {
-            let state = if extent.hole {
-                wire::STATE_HOLE | wire::STATE_ZERO
-            } else {
-                0
-            };
-            // Within a request of a u32 length, so it fits.
-            (extent.len.min(len) as u32, state)
-        })
-        .collect();
+    // Never past the request: the runs are cut where they reach its end.
+    let mut covered = 0u64;
+    let mut descriptors: Vec<(u32, u32)> = Vec::new();
+    for extent in extents.iter().filter(|extent| extent.len > 0) {
+        if covered >= len {
+            break;
+        }
+        let run = extent.len.min(len - covered);
+        covered += run;
+        let state = if extent.hole {
+            wire::STATE_HOLE | wire::STATE_ZERO
+        } else {
+            0
+        };
+        // At most the request's u32 length.
+        descriptors.push((run as u32, state));
+    }
     if descriptors.is_empty() {
         return Err(Failure::Error(wire::EIO));
     }
@@ -497,6 +506,9 @@ async fn write_replies<W: AsyncWrite + Unpin>(
         };
         let Some(reply) = next else { break };
         match (reply.chunked, reply.error, &reply.answer) {
+            (true, 0, Answer::Data(data)) if data.is_empty() => {
+                writer.write_all(&wire::none_chunk(reply.cookie)).await?;
+            }
             (true, 0, Answer::Data(data)) => {
                 let head = wire::data_chunk_head(reply.cookie, reply.offset, data.len());
                 writer.write_all(&head).await?;

@@ -78,6 +78,7 @@ const KNOWN_CMD_FLAGS: u16 =
 /// Structured replies (`NBD_OPT_STRUCTURED_REPLY`).
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
+pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
@@ -327,6 +328,12 @@ pub fn chunk_header(flags: u16, kind: u16, cookie: u64, len: u32) -> [u8; 20] {
     buf[8..16].copy_from_slice(&cookie.to_be_bytes());
     buf[16..20].copy_from_slice(&len.to_be_bytes());
     buf
+}
+
+/// The one chunk of a structured reply with nothing to carry (a read of
+/// length 0: an `OFFSET_DATA` chunk must carry at least one byte).
+pub fn none_chunk(cookie: u64) -> [u8; 20] {
+    chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, cookie, 0)
 }
 
 /// The final chunk of a structured reply that failed with `error`.

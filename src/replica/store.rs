@@ -885,11 +885,11 @@ fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()
 }
 
 /// The data and hole runs of `[start, end)` of `file`, in order (see
-/// [`ReplicaStore::allocation`]); adjacent runs alike are merged.
+/// [`ReplicaStore::allocation`]); adjacent runs alike are merged. Stops
+/// after [`crate::volume::MAX_RUNS`] runs: the runs then cover a prefix.
 fn allocation_of(file: &std::fs::File, start: u64, end: u64) -> Vec<crate::volume::Extent> {
     use rustix::fs::{SeekFrom, seek};
-    let mut runs: Vec<crate::volume::Extent> = Vec::new();
-    let mut push = |len: u64, hole: bool| {
+    fn push(runs: &mut Vec<crate::volume::Extent>, len: u64, hole: bool) {
         if len == 0 {
             return;
         }
@@ -897,20 +897,21 @@ fn allocation_of(file: &std::fs::File, start: u64, end: u64) -> Vec<crate::volum
             Some(last) if last.hole == hole => last.len += len,
             _ => runs.push(crate::volume::Extent { len, hole }),
         }
-    };
+    }
+    let mut runs: Vec<crate::volume::Extent> = Vec::new();
     let mut at = start;
-    while at < end {
+    while at < end && (runs.len() as u64) < crate::volume::MAX_RUNS {
         let data = match seek(file, SeekFrom::Data(at)) {
-            Ok(data) => data.min(end),
+            Ok(data) => data.clamp(at, end),
             // No data from `at` to the end of the file.
             Err(rustix::io::Errno::NXIO) => end,
             // The file system cannot say: all data.
             Err(_) => {
-                push(end - at, false);
+                push(&mut runs, end - at, false);
                 break;
             }
         };
-        push(data - at, true);
+        push(&mut runs, data - at, true);
         if data >= end {
             break;
         }
@@ -920,7 +921,7 @@ fn allocation_of(file: &std::fs::File, start: u64, end: u64) -> Vec<crate::volum
         };
         // A hole at `data` would contradict SEEK_DATA; never loop in place.
         let hole = hole.max(data + 1).min(end);
-        push(hole - data, false);
+        push(&mut runs, hole - data, false);
         at = hole;
     }
     runs
@@ -946,6 +947,58 @@ mod tests {
     use std::time::Duration;
 
     const SIZE: u64 = 8 * 1024 * 1024;
+
+    /// Runs of data and holes, in order, merged, covering the range; a
+    /// query that would return too many runs covers a prefix.
+    #[test]
+    fn allocation_runs_follow_the_file() {
+        use crate::volume::Extent;
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .unwrap();
+        file.set_len(8 << 20).unwrap();
+        file.write_all_at(&[7u8; 8192], 1 << 20).unwrap();
+        let runs = allocation_of(&file, 0, 8 << 20);
+        assert_eq!(runs.iter().map(|r| r.len).sum::<u64>(), 8 << 20);
+        assert_eq!(
+            runs,
+            [
+                Extent {
+                    len: 1 << 20,
+                    hole: true
+                },
+                Extent {
+                    len: 8192,
+                    hole: false
+                },
+                Extent {
+                    len: (7 << 20) - 8192,
+                    hole: true
+                },
+            ]
+        );
+        // A range inside the data, and one inside a hole.
+        assert_eq!(
+            allocation_of(&file, (1 << 20) + 4096, (1 << 20) + 8192),
+            [Extent {
+                len: 4096,
+                hole: false
+            }]
+        );
+        assert_eq!(
+            allocation_of(&file, 0, 4096),
+            [Extent {
+                len: 4096,
+                hole: true
+            }]
+        );
+    }
 
     fn identity() -> StoreIdentity {
         StoreIdentity::new("c1", "vol0", SIZE)
