@@ -33,9 +33,11 @@ use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     LeaderUpdate, Member, MembersChange, MembersChangeReply, MembersReply, MembersRequest,
-    ReadReply, ReadRequest, ReplicaStatus, ScrubReply, ScrubRequest, StatusReply, StatusRequest,
-    TransferReply, TransferRequest, WatchLeaderRequest, WriteReply, WriteRequest,
+    ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ScrubReply, ScrubRequest,
+    StatusReply, StatusRequest, TransferReply, TransferRequest, WatchLeaderRequest, WriteReply,
+    WriteRequest,
 };
+use crate::replica::ResizeError;
 use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
@@ -328,6 +330,26 @@ impl Admin for AdminService {
                 })
                 .collect(),
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(size = request.get_ref().size))]
+    async fn resize(
+        &self,
+        request: Request<ResizeRequest>,
+    ) -> Result<Response<ResizeReply>, Status> {
+        Caller::of(&request).require_admin("resize the volume")?;
+        let size = request.into_inner().size;
+        let previous = self.view.device().size();
+        let size = self.view.resize(size).await.map_err(|err| match err {
+            ResizeError::Invalid(_) => Status::invalid_argument(err.to_string()),
+            ResizeError::Shrink { .. } | ResizeError::Inactive => {
+                Status::failed_precondition(err.to_string())
+            }
+            ResizeError::Replica { .. } | ResizeError::Uncommitted { .. } => {
+                Status::unavailable(err.to_string())
+            }
+        })?;
+        Ok(Response::new(ResizeReply { previous, size }))
     }
 
     #[tracing::instrument(skip_all, fields(op, id))]

@@ -206,6 +206,12 @@ pub fn render(status: &NodeStatus) -> String {
         "counter",
         "Failed or timed-out fence attempts since start.",
         status.fence_failures as f64,
+    )
+    .single(
+        "replica_ha_volume_size_bytes",
+        "gauge",
+        "The volume's committed size (it grows with `replica-ha resize`).",
+        status.size as f64,
     );
 
     let io = &status.io;

@@ -23,7 +23,7 @@ use crate::raft::coordinator::LogProgress;
 use crate::raft::{RaftCoordinator, WriterRecord};
 use crate::replica::resync::{Progress, Resyncer};
 use crate::replica::scrub::{ScrubStatus, Scrubber};
-use crate::replica::{ReplicaInfo, ReplicaSet};
+use crate::replica::{Engine, ReplicaInfo, ReplicaSet, ResizeError};
 use crate::volume::{Access, Device, DeviceError};
 
 /// How long a status request waits for one replica's fence floor.
@@ -67,6 +67,7 @@ pub struct NodeView {
     replicas: Arc<ReplicaSet>,
     resync: Arc<Resyncer>,
     scrub: Arc<Scrubber>,
+    engine: Arc<Engine>,
     device: Arc<dyn Device>,
     io: Arc<DeviceMetrics>,
     nbd: Arc<NbdStats>,
@@ -85,6 +86,8 @@ pub struct NodeParts {
     pub resync: Arc<Resyncer>,
     /// The writer's scrub of the in-sync copies.
     pub scrub: Arc<Scrubber>,
+    /// The writer's mirror over the in-sync replicas (for a resize).
+    pub engine: Arc<Engine>,
     /// The data path: the read gate in front of the write gate, counted.
     /// NBD and admin reads and writes use it.
     pub device: Arc<dyn Device>,
@@ -203,6 +206,7 @@ impl NodeView {
             replicas: parts.replicas,
             resync: parts.resync,
             scrub: parts.scrub,
+            engine: parts.engine,
             device: parts.device,
             io: parts.io,
             nbd: parts.nbd,
@@ -240,9 +244,8 @@ impl NodeView {
         let size = raft
             .applied
             .control
-            .volume
-            .as_ref()
-            .map_or(self.facts.size, |v| v.size);
+            .volume_size()
+            .unwrap_or(self.facts.size);
         LeaderView {
             term: raft.term,
             leader: raft.leader,
@@ -254,6 +257,11 @@ impl NodeView {
     /// The writer's scrub, for the admin API to ask for a pass.
     pub fn scrubber(&self) -> &Arc<Scrubber> {
         &self.scrub
+    }
+
+    /// Grows the volume to `size` bytes (see [`Engine::resize`]).
+    pub async fn resize(&self, size: u64) -> Result<u64, ResizeError> {
+        self.engine.resize(size).await
     }
 
     /// Hands leadership to node `to` and waits until it leads.
@@ -298,7 +306,10 @@ impl NodeView {
         let controller = self.controller.status();
         let control = raft.applied.control.clone();
         let (size, min_in_sync) = match &control.volume {
-            Some(volume) => (volume.size, volume.min_in_sync),
+            Some(volume) => (
+                control.volume_size().unwrap_or(volume.size),
+                volume.min_in_sync,
+            ),
             None => (self.facts.size, self.facts.min_in_sync),
         };
         NodeStatus {

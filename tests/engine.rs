@@ -1070,3 +1070,124 @@ async fn a_scrub_pass_with_a_silent_replica_ends_and_reports_what_it_could_not_c
     assert!(report.findings.is_empty());
     assert_eq!(scrubber.status().unchecked, extents);
 }
+
+#[tokio::test]
+async fn a_resize_grows_every_in_sync_replica_before_the_size_is_committed_and_served() {
+    use replica_ha::replica::ResizeError;
+    let rig = Rig::new(2).await;
+    assert_eq!(
+        rig.engine.resize(2 * SIZE).await,
+        Err(ResizeError::Inactive)
+    );
+    rig.engine.activate(Term(5)).await.unwrap();
+    let past_end = 2 * SIZE - 4096;
+    assert!(matches!(
+        rig.engine.write_at(past_end, block(1), false).await,
+        Err(DeviceError::Range(RangeError::OutOfRange { .. }))
+    ));
+    assert_eq!(
+        rig.engine.resize(SIZE - 512).await,
+        Err(ResizeError::Shrink {
+            now: SIZE,
+            asked: SIZE - 512
+        })
+    );
+    assert_eq!(
+        rig.engine.resize(SIZE + 100).await,
+        Err(ResizeError::Invalid(SIZE + 100))
+    );
+    // An in-sync replica that cannot grow: nothing is committed or served.
+    rig.replicas[1].set(Fault::Fail);
+    assert!(matches!(
+        rig.engine.resize(2 * SIZE).await,
+        Err(ResizeError::Replica {
+            id: NodeId(2),
+            now: SIZE,
+            ..
+        })
+    ));
+    assert_eq!(rig.tracker.volume_size().await.unwrap(), None);
+    assert_eq!(rig.engine.size(), SIZE);
+    rig.replicas[1].set(Fault::None);
+    // A commit that fails: the copies grew, the size served did not.
+    rig.tracker.inner.fail_removals(true);
+    assert!(matches!(
+        rig.engine.resize(2 * SIZE).await,
+        Err(ResizeError::Uncommitted { now: SIZE, .. })
+    ));
+    assert_eq!(rig.engine.size(), SIZE);
+    rig.tracker.inner.fail_removals(false);
+
+    assert_eq!(rig.engine.resize(2 * SIZE).await, Ok(2 * SIZE));
+    assert_eq!(rig.tracker.volume_size().await.unwrap(), Some(2 * SIZE));
+    assert_eq!(rig.engine.size(), 2 * SIZE);
+    for replica in &rig.replicas {
+        assert_eq!(replica.store().size(), 2 * SIZE);
+    }
+    rig.engine
+        .write_at(past_end, block(6), false)
+        .await
+        .unwrap();
+    for i in 0..3 {
+        assert_eq!(rig.on(i, past_end, 4096).await, block(6));
+    }
+    assert_eq!(rig.engine.resize(2 * SIZE).await, Ok(2 * SIZE));
+
+    // Another engine over the same replicas (the next writer) serves the
+    // committed size once active, not its configured one.
+    let next = Engine::new(
+        EngineConfig {
+            local_id: NodeId(2),
+            replica_timeout: SHORT,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
+        },
+        rig.replicas
+            .iter()
+            .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+            .collect(),
+        Arc::clone(&rig.tracker) as Arc<dyn InSyncTracker>,
+    )
+    .unwrap();
+    next.activate(Term(6)).await.unwrap();
+    assert_eq!(next.size(), 2 * SIZE);
+    assert_eq!(next.read_at(past_end, 4096).await.unwrap(), block(6));
+}
+
+#[tokio::test]
+async fn a_replica_that_missed_a_resize_grows_when_its_rebuild_begins() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.resize(2 * SIZE).await.unwrap();
+    assert_eq!(rig.replicas[2].store().size(), SIZE, "n3 was out");
+    let last = 2 * SIZE - 4096;
+    rig.engine.write_at(last, block(8), false).await.unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(rig.replicas[2].store().size(), 2 * SIZE);
+    let extent = last / rig.engine.extent_size();
+    assert_eq!(
+        rig.engine.copy_extent(NodeId(3), extent).await.unwrap(),
+        1 << 20
+    );
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    assert!(rig.committed().await.contains(&NodeId(3)));
+    assert_eq!(rig.on(2, last, 4096).await, block(8));
+}
+
+#[tokio::test]
+async fn a_replica_being_rebuilt_grows_with_the_resize() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    rig.engine.resize(2 * SIZE).await.unwrap();
+    assert_eq!(rig.replicas[2].store().size(), 2 * SIZE);
+    // It takes the writes past the old end like the in-sync ones.
+    rig.engine
+        .write_at(2 * SIZE - 4096, block(4), false)
+        .await
+        .unwrap();
+    assert!(!rig.engine.rebuild_failed(NodeId(3)));
+    assert_eq!(rig.on(2, 2 * SIZE - 4096, 4096).await, block(4));
+    assert_eq!(rig.engine.copy_extent(NodeId(3), 0).await.unwrap(), 1 << 20);
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    assert!(rig.committed().await.contains(&NodeId(3)));
+}

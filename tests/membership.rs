@@ -5,103 +5,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::cluster::Cluster;
-use replica_ha::proto::admin::WriteRequest;
-use replica_ha::proto::admin::admin_client::AdminClient;
+use common::load::{assert_identical, check_acked, pattern, start_client};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tonic::transport::Channel;
 
 const WAIT: Duration = Duration::from_secs(30);
-const BLOCK: u64 = 4096;
-/// The test volume's size (the harness's default).
-const SIZE: u64 = 16 << 20;
-
-/// Block `i`'s contents: every block written differs from every other.
-fn pattern(i: u64) -> Bytes {
-    let mut data = vec![0u8; BLOCK as usize];
-    for (n, chunk) in data.chunks_mut(8).enumerate() {
-        chunk.copy_from_slice(&(i.wrapping_mul(0x9e37_79b9) ^ n as u64).to_le_bytes());
-    }
-    Bytes::from(data)
-}
-
-/// A client that writes block after block (each once, to its own offset)
-/// to whichever node takes it, until told to stop, and returns what was
-/// acknowledged. A write that fails is sent again, unchanged, to the next
-/// node: it is acknowledged once, or the client stops with it unanswered.
-async fn client(
-    mut nodes: Vec<(u64, AdminClient<Channel>)>,
-    mut stop: watch::Receiver<bool>,
-) -> BTreeMap<u64, Bytes> {
-    let mut acked = BTreeMap::new();
-    let mut at = 0usize;
-    for i in 0..SIZE / BLOCK {
-        let (offset, data) = (i * BLOCK, pattern(i));
-        loop {
-            if *stop.borrow_and_update() {
-                return acked;
-            }
-            let count = nodes.len();
-            let (_, node) = &mut nodes[at % count];
-            let mut request = tonic::Request::new(WriteRequest {
-                offset,
-                data: data.clone(),
-                fua: false,
-            });
-            request.set_timeout(Duration::from_secs(3));
-            if node.write(request).await.is_ok() {
-                acked.insert(offset, data);
-                break;
-            }
-            at += 1;
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    acked
-}
-
-/// Starts [`client`] over every node of `ids`.
-fn start_client(
-    cluster: &Cluster,
-    ids: &[u64],
-) -> (
-    watch::Sender<bool>,
-    tokio::task::JoinHandle<BTreeMap<u64, Bytes>>,
-) {
-    let nodes = ids.iter().map(|id| (*id, cluster.admin(*id))).collect();
-    let (stop, stopped) = watch::channel(false);
-    (stop, tokio::spawn(client(nodes, stopped)))
-}
-
-/// Every acknowledged block reads back from `writer`.
-async fn check_acked(cluster: &Cluster, writer: u64, acked: &BTreeMap<u64, Bytes>) {
-    assert!(!acked.is_empty(), "the client wrote nothing");
-    for (offset, data) in acked {
-        let read = cluster.read(writer, *offset, BLOCK as u32).await.unwrap();
-        assert!(
-            read == *data,
-            "the acknowledged block at {offset} reads back wrong from node {writer}"
-        );
-    }
-}
-
-/// The BLAKE3 digests of every extent are identical on all of `ids`.
-async fn assert_identical(cluster: &Cluster, ids: &[u64]) {
-    let first = cluster.digests(ids[0], 0, SIZE).await;
-    for id in &ids[1..] {
-        assert!(
-            cluster.digests(*id, 0, SIZE).await == first,
-            "node {id}'s replica differs from node {}'s",
-            ids[0]
-        );
-    }
-}
 
 /// Node `id` is not a member and says why, starting with `reason`.
 async fn wait_not_member(cluster: &Cluster, id: u64, reason: &str) {

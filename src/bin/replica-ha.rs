@@ -17,7 +17,8 @@ use replica_ha::net::{Expect, Limits, Tls, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides, TlsFile};
 use replica_ha::proto::admin::admin_client::AdminClient;
 use replica_ha::proto::admin::{
-    MembersChange, MembersRequest, ScrubRequest, StatusReply, StatusRequest, TransferRequest,
+    MembersChange, MembersRequest, ResizeRequest, ScrubRequest, StatusReply, StatusRequest,
+    TransferRequest,
 };
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
@@ -112,6 +113,23 @@ enum Command {
         #[command(flatten)]
         tls: ClientTls,
     },
+    /// Grow the volume online: every in-sync replica grows its copy, the
+    /// new size is committed through Raft, and the writer's NBD export
+    /// offers it to new connections. A connected client keeps the size it
+    /// connected with until it reconnects. A replica that is down meanwhile
+    /// grows when it is rebuilt. Shrinking is refused. Ask the writer;
+    /// needs an admin certificate.
+    Resize {
+        /// The writer's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:7001")]
+        addr: String,
+        /// The new size: bytes, or with a unit (KiB, MiB, GiB, TiB), a
+        /// multiple of 512 and at least the current size.
+        #[arg(long, value_parser = parse_volume_size)]
+        size: u64,
+        #[command(flatten)]
+        tls: ClientTls,
+    },
     /// Serve the volume to local NBD clients, following the writer: run it
     /// on the client's host and point qemu, nbdcopy, nbdfuse or nbd-client
     /// at its unix socket. When the writer changes it sends what had no
@@ -131,9 +149,11 @@ enum Command {
         /// The volume name.
         #[arg(long, default_value = "vol0")]
         volume: String,
-        /// The volume size in bytes.
-        #[arg(long)]
-        size: u64,
+        /// Accepted for older scripts and otherwise ignored: inspect shows
+        /// the size recorded in the directory (the volume may have grown
+        /// since its config was written) and never changes the directory.
+        #[arg(long, hide = true)]
+        size: Option<u64>,
     },
 }
 
@@ -404,12 +424,17 @@ async fn dispatch(cli: Cli) -> ExitCode {
             tls,
         } => change_members(&addr, change, &tls).await,
         Command::Scrub { addr, now, tls } => scrub(&addr, now, &tls).await,
+        Command::Resize { addr, size, tls } => resize(&addr, size, &tls).await,
         Command::Inspect {
             data_dir,
             cluster_id,
             volume,
-            size,
-        } => inspect(data_dir, StoreIdentity::new(cluster_id, volume, size)).await,
+            size: _,
+        } => {
+            // The smallest valid size: opening never grows a store past what
+            // it recorded, so inspect changes nothing.
+            inspect(data_dir, StoreIdentity::new(cluster_id, volume, 512)).await
+        }
     }
 }
 
@@ -428,7 +453,7 @@ async fn inspect(dir: PathBuf, identity: StoreIdentity) -> ExitCode {
     let id = store.identity();
     println!("cluster_id   {}", id.cluster_id);
     println!("volume       {}", id.volume);
-    println!("size         {}", id.size);
+    println!("size         {}", store.size());
     println!("extent_size  {}", id.extent_size);
     println!("fence_floor  {}", store.floor().await);
     match store.dirty_extents() {
@@ -1135,6 +1160,41 @@ async fn change_members(addr: &str, change: MembersCommand, tls: &ClientTls) -> 
     }
     eprintln!("replica-ha: members {op} --id {id}: leadership kept moving; try again");
     ExitCode::FAILURE
+}
+
+fn parse_volume_size(text: &str) -> Result<u64, String> {
+    replica_ha::node::config::parse_size(text).map_err(|e| e.to_string())
+}
+
+async fn resize(addr: &str, size: u64, tls: &ClientTls) -> ExitCode {
+    let outcome = async {
+        let mut client = admin_client(addr, tls)?;
+        let mut request = tonic::Request::new(ResizeRequest { size });
+        request.set_timeout(Duration::from_secs(30));
+        client
+            .resize(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| describe(&s))
+    }
+    .await;
+    match outcome {
+        Ok(reply) if reply.previous == reply.size => {
+            println!("the volume is {} bytes already", reply.size);
+            ExitCode::SUCCESS
+        }
+        Ok(reply) => {
+            println!(
+                "the volume grew from {} to {} bytes; new connections see the new size",
+                reply.previous, reply.size
+            );
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("replica-ha: resize failed: {err}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn transfer(addr: &str, to: u64, tls: &ClientTls) -> ExitCode {

@@ -214,6 +214,13 @@ pub trait InSyncTracker: Send + Sync {
         term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError>;
+    /// The volume's committed size, once its config is fixed.
+    async fn volume_size(&self) -> Result<Option<u64>, InSyncError>;
+    /// Commits the volume's growth to `size` bytes on behalf of the writer
+    /// of `term`, which has grown every in-sync replica first. Fails,
+    /// changing nothing, unless `term` is the recorded writer's and `size`
+    /// is at least the committed size.
+    async fn resize(&self, term: Term, size: u64) -> Result<(), InSyncError>;
 }
 
 /// Why the in-sync set could not be read or changed.

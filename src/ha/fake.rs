@@ -667,6 +667,8 @@ impl LocalCopy for MemoryCopy {
 pub struct MemoryInSync {
     set: Mutex<BTreeSet<NodeId>>,
     fail: std::sync::atomic::AtomicBool,
+    /// The committed size once a resize committed (none: the config's).
+    size: Mutex<Option<u64>>,
 }
 
 impl MemoryInSync {
@@ -679,10 +681,12 @@ impl MemoryInSync {
         Self {
             set: Mutex::new(members.into_iter().map(Into::into).collect()),
             fail: std::sync::atomic::AtomicBool::new(false),
+            size: Mutex::new(None),
         }
     }
 
-    /// Makes every later `remove` fail, as a deposed writer's commit would.
+    /// Makes every later commit (remove, add, resize) fail, as a deposed
+    /// writer's commit would.
     pub fn fail_removals(&self, fail: bool) {
         self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
     }
@@ -725,6 +729,18 @@ impl InSyncTracker for MemoryInSync {
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         self.commit(|set| set.extend(replicas.iter().cloned()))
+    }
+    async fn volume_size(&self) -> Result<Option<u64>, InSyncError> {
+        Ok(*self.size.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+    async fn resize(&self, _term: Term, size: u64) -> Result<(), InSyncError> {
+        self.commit(|_| ())?;
+        let mut committed = self.size.lock().unwrap_or_else(|p| p.into_inner());
+        if committed.is_some_and(|now| size < now) {
+            return Err(InSyncError::Refused(format!("cannot shrink to {size}")));
+        }
+        *committed = Some(size);
+        Ok(())
     }
 }
 

@@ -188,6 +188,7 @@ impl Node {
             replicas: Arc::clone(&volume.replicas),
             resync: Arc::clone(&volume.resync),
             scrub: Arc::clone(&volume.scrub),
+            engine: Arc::clone(&volume.engine),
             device: Arc::clone(&volume.device),
             io: Arc::clone(&volume.io),
             nbd: Arc::default(),
@@ -328,12 +329,22 @@ impl Node {
         let mine = volume_spec(&self.config);
         let mut applied = self.raft.coordinator.state_machine().subscribe();
         loop {
-            if let Some(theirs) = applied.borrow_and_update().control.volume.clone() {
-                if theirs != mine {
+            let control = applied.borrow_and_update().control.clone();
+            if let Some(theirs) = control.volume.clone() {
+                // The size may be the created one or any up to the current
+                // one: a config updated after an online resize.
+                let now = control.volume_size().unwrap_or(theirs.size);
+                let size_fits = (theirs.size..=now).contains(&mine.size);
+                let created = VolumeSpec {
+                    size: mine.size,
+                    ..theirs.clone()
+                };
+                if !size_fits || created != mine {
                     return ConfigError(format!(
                         "this node is configured with {mine:?} but the cluster was created with {theirs:?} \
-                         (every node, also one added later, must be configured with the cluster's size and \
-                         min_in_sync)"
+                         and its volume is now {now} bytes (every node, also one added later, must be \
+                         configured with the cluster's min_in_sync, and a size from the created one up \
+                         to the current one; the volume grows only through `replica-ha resize`)"
                     ));
                 }
             }

@@ -657,6 +657,16 @@ impl InSyncTracker for RaftCoordinator {
         self.commit_in_sync(term, Request::GrowInSync { term, add })
             .await
     }
+
+    async fn volume_size(&self) -> Result<Option<u64>, InSyncError> {
+        Ok(self.state_machine.current().control.volume_size())
+    }
+
+    async fn resize(&self, term: Term, size: u64) -> Result<(), InSyncError> {
+        self.commit_in_sync(term, Request::Resize { term, size })
+            .await
+            .map(|_| ())
+    }
 }
 
 impl RaftCoordinator {

@@ -161,6 +161,16 @@ pub enum Request {
         /// The replicas to add.
         add: BTreeSet<NodeId>,
     },
+    /// Grows the volume to `size` bytes on behalf of the writer of `term`,
+    /// which has grown every in-sync replica first. Refused unless `term`
+    /// is the recorded writer's, or if `size` is below the committed size
+    /// (a volume never shrinks).
+    Resize {
+        /// The writer's term.
+        term: Term,
+        /// The new size in bytes.
+        size: u64,
+    },
 }
 
 /// What applying a [`Request`] did.
@@ -187,9 +197,19 @@ pub struct ControlState {
     /// bootstrap (none for a cluster formed before there were uuids).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+    /// The volume's size once it has been resized online; until then the
+    /// size is the one the volume config was created with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
 }
 
 impl ControlState {
+    /// The volume's committed size: the last resize's, else the size the
+    /// volume was created with (none before the volume config is fixed).
+    pub fn volume_size(&self) -> Option<u64> {
+        self.size.or(self.volume.as_ref().map(|v| v.size))
+    }
+
     /// Applies `request`; pure, so every node computes the same result.
     pub fn apply(&mut self, request: &Request) -> Response {
         let refused = match request {
@@ -242,6 +262,20 @@ impl ControlState {
                     "only the writer of term {term} may grow the in-sync set; the recorded writer is {current:?}"
                 )),
             },
+            Request::Resize { term, size } => match (self.writer, self.volume_size()) {
+                (Some(current), _) if current.term != *term => Some(format!(
+                    "only the writer of term {term} may resize the volume; the recorded writer is {current:?}"
+                )),
+                (_, None) => Some("the volume config is not fixed yet".into()),
+                (_, Some(now)) if *size < now => Some(format!(
+                    "the volume is {now} bytes; it cannot shrink to {size}"
+                )),
+                (None, _) => Some("no writer is recorded".into()),
+                (Some(_), Some(_)) => {
+                    self.size = Some(*size);
+                    None
+                }
+            },
         };
         Response {
             applied: refused.is_none(),
@@ -292,6 +326,37 @@ mod tests {
         let text = r#"{"ShrinkInSync":{"term":4,"remove":[3]}}"#;
         assert_eq!(serde_json::to_string(&shrink).unwrap(), text);
         assert_eq!(serde_json::from_str::<Request>(text).unwrap(), shrink);
+    }
+
+    #[test]
+    fn only_the_recorded_writer_grows_the_volume_and_it_never_shrinks() {
+        let mut state = ControlState::default();
+        let resize = |term, size| Request::Resize {
+            term: Term(term),
+            size,
+        };
+        assert!(!state.apply(&resize(4, 8192)).applied, "no volume yet");
+        state.apply(&Request::Init {
+            volume: volume(4096),
+            replicas: [NodeId(1)].into(),
+            uuid: String::new(),
+        });
+        state.apply(&Request::Promote(WriterRecord {
+            node: NodeId(1),
+            term: Term(4),
+        }));
+        assert_eq!(state.volume_size(), Some(4096));
+        let older = state.apply(&resize(3, 8192));
+        assert!(older.refused.unwrap().contains("only the writer of term 3"));
+        assert!(state.apply(&resize(4, 8192)).applied);
+        assert_eq!(state.volume_size(), Some(8192));
+        let shrink = state.apply(&resize(4, 4096));
+        assert!(shrink.refused.unwrap().contains("cannot shrink"));
+        assert_eq!(state.volume_size(), Some(8192));
+        // The same size again is no change, and allowed (a retry).
+        assert!(state.apply(&resize(4, 8192)).applied);
+        // The created size stays what the config is checked against.
+        assert_eq!(state.volume.as_ref().map(|v| v.size), Some(4096));
     }
 
     #[test]

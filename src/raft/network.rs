@@ -479,7 +479,7 @@ impl Peers {
         };
         if to != self.self_member {
             return Err(Status::failed_precondition(format!(
-                "replaced disk: this is node {} in incarnation {}, not member {to}; it answers                  only once a membership change names it (`replica-ha members replace --id {}`)",
+                "replaced disk: this is node {} in incarnation {}, not member {to}; it answers only once a membership change names it (`replica-ha members replace --id {}`)",
                 self.self_id,
                 self.self_member.incarnation(),
                 self.self_id

@@ -228,6 +228,36 @@ pub struct Engine {
     order: Arc<WriteOrder>,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
+    /// The size served: the config's until an activation learns the
+    /// committed size, then raised by each resize once committed.
+    size: std::sync::atomic::AtomicU64,
+}
+
+/// Why the volume could not be resized. Nothing is committed in any case.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResizeError {
+    /// A volume only grows.
+    #[error(
+        "the volume is {now} bytes; it cannot shrink to {asked} bytes (a volume only grows: \
+         copy the data to a smaller volume instead)"
+    )]
+    Shrink { now: u64, asked: u64 },
+    /// Not a size a volume can have.
+    #[error("a volume size must be a positive multiple of 512 bytes, not {0}")]
+    Invalid(u64),
+    /// The engine has no term: this node is not the writer.
+    #[error("this node is not the active writer; only the writer resizes (ask the leader)")]
+    Inactive,
+    /// An in-sync replica could not grow.
+    #[error("replica {id} could not grow: {cause}; the volume stays {now} bytes")]
+    Replica {
+        id: NodeId,
+        cause: ReplicaError,
+        now: u64,
+    },
+    /// The new size could not be committed.
+    #[error("the new size was not committed: {cause}; the volume stays {now} bytes")]
+    Uncommitted { cause: InSyncError, now: u64 },
 }
 
 /// How many stripes the extents map onto.
@@ -388,7 +418,6 @@ impl Engine {
             )));
         }
         Ok(Self {
-            config,
             replicas,
             tracker,
             state: Mutex::new(EngineState {
@@ -405,7 +434,77 @@ impl Engine {
             extent_size,
             order: Arc::default(),
             floors: Arc::default(),
+            size: std::sync::atomic::AtomicU64::new(config.volume.size),
+            config,
         })
+    }
+
+    /// The volume's size as this engine serves it.
+    fn current_size(&self) -> u64 {
+        self.size.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Grows the volume to `size` bytes: every in-sync replica grows its
+    /// copy (and so does each one being rebuilt, or its rebuild fails),
+    /// then the new size is committed, and only then is it served. In-sync
+    /// changes wait meanwhile, so no replica joins the set without having
+    /// grown. Returns the size served afterwards.
+    pub async fn resize(&self, size: u64) -> Result<u64, ResizeError> {
+        if size == 0 || size % 512 != 0 {
+            return Err(ResizeError::Invalid(size));
+        }
+        let _serialized = self.shrink.lock().await;
+        let now = self.current_size();
+        let (term, in_sync, rebuilding) = {
+            let state = self.lock();
+            let term = state.term.ok_or(ResizeError::Inactive)?;
+            let rebuilding: BTreeSet<NodeId> = state.rebuilding.keys().copied().collect();
+            (term, state.in_sync.clone(), rebuilding)
+        };
+        if size < now {
+            return Err(ResizeError::Shrink { now, asked: size });
+        }
+        let targets: Vec<Arc<dyn Replica>> = in_sync
+            .union(&rebuilding)
+            .filter_map(|id| self.replica(*id))
+            .collect();
+        let grown = join_all(targets.iter().map(|replica| async move {
+            let outcome = self
+                .stamped(term, replica, |stamp| replica.grow(stamp, size))
+                .await;
+            (replica.id(), outcome)
+        }))
+        .await;
+        for (id, outcome) in grown {
+            let Err(cause) = outcome else { continue };
+            if in_sync.contains(&id) {
+                return Err(ResizeError::Replica { id, cause, now });
+            }
+            tracing::warn!(replica = %id, %cause, "a replica being rebuilt could not grow");
+            if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
+                rebuild.failed = true;
+            }
+        }
+        self.tracker
+            .resize(term, size)
+            .await
+            .map_err(|cause| ResizeError::Uncommitted { cause, now })?;
+        self.size
+            .fetch_max(size, std::sync::atomic::Ordering::AcqRel);
+        tracing::info!(%term, from = now, to = size, "volume resized");
+        Ok(size)
+    }
+
+    /// Grows the rebuild target `id` to the volume's size, for a copy that
+    /// missed a resize.
+    pub async fn grow_target(&self, id: NodeId) -> Result<(), RebuildError> {
+        let term = self.lock().term.ok_or(RebuildError::Inactive)?;
+        let target = self.target(id)?;
+        let size = self.current_size();
+        self.stamped(term, &target, |stamp| target.grow(stamp, size))
+            .await
+            .map_err(|cause| RebuildError::replica("growing", id, cause))?;
+        Ok(())
     }
 
     /// The replica set this engine writes to.
@@ -747,6 +846,9 @@ impl Engine {
             self.abort_rebuild(id);
             return Err(RebuildError::replica("draining", id, cause));
         }
+        self.grow_target(id)
+            .await
+            .inspect_err(|_| self.abort_rebuild(id))?;
         Ok(term)
     }
 
@@ -764,10 +866,10 @@ impl Engine {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
         let term = self.term().ok_or(ScrubError::Inactive)?;
         let offset = extent.saturating_mul(self.extent_size);
-        if offset >= self.config.volume.size || self.lock().activity.unsure.contains(&extent) {
+        if offset >= self.current_size() || self.lock().activity.unsure.contains(&extent) {
             return Ok(None);
         }
-        let len = self.extent_size.min(self.config.volume.size - offset);
+        let len = self.extent_size.min(self.current_size() - offset);
         let members = self.read_order();
         let answers = join_all(
             members
@@ -883,10 +985,10 @@ impl Engine {
             .ok_or(RebuildError::NoSource)?;
         let target = self.target(id)?;
         let offset = extent * self.extent_size;
-        if offset >= self.config.volume.size {
+        if offset >= self.current_size() {
             return Ok(0);
         }
-        let len = self.extent_size.min(self.config.volume.size - offset);
+        let len = self.extent_size.min(self.current_size() - offset);
         let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
         let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
         let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
@@ -941,8 +1043,12 @@ impl Engine {
         }
         let ids: BTreeSet<NodeId> = [id].into();
         // In-sync changes are serialized with the acknowledgement decisions
-        // of [`Engine::settle`].
+        // of [`Engine::settle`], and with resizes: a resize that committed
+        // meanwhile did not grow this copy.
         let _serialized = self.shrink.lock().await;
+        self.grow_target(id)
+            .await
+            .inspect_err(|_| self.abort_rebuild(id))?;
         let committed = match self.tracker.add(term, &ids).await {
             Ok(committed) => committed,
             Err(err) => {
@@ -1198,11 +1304,11 @@ impl Engine {
                 break;
             }
             let offset = extent * self.extent_size;
-            if offset >= self.config.volume.size {
+            if offset >= self.current_size() {
                 self.lock().activity.unsure.remove(&extent);
                 continue;
             }
-            let len = self.extent_size.min(self.config.volume.size - offset);
+            let len = self.extent_size.min(self.current_size() - offset);
             let mut order = self.read_order().into_iter();
             let Some(source) = order.next() else {
                 break;
@@ -1383,7 +1489,7 @@ impl Engine {
 #[async_trait]
 impl Device for Engine {
     async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
-        check_request(offset, len, self.config.volume.size)?;
+        check_request(offset, len, self.current_size())?;
         let mut errors = Vec::new();
         for replica in self.read_order() {
             match self.bounded(replica.id(), replica.read(offset, len)).await {
@@ -1405,7 +1511,7 @@ impl Device for Engine {
         offset: u64,
         len: u64,
     ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
-        crate::volume::check_span(offset, len, self.config.volume.size)?;
+        crate::volume::check_span(offset, len, self.current_size())?;
         let mut errors = Vec::new();
         for replica in self.read_order() {
             match self
@@ -1423,7 +1529,7 @@ impl Device for Engine {
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        check_request(offset, data.len() as u64, self.config.volume.size)?;
+        check_request(offset, data.len() as u64, self.current_size())?;
         self.change(offset, data.len() as u64, |stamp, replica| {
             let data = data.clone();
             async move { replica.write(stamp, offset, data, fua).await }
@@ -1432,7 +1538,7 @@ impl Device for Engine {
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
-        let size = self.config.volume.size;
+        let size = self.current_size();
         let end = match offset.checked_add(len) {
             Some(end) if end <= size => end,
             _ => return Err(RangeError::OutOfRange { offset, len, size }.into()),
@@ -1455,7 +1561,7 @@ impl Device for Engine {
     }
 
     fn size(&self) -> u64 {
-        self.config.volume.size
+        self.current_size()
     }
 
     fn is_writable(&self) -> bool {
@@ -1471,6 +1577,16 @@ impl WriterEngine for Engine {
             .in_sync()
             .await
             .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?;
+        // The committed size; every in-sync replica has grown to it.
+        if let Some(size) = self
+            .tracker
+            .volume_size()
+            .await
+            .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?
+        {
+            self.size
+                .fetch_max(size, std::sync::atomic::Ordering::AcqRel);
+        }
         let mut state = self.lock();
         state.in_sync = committed;
         state.degraded.clear();

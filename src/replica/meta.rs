@@ -37,6 +37,8 @@ pub const REOPEN_EVERY: Duration = Duration::from_millis(250);
 /// Handles on the open database.
 #[derive(Clone)]
 pub struct Meta {
+    /// Cluster, volume, size and extent size.
+    pub identity: sled::Tree,
     /// The fence floor and the audit counter.
     pub fence: sled::Tree,
     /// The dirty marks.
@@ -49,6 +51,7 @@ impl Meta {
     /// Opens the trees of `db`.
     pub fn of(db: &sled::Db) -> sled::Result<Self> {
         Ok(Self {
+            identity: db.open_tree("identity")?,
             fence: db.open_tree("fence")?,
             dirty: db.open_tree("dirty")?,
             flusher: Flusher::new(db),

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{Engine, EngineConfig, MembershipError, RebuildError};
+pub use engine::{Engine, EngineConfig, MembershipError, RebuildError, ResizeError};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
@@ -261,6 +261,10 @@ pub trait Replica: Send + Sync {
     /// Makes the writes that finished before it durable, on behalf of the
     /// writer of `stamp`.
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError>;
+    /// Grows this copy to `size` bytes on behalf of the writer of `stamp`
+    /// (a resize, or a rebuild of a copy that missed one) and returns its
+    /// size afterwards; a copy at least that large stays as it is.
+    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError>;
     /// Raises the fence floor to `term` and drains older writes (S3).
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError>;
     /// Drops the dirty marks of terms below `term` (after convergence, S6).
@@ -328,6 +332,9 @@ impl Replica for LocalReplica {
     }
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
         self.store.flush(stamp).await
+    }
+    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
+        self.store.grow(stamp, size).await
     }
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.store.fence(term).await

@@ -193,6 +193,21 @@ impl Replica for RemoteReplica {
             .map_err(|status| self.failed(&status, stamp))
     }
 
+    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
+        let request = self.request(pb::GrowRequest {
+            volume: self.volume(),
+            term: stamp.term.0,
+            generation: stamp.generation,
+            size,
+        });
+        self.client()
+            .await?
+            .grow(request)
+            .await
+            .map(|reply| reply.into_inner().size)
+            .map_err(|status| self.failed(&status, stamp))
+    }
+
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         let request = self.request(pb::FenceRequest {
             volume: self.volume(),

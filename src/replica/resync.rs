@@ -147,7 +147,7 @@ impl Resyncer {
 
     /// The digest pass: compares every extent and copies those that differ.
     async fn copy_differences(&self, id: NodeId, term: Term) -> Result<u64, RebuildError> {
-        let total = self.engine.size();
+        let mut total = self.engine.size();
         let extent = self.engine.extent_size();
         let started = Instant::now();
         let mut copied = 0u64;
@@ -157,6 +157,12 @@ impl Resyncer {
         while offset < total {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
+            }
+            if self.engine.size() > total {
+                // Resized meanwhile: the target grows too, and the pass
+                // goes on to the new end.
+                self.engine.grow_target(id).await?;
+                total = self.engine.size();
             }
             let len = (EXTENTS_PER_PASS * extent).min(total - offset);
             let source = self.source()?;

@@ -292,6 +292,21 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::FlushReply {}))
     }
 
+    #[tracing::instrument(name = "replica.grow", skip_all, fields(node = %self.node, term = request.get_ref().term, size = request.get_ref().size))]
+    async fn grow(
+        &self,
+        request: Request<pb::GrowRequest>,
+    ) -> Result<Response<pb::GrowReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let size = self
+            .store
+            .grow(stamp(r.term, r.generation), r.size)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::GrowReply { size }))
+    }
+
     #[tracing::instrument(level = "debug", name = "replica.fence", skip_all, fields(node = %self.node, term = request.get_ref().term))]
     async fn fence(
         &self,

@@ -36,8 +36,16 @@
 //!   refuses to compile in release) admits them, so the fault campaign's
 //!   checker can show that it notices.
 //! - **Identity.** Cluster id, volume and size are written on first open;
-//!   opening with another identity fails with a clear error and touches
-//!   nothing.
+//!   opening with another cluster, volume or extent size fails with a clear
+//!   error and touches nothing.
+//! - **Growth.** The size only grows ([`ReplicaStore::grow`], stamped and
+//!   admitted like a flush). The data file is extended and synced before
+//!   the new size is recorded, and the new range is served only after
+//!   both: a crash in between leaves a longer file whose tail nothing ever
+//!   wrote, and the next open trims it back to the recorded size. A store
+//!   opened with a larger configured size grows the same way; one opened
+//!   with a smaller one keeps its recorded size (the volume was resized
+//!   online since the config was written).
 
 use super::meta::{Meta, MetaSlot};
 use std::collections::HashSet;
@@ -137,6 +145,10 @@ impl StoreIdentity {
 pub struct ReplicaStore {
     dir: PathBuf,
     identity: StoreIdentity,
+    /// The served size: `identity.size` as last recorded (see Growth).
+    size: AtomicU64,
+    /// Serializes growths.
+    growing: tokio::sync::Mutex<()>,
     file: Arc<File>,
     /// The metadata database (see [`super::meta`]).
     meta: Arc<MetaSlot>,
@@ -188,12 +200,13 @@ impl ReplicaStore {
             .path(dir.join(META_DIR))
             .open()
             .map_err(|err| ReplicaError::Io(format!("opening {}: {err}", dir.display())))?;
-        let identity_tree = db.open_tree("identity")?;
         let meta = Meta::of(&db)?;
+        let identity_tree = meta.identity.clone();
         let fence_tree = &meta.fence;
 
         let data_path = dir.join(DATA_FILE);
         let stored = read_identity(&identity_tree)?;
+        let mut identity = identity;
         let file = match &stored {
             Some(stored) => {
                 check_identity(stored, &identity)?;
@@ -205,12 +218,36 @@ impl ReplicaStore {
                         ReplicaError::Io(format!("opening {}: {err}", data_path.display()))
                     })?;
                 let len = file.metadata()?.len();
-                if len != identity.size {
+                if len < stored.size {
                     return Err(ReplicaError::IdentityMismatch(format!(
                         "{} is {len} bytes, the volume is {} bytes",
                         data_path.display(),
-                        identity.size
+                        stored.size
                     )));
+                }
+                if len > stored.size {
+                    // A growth that crashed before it was recorded: its
+                    // tail was never served, so never written.
+                    tracing::warn!(
+                        file = %data_path.display(),
+                        len,
+                        size = stored.size,
+                        "trimming the tail of an unfinished growth"
+                    );
+                    file.set_len(stored.size)?;
+                    file.sync_all()?;
+                }
+                if identity.size > stored.size {
+                    tracing::info!(
+                        from = stored.size,
+                        to = identity.size,
+                        "growing the replica to the configured size"
+                    );
+                    extend_file(&file, identity.size)?;
+                    identity_tree.insert("size", &identity.size.to_be_bytes())?;
+                    db.flush()?;
+                } else {
+                    identity.size = stored.size;
                 }
                 file
             }
@@ -248,6 +285,8 @@ impl ReplicaStore {
         let meta_path = dir.join(META_DIR);
         Ok(Self {
             dir,
+            size: AtomicU64::new(identity.size),
+            growing: tokio::sync::Mutex::new(()),
             identity,
             file: Arc::new(file),
             meta: MetaSlot::new(meta_path, meta),
@@ -267,7 +306,40 @@ impl ReplicaStore {
 
     /// The volume size in bytes.
     pub fn size(&self) -> u64 {
-        self.identity.size
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// Grows the copy to `size` bytes on behalf of the writer of `stamp`
+    /// (S2 and the generation rule apply as for a flush) and returns the
+    /// size afterwards. A size at or below the current one changes nothing:
+    /// this copy may have grown already for a resize that never committed.
+    /// See Growth in the module docs for the order of the steps.
+    pub async fn grow(&self, stamp: impl Into<Stamp>, size: u64) -> Result<u64, ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        if size % 512 != 0 {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "a volume size must be a multiple of 512, not {size}"
+            )));
+        }
+        let _admitted = self.admit(stamp).await?;
+        let _one_at_a_time = self.growing.lock().await;
+        if size <= self.size() {
+            return Ok(self.size());
+        }
+        let meta = self.meta.get()?;
+        let file = Arc::clone(&self.file);
+        run_io(move || extend_file(&file, size)).await?;
+        meta.identity
+            .insert("size", &size.to_be_bytes())
+            .map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
+        self.size.store(size, Ordering::Release);
+        tracing::info!(size, "replica grown");
+        Ok(size)
     }
 
     /// The directory this store lives in.
@@ -839,6 +911,12 @@ fn write_identity(tree: &sled::Tree, identity: &StoreIdentity) -> Result<(), Rep
     Ok(())
 }
 
+/// Extends `file` to `size` bytes (sparse) durably.
+fn extend_file(file: &File, size: u64) -> std::io::Result<()> {
+    file.set_len(size)?;
+    file.sync_all()
+}
+
 fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), ReplicaError> {
     let mismatch = |field: &str, have: &dyn std::fmt::Display, want: &dyn std::fmt::Display| {
         Err(ReplicaError::IdentityMismatch(format!(
@@ -850,9 +928,6 @@ fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), 
     }
     if stored.volume != wanted.volume {
         return mismatch("volume", &stored.volume, &wanted.volume);
-    }
-    if stored.size != wanted.size {
-        return mismatch("size", &stored.size, &wanted.size);
     }
     if stored.extent_size != wanted.extent_size {
         return mismatch("extent size", &stored.extent_size, &wanted.extent_size);
@@ -1560,7 +1635,6 @@ mod tests {
         let cases = [
             (StoreIdentity::new("c2", "vol0", SIZE), "cluster id"),
             (StoreIdentity::new("c1", "vol1", SIZE), "volume"),
-            (StoreIdentity::new("c1", "vol0", SIZE * 2), "size"),
             (
                 StoreIdentity {
                     extent_size: 65536,
@@ -1578,6 +1652,63 @@ mod tests {
         }
         // The right identity still opens.
         drop(open(dir.path()).await);
+    }
+
+    #[tokio::test]
+    async fn a_replica_grows_durably_and_never_shrinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        store.write(Term(2), 0, block(7, 4096), true).await.unwrap();
+        // Stamped like a flush: a fenced writer cannot grow it.
+        store.fence(Term(3)).await.unwrap();
+        assert!(matches!(
+            store.grow(Term(2), SIZE * 2).await,
+            Err(ReplicaError::StaleTerm { .. })
+        ));
+        assert!(matches!(
+            store.grow(Term(3), SIZE * 2 + 100).await,
+            Err(ReplicaError::InvalidRequest(_))
+        ));
+        assert_eq!(store.size(), SIZE);
+        assert_eq!(store.grow(Term(3), SIZE * 2).await, Ok(SIZE * 2));
+        // The new range reads as zeroes and takes writes.
+        assert_eq!(store.read(SIZE, 512).await.unwrap(), block(0, 512));
+        store
+            .write(Term(3), SIZE * 2 - 512, block(9, 512), true)
+            .await
+            .unwrap();
+        // Smaller or equal: nothing changes.
+        assert_eq!(store.grow(Term(3), SIZE).await, Ok(SIZE * 2));
+        drop(store);
+        // The growth survives a restart, also when the config still says
+        // the size the volume was created with.
+        let store = open(dir.path()).await;
+        assert_eq!(store.size(), SIZE * 2);
+        assert_eq!(store.read(0, 4096).await.unwrap(), block(7, 4096));
+        assert_eq!(
+            store.read(SIZE * 2 - 512, 512).await.unwrap(),
+            block(9, 512)
+        );
+        drop(store);
+        // A larger configured size grows the copy as it opens.
+        let store = try_open(dir.path(), StoreIdentity::new("c1", "vol0", SIZE * 3))
+            .await
+            .unwrap();
+        assert_eq!(store.size(), SIZE * 3);
+        assert_eq!(store.read(0, 4096).await.unwrap(), block(7, 4096));
+    }
+
+    #[tokio::test]
+    async fn a_growth_cut_off_before_it_was_recorded_is_trimmed_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()).await);
+        // The file was extended, and then the node died.
+        let data = dir.path().join(DATA_FILE);
+        let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+        file.set_len(SIZE * 4).unwrap();
+        let store = open(dir.path()).await;
+        assert_eq!(store.size(), SIZE);
+        assert_eq!(std::fs::metadata(&data).unwrap().len(), SIZE);
     }
 
     #[tokio::test]

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod load;
 pub mod power;
 pub mod proxy;
 pub mod stack;
@@ -203,6 +204,10 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.flush(stamp).await
     }
+    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.grow(stamp, size).await
+    }
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.gate(None).await?;
         self.inner.fence(term).await
@@ -295,6 +300,12 @@ impl InSyncTracker for LoggingTracker {
                 .push(format!("add:{}", ids.join(",")));
         }
         result
+    }
+    async fn volume_size(&self) -> Result<Option<u64>, replica_ha::ha::InSyncError> {
+        self.inner.volume_size().await
+    }
+    async fn resize(&self, term: Term, size: u64) -> Result<(), replica_ha::ha::InSyncError> {
+        self.inner.resize(term, size).await
     }
 }
 

@@ -145,6 +145,15 @@ impl Replica for PowerCutReplica {
         state.flushes += 1;
         Ok(())
     }
+    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
+        // Growing is durable at once (the store syncs it); the new range
+        // reads as zeroes.
+        let size = self.inner.grow(stamp, size).await?;
+        let mut state = self.state.lock().unwrap();
+        let len = state.image.len().max(size as usize);
+        state.image.resize(len, 0);
+        Ok(size)
+    }
     async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
         self.inner.fence(term).await
     }
