@@ -23,7 +23,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 
 use crate::ha::ReplicaState;
-use crate::metrics::{Text, load};
+use crate::metrics::{Kind, Text, load};
 use crate::replica::ReplicaInfo;
 use crate::status::{NodeStatus, NodeView};
 
@@ -77,7 +77,7 @@ pub fn render(status: &NodeStatus) -> String {
 
     text.family(
         "replica_ha_role",
-        "gauge",
+        Kind::Gauge,
         "1 for the controller's current role.",
     );
     for role in ["follower", "fence_pending", "leader"] {
@@ -86,7 +86,7 @@ pub fn render(status: &NodeStatus) -> String {
     }
     text.family(
         "replica_ha_member",
-        "gauge",
+        Kind::Gauge,
         "1 while this node is a member of the cluster; 0, with the reason, while it is not (S8: \
          a replaced disk waits to be re-added, a new node to be added).",
     );
@@ -104,43 +104,43 @@ pub fn render(status: &NodeStatus) -> String {
     let held = status.suspended.as_ref();
     text.single(
         "replica_ha_io_suspended",
-        "gauge",
+        Kind::Gauge,
         "1 while writes are held because too few replicas are in sync.",
         u8::from(held.is_some()),
     )
     .single(
         "replica_ha_io_suspended_requests",
-        "gauge",
+        Kind::Gauge,
         "Writes and flushes held because too few replicas are in sync.",
         held.map_or(0, |s| s.waiting) as f64,
     )
     .single(
         "replica_ha_io_suspended_seconds",
-        "gauge",
+        Kind::Gauge,
         "How long writes have been held without a break.",
         held.map_or(0.0, |s| s.for_how_long.as_secs_f64()),
     )
     .single(
         "replica_ha_scrub_running",
-        "gauge",
+        Kind::Gauge,
         "1 while the writer's scrub compares the in-sync replicas.",
         u8::from(status.scrub.running),
     )
     .single(
         "replica_ha_scrub_progress_ratio",
-        "gauge",
+        Kind::Gauge,
         "How far the running (or last) scrub pass got, 0 to 1.",
         status.scrub.done as f64 / status.scrub.total.max(1) as f64,
     )
     .single(
         "replica_ha_scrub_passes_total",
-        "counter",
+        Kind::Counter,
         "Scrub passes finished over the whole volume since start.",
         status.scrub.passes as f64,
     )
     .single(
         "replica_ha_scrub_last_finished_timestamp_seconds",
-        "gauge",
+        Kind::Gauge,
         "When the last scrub pass finished (Unix time; 0: none yet).",
         status.scrub.last_finished.map_or(0.0, |t| {
             t.duration_since(std::time::UNIX_EPOCH)
@@ -149,67 +149,67 @@ pub fn render(status: &NodeStatus) -> String {
     )
     .single(
         "replica_ha_scrub_last_checked_extents",
-        "gauge",
+        Kind::Gauge,
         "Extents the last scrub pass compared.",
         status.scrub.last_checked as f64,
     )
     .single(
         "replica_ha_scrub_differences_found_total",
-        "counter",
+        Kind::Counter,
         "Extents whose in-sync copies differed, found by the scrub since start.",
         status.scrub.found as f64,
     )
     .single(
         "replica_ha_scrub_differences_repaired_total",
-        "counter",
+        Kind::Counter,
         "Differing extents the scrub repaired since start.",
         status.scrub.repaired as f64,
     )
     .single(
         "replica_ha_scrub_unchecked_extents_total",
-        "counter",
+        Kind::Counter,
         "Extents the scrub could not compare (a replica did not answer) since start.",
         status.scrub.unchecked as f64,
     )
     .single(
         "replica_ha_insecure",
-        "gauge",
+        Kind::Gauge,
         "1 while this node runs without TLS (insecure = true): nothing is authenticated.",
         u8::from(!status.facts.tls),
     )
     .single(
         "replica_ha_term",
-        "gauge",
+        Kind::Gauge,
         "The current Raft term (the fencing token).",
         status.term.0 as f64,
     )
     .single(
         "replica_ha_gate_open",
-        "gauge",
+        Kind::Gauge,
         "1 while this node is the active writer.",
         u8::from(status.gate_open),
     )
     .single(
         "replica_ha_lease_remaining_seconds",
-        "gauge",
+        Kind::Gauge,
         "Time left on this node's leader lease (0 without one).",
         status.lease_remaining.map_or(0.0, |d| d.as_secs_f64()),
     )
     .single(
         "replica_ha_promotions_total",
-        "counter",
+        Kind::Counter,
         "Promotions to active writer since start.",
         status.promotions as f64,
     )
     .single(
         "replica_ha_fence_failures_total",
-        "counter",
+        Kind::Counter,
         "Failed or timed-out fence attempts since start.",
         status.fence_failures as f64,
     )
     .single(
         "replica_ha_volume_size_bytes",
-        "gauge",
+        Kind::Gauge,
         "The volume's committed size (it grows with `replica-ha resize`).",
         status.size as f64,
     );
@@ -217,43 +217,43 @@ pub fn render(status: &NodeStatus) -> String {
     let io = &status.io;
     text.single(
         "replica_ha_writes_total",
-        "counter",
+        Kind::Counter,
         "Acknowledged writes.",
         load(&io.writes),
     )
     .single(
         "replica_ha_write_bytes_total",
-        "counter",
+        Kind::Counter,
         "Bytes of acknowledged writes.",
         load(&io.write_bytes),
     )
     .single(
         "replica_ha_reads_total",
-        "counter",
+        Kind::Counter,
         "Served reads.",
         load(&io.reads),
     )
     .single(
         "replica_ha_read_bytes_total",
-        "counter",
+        Kind::Counter,
         "Bytes of served reads.",
         load(&io.read_bytes),
     )
     .single(
         "replica_ha_flushes_total",
-        "counter",
+        Kind::Counter,
         "Acknowledged flushes.",
         load(&io.flushes),
     )
     .single(
         "replica_ha_io_errors_total",
-        "counter",
+        Kind::Counter,
         "Failed data-path requests, any cause.",
         load(&io.errors),
     )
     .single(
         "replica_ha_writes_refused_total",
-        "counter",
+        Kind::Counter,
         "Writes refused because this node is not the active writer.",
         load(&io.refused),
     )
@@ -266,19 +266,19 @@ pub fn render(status: &NodeStatus) -> String {
     let nbd = &status.nbd;
     text.single(
         "replica_ha_nbd_connections",
-        "gauge",
+        Kind::Gauge,
         "Open NBD connections.",
         load(&nbd.open),
     )
     .single(
         "replica_ha_nbd_connections_total",
-        "counter",
+        Kind::Counter,
         "Accepted NBD connections.",
         load(&nbd.accepted),
     )
     .single(
         "replica_ha_nbd_connection_errors_total",
-        "counter",
+        Kind::Counter,
         "NBD connections ended by a protocol or I/O error.",
         load(&nbd.failed),
     );
@@ -286,7 +286,7 @@ pub fn render(status: &NodeStatus) -> String {
     let reports = &status.replicas;
     text.family(
         "replica_ha_replica_state",
-        "gauge",
+        Kind::Gauge,
         "1 for each replica's state.",
     );
     for report in reports {
@@ -328,13 +328,13 @@ pub fn render(status: &NodeStatus) -> String {
         ),
     ];
     for (name, help, value) in per_replica {
-        text.family(name, "gauge", help);
+        text.family(name, Kind::Gauge, help);
         for (id, info) in &infos {
             text.sample(name, &[("replica", id)], value(info) as f64);
         }
     }
 
-    text.family("replica_ha_resync_bytes", "gauge", "The latest resync of each replica by this node: bytes compared (done), of the volume (total), copied.");
+    text.family("replica_ha_resync_bytes", Kind::Gauge, "The latest resync of each replica by this node: bytes compared (done), of the volume (total), copied.");
     for report in reports {
         if let Some(p) = &report.resync {
             for (kind, value) in [("done", p.done), ("total", p.total), ("copied", p.copied)] {
@@ -348,7 +348,7 @@ pub fn render(status: &NodeStatus) -> String {
     }
     text.family(
         "replica_ha_resync_eta_seconds",
-        "gauge",
+        Kind::Gauge,
         "Estimated time left of each running resync.",
     );
     for report in reports {
@@ -364,26 +364,26 @@ pub fn render(status: &NodeStatus) -> String {
     let last_log = status.log.last_log;
     text.single(
         "replica_ha_raft_last_log_index",
-        "gauge",
+        Kind::Gauge,
         "Index of the last Raft log entry.",
         last_log as f64,
     )
     .single(
         "replica_ha_raft_last_applied_index",
-        "gauge",
+        Kind::Gauge,
         "Index of the last applied Raft entry.",
         status.log.last_applied as f64,
     )
     .single(
         "replica_ha_raft_leader",
-        "gauge",
+        Kind::Gauge,
         "The Raft leader's node id as this node knows it (0 if none).",
         status.leader.map_or(0, |id| id.0) as f64,
     );
     if let Some(replication) = &status.log.replication {
         text.family(
             "replica_ha_raft_replication_lag",
-            "gauge",
+            Kind::Gauge,
             "Log entries each follower is behind the leader (leader only).",
         );
         for (peer, matched) in replication {

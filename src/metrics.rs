@@ -1,4 +1,5 @@
-//! Metrics primitives and the Prometheus text format.
+//! Metrics primitives, and the `/metrics` document in the Prometheus text
+//! format (written by the `prometheus` crate).
 //!
 //! The data path is counted by [`MeteredDevice`], a [`Device`] wrapper the
 //! node puts in front of the gate, so the NBD server and the admin `Write`
@@ -7,13 +8,14 @@
 //! [`crate::http`]. Counters are relaxed atomics: a scrape may see one
 //! counter a request ahead of another, never a torn value.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use prometheus::TextEncoder;
+use prometheus::proto::{self, LabelPair, Metric, MetricFamily, MetricType};
 use tokio::time::Instant;
 
 use crate::volume::{Access, Device, DeviceError};
@@ -166,39 +168,75 @@ impl Device for MeteredDevice {
     }
 }
 
-/// A Prometheus text-format document being written.
+/// The kind of a metric family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Gauge,
+    Counter,
+}
+
+/// A `/metrics` document being gathered: metric families of the
+/// `prometheus` crate, which writes and escapes the Prometheus text format
+/// (0.0.4). Families are written in the order they were started; one that
+/// got no sample is left out (the format has no empty families).
 #[derive(Debug, Default)]
 pub struct Text {
-    out: String,
+    families: Vec<MetricFamily>,
 }
 
 impl Text {
-    /// Starts a metric family: its `# HELP` and `# TYPE` lines.
-    pub fn family(&mut self, name: &str, kind: &str, help: &str) -> &mut Self {
-        let _ = writeln!(self.out, "# HELP {name} {help}");
-        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    /// Starts a metric family: its name, kind and help text.
+    pub fn family(&mut self, name: &str, kind: Kind, help: &str) -> &mut Self {
+        let mut family = MetricFamily::default();
+        family.set_name(name.to_string());
+        family.set_help(help.to_string());
+        family.set_field_type(match kind {
+            Kind::Gauge => MetricType::GAUGE,
+            Kind::Counter => MetricType::COUNTER,
+        });
+        self.families.push(family);
         self
     }
 
-    /// One sample; `labels` are name/value pairs.
+    /// One sample of the family `name` (the latest started of that name;
+    /// a sample of a family never started starts a gauge); `labels` are
+    /// name/value pairs.
     pub fn sample(
         &mut self,
         name: &str,
         labels: &[(&str, &str)],
         value: impl Into<f64>,
     ) -> &mut Self {
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (key, val)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                let _ = write!(self.out, "{key}=\"{}\"", escape(val));
+        let value = value.into();
+        let at = match self.families.iter().rposition(|f| f.name() == name) {
+            Some(at) => at,
+            None => {
+                self.family(name, Kind::Gauge, "");
+                self.families.len() - 1
             }
-            self.out.push('}');
+        };
+        let family = &mut self.families[at];
+        let mut metric = Metric::from_label(
+            labels
+                .iter()
+                .map(|(key, val)| {
+                    let mut pair = LabelPair::default();
+                    pair.set_name(key.to_string());
+                    pair.set_value(val.to_string());
+                    pair
+                })
+                .collect(),
+        );
+        if family.get_field_type() == MetricType::COUNTER {
+            let mut counter = proto::Counter::default();
+            counter.set_value(value);
+            metric.set_counter(counter);
+        } else {
+            let mut gauge = proto::Gauge::default();
+            gauge.set_value(value);
+            metric.set_gauge(gauge);
         }
-        let _ = writeln!(self.out, " {}", value.into());
+        family.mut_metric().push(metric);
         self
     }
 
@@ -206,7 +244,7 @@ impl Text {
     pub fn single(
         &mut self,
         name: &str,
-        kind: &str,
+        kind: Kind,
         help: &str,
         value: impl Into<f64>,
     ) -> &mut Self {
@@ -215,34 +253,48 @@ impl Text {
 
     /// A histogram family.
     pub fn histogram(&mut self, name: &str, help: &str, histogram: &Histogram) -> &mut Self {
-        self.family(name, "histogram", help);
-        let bucket = format!("{name}_bucket");
+        // The finite buckets; the encoder adds `+Inf` with the count (it
+        // would write an infinite bound of ours as "inf").
         let mut cumulative = 0u64;
-        for (i, count) in histogram.buckets.iter().enumerate() {
+        let mut buckets = Vec::with_capacity(LATENCY_BUCKETS.len());
+        for (count, bound) in histogram.buckets.iter().zip(LATENCY_BUCKETS) {
             cumulative += count.load(Ordering::Relaxed);
-            let le = LATENCY_BUCKETS
-                .get(i)
-                .map(|bound| bound.to_string())
-                .unwrap_or_else(|| "+Inf".into());
-            self.sample(&bucket, &[("le", &le)], cumulative as f64);
+            let mut bucket = proto::Bucket::default();
+            bucket.set_upper_bound(bound);
+            bucket.set_cumulative_count(cumulative);
+            buckets.push(bucket);
         }
-        let sum = histogram.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        self.sample(&format!("{name}_sum"), &[], sum);
-        self.sample(&format!("{name}_count"), &[], cumulative as f64)
+        let overflow = &histogram.buckets[LATENCY_BUCKETS.len()];
+        cumulative += overflow.load(Ordering::Relaxed);
+        let mut summary = proto::Histogram::default();
+        summary.set_bucket(buckets);
+        // The count is the buckets' total, so the two always agree.
+        summary.set_sample_count(cumulative);
+        summary.set_sample_sum(histogram.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9);
+        let mut metric = Metric::default();
+        metric.set_histogram(summary);
+        let mut family = MetricFamily::default();
+        family.set_name(name.to_string());
+        family.set_help(help.to_string());
+        family.set_field_type(MetricType::HISTOGRAM);
+        family.set_metric(vec![metric]);
+        self.families.push(family);
+        self
     }
 
     /// The finished document.
     pub fn finish(self) -> String {
-        self.out
+        let families: Vec<MetricFamily> = self
+            .families
+            .into_iter()
+            .filter(|f| !f.get_metric().is_empty())
+            .collect();
+        // Every family has a name and a sample, the only two things the
+        // encoder refuses; it writes to a String, which cannot fail.
+        TextEncoder::new()
+            .encode_to_string(&families)
+            .unwrap_or_else(|err| format!("# the metrics could not be encoded: {err}\n"))
     }
-}
-
-/// Escapes a label value: backslash, double quote and newline.
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// A counter's value as a sample value.
@@ -265,6 +317,7 @@ mod tests {
         histogram.observe(Duration::from_secs(60));
         let mut text = Text::default();
         text.histogram("lat_seconds", "latency", &histogram);
+        text.single("after", Kind::Gauge, "A gauge after it.", 1u8);
         let text = text.finish();
         assert!(
             text.contains("lat_seconds_bucket{le=\"0.00005\"} 1\n"),
@@ -280,14 +333,41 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("lat_seconds_count 3\n"), "{text}");
+        assert!(text.contains("# TYPE lat_seconds histogram\n"), "{text}");
+        assert!(text.ends_with("after 1\n"), "{text}");
         assert_eq!(histogram.count(), 3);
     }
 
     #[test]
-    fn label_values_are_escaped() {
+    fn label_values_and_help_are_escaped() {
         let mut text = Text::default();
-        text.sample("m", &[("a", "x\"y\\z\n")], 1.0);
-        assert_eq!(text.finish(), "m{a=\"x\\\"y\\\\z\\n\"} 1\n");
+        text.family("m", Kind::Gauge, "a \\ and\na newline").sample(
+            "m",
+            &[("a", "x\"y\\z\n")],
+            1.0,
+        );
+        assert_eq!(
+            text.finish(),
+            "# HELP m a \\\\ and\\na newline\n# TYPE m gauge\nm{a=\"x\\\"y\\\\z\\n\"} 1\n"
+        );
+    }
+
+    #[test]
+    fn counters_keep_their_name_and_empty_families_are_left_out() {
+        let mut text = Text::default();
+        text.single("c_total", Kind::Counter, "A count.", 3u32);
+        text.family("nothing", Kind::Gauge, "No sample.");
+        text.sample("undeclared", &[], 2u8);
+        let text = text.finish();
+        assert!(
+            text.contains("# TYPE c_total counter\nc_total 3\n"),
+            "{text}"
+        );
+        assert!(!text.contains("nothing"), "{text}");
+        assert!(
+            text.contains("# TYPE undeclared gauge\nundeclared 2\n"),
+            "{text}"
+        );
     }
 
     #[tokio::test]
