@@ -676,4 +676,24 @@ async fn block_status_shows_data_and_holes_to_nbdinfo_qemu_img_and_nbdcopy() {
         (7 * M..=8 * M).contains(&moved),
         "nbdcopy read {moved} bytes of the 64 MiB volume"
     );
+    // Reads across data and holes (block status off, so every read is
+    // sent): the holes come back as hole chunks, and what nbdcopy puts
+    // together is the volume, byte for byte.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("copy.img");
+    let copy_arg = copy.to_str().unwrap();
+    run_ok("nbdcopy", &["--no-extents", &uri(nbd), copy_arg]).await;
+    let mut expected = vec![0u8; 64 * M as usize];
+    expected[4 * M as usize..6 * M as usize].fill(0x5a);
+    expected[8 * M as usize..12 * M as usize].fill(0x5a);
+    expected[32 * M as usize..33 * M as usize].fill(0x6b);
+    assert!(
+        std::fs::read(&copy).unwrap() == expected,
+        "nbdcopy --no-extents copied something else than the volume"
+    );
+    let moved = read_bytes() - before;
+    assert!(
+        moved < 16 * M,
+        "reads around holes moved {moved} bytes: the holes were sent as data"
+    );
 }

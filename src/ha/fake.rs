@@ -535,6 +535,33 @@ impl MemoryEngine {
 
 #[async_trait]
 impl Device for MemoryEngine {
+    /// Blocks of 4 KiB that hold only zeroes count as holes, as in a
+    /// sparse file.
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, DeviceError> {
+        const BLOCK: u64 = 4096;
+        let data = lock(&self.data);
+        crate::volume::check_span(offset, len, data.len() as u64)?;
+        let mut runs: Vec<crate::volume::Extent> = Vec::new();
+        let (mut at, end) = (offset, offset + len);
+        while at < end {
+            let next = ((at / BLOCK + 1) * BLOCK).min(end);
+            let hole = data[at as usize..next as usize].iter().all(|b| *b == 0);
+            match runs.last_mut() {
+                Some(last) if last.hole == hole => last.len += next - at,
+                _ => runs.push(crate::volume::Extent {
+                    len: next - at,
+                    hole,
+                }),
+            }
+            at = next;
+        }
+        Ok(runs)
+    }
+
     async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
         let data = lock(&self.data);
         check_request(offset, len, data.len() as u64)?;

@@ -764,6 +764,66 @@ async fn structured_replies_carry_reads_and_block_status() {
     client.finish().await.unwrap();
 }
 
+/// A structured read of at least `HOLES_FROM` bytes over holes answers
+/// them with `OFFSET_HOLE` chunks and sends only the data, in order, the
+/// last chunk flagged done; a shorter one, or one without holes, is one
+/// data chunk.
+#[tokio::test]
+async fn structured_reads_skip_holes_in_hole_chunks() {
+    const K: u64 = 1024;
+    let (_, mut client) = server(Some(Term(1)));
+    client.go_structured(false).await;
+    assert_eq!(client.write(1, 64 * K, &[0xaa; 8 * 1024]).await, 0);
+    assert_eq!(client.write(2, 192 * K, &[0xbb; 4 * 1024]).await, 0);
+    client.send(0, 0, 3, 0, 256 * 1024, &[]).await;
+    let mut chunks = Vec::new();
+    loop {
+        let (flags, kind, cookie, payload) = client.chunk().await;
+        assert_eq!(cookie, 3);
+        let offset = u64::from_be_bytes(payload[..8].try_into().unwrap());
+        let piece = match kind {
+            REPLY_TYPE_OFFSET_HOLE => {
+                assert_eq!(payload.len(), 12);
+                let len = u32::from_be_bytes(payload[8..12].try_into().unwrap());
+                (offset, u64::from(len), None)
+            }
+            REPLY_TYPE_OFFSET_DATA => {
+                let data = payload[8..].to_vec();
+                (offset, data.len() as u64, data.first().copied())
+            }
+            other => panic!("unexpected chunk type {other}"),
+        };
+        chunks.push(piece);
+        if flags & REPLY_FLAG_DONE != 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        chunks,
+        vec![
+            (0, 64 * K, None),
+            (64 * K, 8 * K, Some(0xaa)),
+            (72 * K, 120 * K, None),
+            (192 * K, 4 * K, Some(0xbb)),
+            (196 * K, 60 * K, None),
+        ]
+    );
+    // Shorter than HOLES_FROM: one data chunk, zeroes included.
+    client.send(0, 0, 4, 60 * K, 8 * 1024, &[]).await;
+    let (flags, kind, _, payload) = client.chunk().await;
+    assert_eq!((flags, kind), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA));
+    assert_eq!(payload.len(), 8 + 8 * 1024);
+    assert_eq!(&payload[8..8 + 4096], &[0u8; 4096][..]);
+    assert_eq!(payload[8 + 4096], 0xaa);
+    // No holes in the range: one data chunk.
+    assert_eq!(client.write(5, 512 * K, &[0xcc; 64 * 1024]).await, 0);
+    client.send(0, 0, 6, 512 * K, 64 * 1024, &[]).await;
+    let (flags, kind, _, payload) = client.chunk().await;
+    assert_eq!((flags, kind), (REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA));
+    assert_eq!(payload.len(), 8 + 64 * 1024);
+    client.finish().await.unwrap();
+}
+
 /// LIST names the context with id 0; a SET that fails clears what an
 /// earlier SET selected, so block status is then refused.
 #[tokio::test]

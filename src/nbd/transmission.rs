@@ -1,4 +1,9 @@
-//! The transmission phase: requests in, simple replies out, many in flight.
+//! The transmission phase: requests in, replies out, many in flight.
+//!
+//! Replies are simple, or, once the client negotiated structured replies,
+//! chunks for reads and block status: a read of at least [`HOLES_FROM`]
+//! bytes whose range holds holes on the serving copy answers them with
+//! `OFFSET_HOLE` chunks and reads and sends only the data between them.
 //!
 //! One loop reads request headers (and write payloads) in order and spawns
 //! each request; one task writes the replies as they finish, in any order
@@ -46,6 +51,10 @@ use crate::volume::{Device, DeviceError, RangeError};
 const BUDGET_BYTES: u64 = 128 * 1024 * 1024;
 /// The budget's unit: a request costs its length in units, at least one.
 const BUDGET_UNIT: u64 = 4096;
+/// The shortest structured read that is answered with hole chunks where
+/// the copy has holes: below it, asking where the holes are costs more
+/// than sending the zeroes.
+pub const HOLES_FROM: u64 = 64 * 1024;
 /// What `WRITE_ZEROES` writes from, one chunk at a time.
 static ZEROES: [u8; 1 << 20] = [0; 1 << 20];
 /// How often an idle writable session checks that its gate still grants
@@ -85,8 +94,20 @@ enum Answer {
     Done,
     /// A read's data.
     Data(Bytes),
+    /// A structured read's data and holes, in order: `(offset, data)`,
+    /// where empty data stands for a hole of `hole` bytes.
+    Pieces(Vec<Piece>),
     /// `base:allocation` descriptors: (length, state flags).
     Extents(Vec<(u32, u32)>),
+}
+
+/// One chunk of a structured read.
+#[derive(Debug)]
+enum Piece {
+    /// Bytes read at this offset.
+    Data(u64, Bytes),
+    /// A hole: this many bytes at this offset read as zeroes.
+    Hole(u64, u32),
 }
 
 /// A finished request, on its way to the client.
@@ -322,6 +343,9 @@ async fn execute(
         return Err(Failure::Error(wire::EPERM));
     }
     match request.command {
+        Command::Read if session.structured && len >= HOLES_FROM => {
+            read_around_holes(device, offset, len).await
+        }
         Command::Read => device
             .read_at(offset, len)
             .await
@@ -362,6 +386,44 @@ async fn execute(
         Command::BlockStatus => block_status(device, session, request).await,
         Command::Disconnect | Command::Other(_) => Err(Failure::Error(wire::EINVAL)),
     }
+}
+
+/// A structured read of `[offset, offset + len)`: the holes of the
+/// serving copy become hole chunks, and only the data between them is
+/// read. A range without holes, or whose allocation cannot be learned, is
+/// one read, as without structured replies.
+async fn read_around_holes(device: &dyn Device, offset: u64, len: u64) -> Result<Answer, Failure> {
+    let read = |at: u64, n: u64| async move {
+        device
+            .read_at(at, n)
+            .await
+            .map_err(|e| Failure::of(&e, false))
+    };
+    let runs = match device.allocation(offset, len).await {
+        Ok(runs) if runs.iter().any(|run| run.hole && run.len > 0) => runs,
+        _ => return read(offset, len).await.map(Answer::Data),
+    };
+    let mut pieces = Vec::new();
+    let mut at = offset;
+    let end = offset + len;
+    for run in runs.iter().filter(|run| run.len > 0) {
+        if at >= end {
+            break;
+        }
+        let n = run.len.min(end - at);
+        if run.hole {
+            // At most the request's u32 length.
+            pieces.push(Piece::Hole(at, n as u32));
+        } else {
+            pieces.push(Piece::Data(at, read(at, n).await?));
+        }
+        at += n;
+    }
+    if at < end {
+        // Runs that stop short: the rest is read.
+        pieces.push(Piece::Data(at, read(at, end - at).await?));
+    }
+    Ok(Answer::Pieces(pieces))
 }
 
 /// `BLOCK_STATUS` for `base:allocation` (the only context): where this
@@ -510,9 +572,26 @@ async fn write_replies<W: AsyncWrite + Unpin>(
                 writer.write_all(&wire::none_chunk(reply.cookie)).await?;
             }
             (true, 0, Answer::Data(data)) => {
-                let head = wire::data_chunk_head(reply.cookie, reply.offset, data.len());
+                let head = wire::data_chunk_head(reply.cookie, reply.offset, data.len(), true);
                 writer.write_all(&head).await?;
                 writer.write_all(data).await?;
+            }
+            (true, 0, Answer::Pieces(pieces)) => {
+                for (i, piece) in pieces.iter().enumerate() {
+                    let done = i + 1 == pieces.len();
+                    match piece {
+                        Piece::Data(offset, data) => {
+                            let head =
+                                wire::data_chunk_head(reply.cookie, *offset, data.len(), done);
+                            writer.write_all(&head).await?;
+                            writer.write_all(data).await?;
+                        }
+                        Piece::Hole(offset, len) => {
+                            let chunk = wire::hole_chunk(reply.cookie, *offset, *len, done);
+                            writer.write_all(&chunk).await?;
+                        }
+                    }
+                }
             }
             (true, 0, Answer::Extents(extents)) => {
                 let chunk =

@@ -80,6 +80,7 @@ pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 
@@ -344,17 +345,22 @@ pub fn error_chunk(error: u32, cookie: u64) -> Vec<u8> {
     chunk
 }
 
-/// The header and offset of the one `OFFSET_DATA` chunk that answers a
-/// read of `len` bytes at `offset`; the data follows.
-pub fn data_chunk_head(cookie: u64, offset: u64, len: usize) -> Vec<u8> {
-    let mut chunk = chunk_header(
-        REPLY_FLAG_DONE,
-        REPLY_TYPE_OFFSET_DATA,
-        cookie,
-        8 + len as u32,
-    )
-    .to_vec();
+/// The header and offset of an `OFFSET_DATA` chunk of a read: `len` bytes
+/// at `offset` follow. `done` on the read's last chunk.
+pub fn data_chunk_head(cookie: u64, offset: u64, len: usize, done: bool) -> Vec<u8> {
+    let flags = if done { REPLY_FLAG_DONE } else { 0 };
+    let mut chunk = chunk_header(flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + len as u32).to_vec();
     chunk.extend_from_slice(&offset.to_be_bytes());
+    chunk
+}
+
+/// An `OFFSET_HOLE` chunk of a read: `len` bytes at `offset` read as
+/// zeroes, and none are sent. `done` on the read's last chunk.
+pub fn hole_chunk(cookie: u64, offset: u64, len: u32, done: bool) -> Vec<u8> {
+    let flags = if done { REPLY_FLAG_DONE } else { 0 };
+    let mut chunk = chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12).to_vec();
+    chunk.extend_from_slice(&offset.to_be_bytes());
+    chunk.extend_from_slice(&len.to_be_bytes());
     chunk
 }
 
