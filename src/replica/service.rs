@@ -401,6 +401,7 @@ impl ReplicaRpc for ReplicaService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
 
     #[test]
     fn every_refusal_comes_back_as_the_same_error() {
@@ -442,6 +443,59 @@ mod tests {
                 _ => assert_eq!(back, err),
             }
         }
+    }
+
+    /// S8: a request meant for another incarnation of this node's replica
+    /// (the writer still expects the copy the disk held before it was
+    /// replaced) is refused and changes nothing: neither the floor nor the
+    /// data.
+    #[tokio::test]
+    async fn a_request_for_another_incarnation_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let identity = super::super::StoreIdentity::new("c1", "vol0", 1 << 20);
+        let store = Arc::new(ReplicaStore::open(dir.path(), identity).await.unwrap());
+        let service = ReplicaService::new(Arc::clone(&store)).of_incarnation(Incarnation(7));
+        let volume = |incarnation| {
+            Some(pb::VolumeRef {
+                cluster_id: "c1".into(),
+                volume: "vol0".into(),
+                incarnation,
+            })
+        };
+        let write = |incarnation| {
+            Request::new(pb::WriteRequest {
+                volume: volume(incarnation),
+                term: 4,
+                offset: 0,
+                data: Bytes::from_static(b"acknowledged?"),
+                fua: true,
+                generation: 0,
+            })
+        };
+        let fence = |incarnation| {
+            Request::new(pb::FenceRequest {
+                volume: volume(incarnation),
+                term: 5,
+            })
+        };
+        for former in [0, 6] {
+            let refused = service.write(write(former)).await.unwrap_err();
+            assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+            assert!(
+                refused.message().starts_with("replaced disk"),
+                "{refused:?}"
+            );
+            let refused = service.fence(fence(former)).await.unwrap_err();
+            assert!(
+                refused.message().starts_with("replaced disk"),
+                "{refused:?}"
+            );
+        }
+        assert_eq!(store.floor().await, Term(0));
+        assert_eq!(store.read(0, 13).await.unwrap(), Bytes::from(vec![0; 13]));
+        // The incarnation it is: served.
+        service.write(write(7)).await.unwrap();
+        assert_eq!(store.floor().await, Term(4));
     }
 
     #[test]
