@@ -1134,12 +1134,13 @@ async fn a_resize_grows_every_in_sync_replica_before_the_size_is_committed_and_s
     assert_eq!(rig.engine.resize(2 * SIZE).await, Ok(2 * SIZE));
 
     // Another engine over the same replicas (the next writer) serves the
-    // committed size once active, not its configured one.
+    // committed size once active, not its configured one, larger or
+    // smaller.
     let next = Engine::new(
         EngineConfig {
             local_id: NodeId(2),
             replica_timeout: SHORT,
-            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", 3 * SIZE, 2),
         },
         rig.replicas
             .iter()
@@ -1148,6 +1149,7 @@ async fn a_resize_grows_every_in_sync_replica_before_the_size_is_committed_and_s
         Arc::clone(&rig.tracker) as Arc<dyn InSyncTracker>,
     )
     .unwrap();
+    assert_eq!(next.size(), 3 * SIZE);
     next.activate(Term(6)).await.unwrap();
     assert_eq!(next.size(), 2 * SIZE);
     assert_eq!(next.read_at(past_end, 4096).await.unwrap(), block(6));

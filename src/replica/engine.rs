@@ -1577,15 +1577,15 @@ impl WriterEngine for Engine {
             .in_sync()
             .await
             .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?;
-        // The committed size; every in-sync replica has grown to it.
+        // The committed size, whatever this node's config says: every
+        // in-sync replica has grown to it, and none need be larger.
         if let Some(size) = self
             .tracker
             .volume_size()
             .await
             .map_err(|e| DeviceError::InSyncCommit(e.to_string()))?
         {
-            self.size
-                .fetch_max(size, std::sync::atomic::Ordering::AcqRel);
+            self.size.store(size, std::sync::atomic::Ordering::Release);
         }
         let mut state = self.lock();
         state.in_sync = committed;
