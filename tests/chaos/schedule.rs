@@ -49,6 +49,10 @@ pub enum Fault {
     /// waits to be re-added, and replaces it (`members replace`). Its
     /// rebuild must not lose or mix up anything (S8).
     WipeFollower,
+    /// The writer grows the volume by 1 MiB (`replica-ha resize`), best
+    /// effort: a follower down meanwhile must be grown by its rebuild, and
+    /// every copy must end the same size with the same bytes.
+    Resize,
 }
 
 impl fmt::Display for Fault {
@@ -68,6 +72,7 @@ impl fmt::Display for Fault {
             Fault::Fill => write!(f, "fill"),
             Fault::SlowFsync(t) => write!(f, "slow-fsync-{}", target(t)),
             Fault::WipeFollower => write!(f, "wipe-follower"),
+            Fault::Resize => write!(f, "resize"),
         }
     }
 }
@@ -107,7 +112,7 @@ fn draw(rng: &mut Rng) -> Step {
             } else {
                 Target::Follower
             };
-            let (fault, hold) = match rng.below(10) {
+            let (fault, hold) = match rng.below(11) {
                 0 => (Fault::Kill(target), rng.millis(300, 3000)),
                 // Longer than the election timeout (at most 450 ms), so the
                 // lease runs out while the process is stopped; up to longer
@@ -122,7 +127,8 @@ fn draw(rng: &mut Rng) -> Step {
                 6 => (Fault::Fill, rng.millis(1500, 5000)),
                 7 => (Fault::SlowFsync(target), rng.millis(1000, 5000)),
                 8 => (Fault::WipeFollower, rng.millis(100, 1500)),
-                _ => (Fault::Transfer, Duration::ZERO),
+                9 => (Fault::Transfer, Duration::ZERO),
+                _ => (Fault::Resize, Duration::ZERO),
             };
             Step {
                 fault,
