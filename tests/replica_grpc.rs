@@ -468,6 +468,47 @@ async fn older_dirty_extents_converge_before_the_new_writer_writes() {
     }
 }
 
+/// S6 after an online resize: an extent past the size the nodes were
+/// configured with, which an older writer left different on the in-sync
+/// replicas, converges like any other (the fencer goes by the committed
+/// size, not the config).
+#[tokio::test]
+async fn marked_extents_past_the_configured_size_converge_after_a_resize() {
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
+    rig.fencer.fence(None, Term(1)).await.unwrap();
+    rig.engine.activate(Term(1)).await.unwrap();
+    rig.engine.resize(2 * SIZE).await.unwrap();
+    rig.engine.deactivate();
+    // Term 1's writer reached only n2 and n3, differently, past the old end
+    // (a later generation of its term, as its engine would stamp them).
+    let late = replica_ha::replica::Stamp {
+        term: Term(1),
+        generation: 9,
+    };
+    let extent = SIZE + (1 << 20);
+    rig.replicas[1]
+        .store()
+        .write(late, extent, block(0xd1), false)
+        .await
+        .unwrap();
+    rig.replicas[2]
+        .store()
+        .write(late, extent + 8192, block(0xd2), false)
+        .await
+        .unwrap();
+    rig.fencer.fence(None, Term(2)).await.unwrap();
+    rig.write_at(Term(2)).await;
+    assert_eq!(rig.engine.size(), 2 * SIZE);
+    let expected = rig.replicas[0].store().read(extent, 1 << 20).await.unwrap();
+    for r in &rig.replicas {
+        assert!(
+            r.store().read(extent, 1 << 20).await.unwrap() == expected,
+            "node {} differs past the configured size",
+            r.id()
+        );
+    }
+}
+
 /// S6, bounded: convergence makes progress that a later attempt keeps. The
 /// first attempt fails on n3 in its second batch; the extents of the first
 /// batch are converged, durable and no longer marked, so the retry copies

@@ -73,6 +73,7 @@ pub struct TokenFencer {
     replicas: Arc<ReplicaSet>,
     tracker: Arc<dyn InSyncTracker>,
     min_in_sync: usize,
+    /// The configured size, for a volume whose config is not committed yet.
     size: u64,
     timeout: Duration,
     floors: Arc<FloorBook>,
@@ -155,9 +156,10 @@ impl TokenFencer {
         targets: &[&Arc<dyn Replica>],
         extent: u64,
         extent_size: u64,
+        size: u64,
     ) -> Result<bool, FenceError> {
         let offset = extent * extent_size;
-        let len = extent_size.min(self.size - offset);
+        let len = extent_size.min(size.saturating_sub(offset));
         // Most marked extents already agree (their writes were acknowledged
         // everywhere before the writer died): compare digests first and copy
         // only to the replicas that differ. Nothing writes meanwhile — the
@@ -335,12 +337,15 @@ impl TokenFencer {
                 (*id, stamp)
             })
             .collect();
+        // The committed size, not this node's config: a resize may have
+        // grown the volume past it, and every in-sync replica with it.
+        let size = self.tracker.volume_size().await?.unwrap_or(self.size);
         let extents: Vec<u64> = extents
             .into_iter()
             .filter(|extent| {
                 extent
                     .checked_mul(extent_size)
-                    .is_some_and(|offset| offset < self.size)
+                    .is_some_and(|offset| offset < size)
             })
             .collect();
         // In batches of extents compared (and copied where they differ) in
@@ -356,7 +361,8 @@ impl TokenFencer {
         for batch in extents.chunks(CONVERGE_BATCH) {
             let copies = futures::stream::iter(batch.iter().copied())
                 .map(|extent| {
-                    let copy = self.copy_to_all(&stamps, source, &targets, extent, extent_size);
+                    let copy =
+                        self.copy_to_all(&stamps, source, &targets, extent, extent_size, size);
                     async move { (extent, copy.await) }
                 })
                 .buffer_unordered(COPIES_IN_FLIGHT);

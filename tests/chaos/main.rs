@@ -816,7 +816,11 @@ async fn read_blocks(cluster: &Cluster, writer: u64) -> Result<BTreeMap<u64, Vec
     let mut conn = nbd::Connection::open(cluster.nbd_addrs[&writer], limit)
         .await
         .map_err(|err| format!("connecting to the writer's export: {err}"))?;
-    assert!(conn.size >= SIZE + FILL, "the export shrank to {}", conn.size);
+    assert!(
+        conn.size >= SIZE + FILL,
+        "the export shrank to {}",
+        conn.size
+    );
     let mut blocks = BTreeMap::new();
     for block in LAYOUT.all_blocks() {
         match conn.read(LAYOUT.offset(block), BLOCK as u32, limit).await {
