@@ -345,9 +345,9 @@ impl Admin for AdminService {
             ResizeError::Shrink { .. } | ResizeError::Inactive => {
                 Status::failed_precondition(err.to_string())
             }
-            ResizeError::Replica { .. } | ResizeError::Uncommitted { .. } => {
-                Status::unavailable(err.to_string())
-            }
+            ResizeError::Replica { .. }
+            | ResizeError::Missing { .. }
+            | ResizeError::Uncommitted { .. } => Status::unavailable(err.to_string()),
         })?;
         Ok(Response::new(ResizeReply { previous, size }))
     }

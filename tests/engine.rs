@@ -1175,6 +1175,40 @@ async fn a_replica_that_missed_a_resize_grows_when_its_rebuild_begins() {
     assert_eq!(rig.on(2, last, 4096).await, block(8));
 }
 
+/// A resize whose commit was not confirmed may have committed all the
+/// same: a copy rebuilt afterwards grows to the committed size, not only to
+/// the size this writer serves, so it holds every byte a later writer
+/// serves.
+#[tokio::test]
+async fn a_rebuilt_replica_grows_to_a_committed_size_the_writer_does_not_serve_yet() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    // The commit landed; its answer did not reach the writer.
+    rig.tracker.resize(Term(5), 2 * SIZE).await.unwrap();
+    assert_eq!(rig.engine.size(), SIZE);
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(rig.replicas[2].store().size(), 2 * SIZE);
+}
+
+/// An in-sync replica the writer's set lacks cannot grow, so the resize
+/// fails before anything is committed.
+#[tokio::test]
+async fn a_resize_fails_when_an_in_sync_replica_is_missing_from_the_set() {
+    use replica_ha::replica::ResizeError;
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    rig.engine.replica_set().remove(NodeId(3)).unwrap();
+    assert_eq!(
+        rig.engine.resize(2 * SIZE).await,
+        Err(ResizeError::Missing {
+            id: NodeId(3),
+            now: SIZE
+        })
+    );
+    assert_eq!(rig.tracker.volume_size().await.unwrap(), None);
+    assert_eq!(rig.engine.size(), SIZE);
+}
+
 #[tokio::test]
 async fn a_replica_being_rebuilt_grows_with_the_resize() {
     let rig = Rig::new(2).await;

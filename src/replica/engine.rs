@@ -255,6 +255,11 @@ pub enum ResizeError {
         cause: ReplicaError,
         now: u64,
     },
+    /// An in-sync replica is not in this engine's replica set.
+    #[error(
+        "in-sync replica {id} is not in the writer's replica set; the volume stays {now} bytes"
+    )]
+    Missing { id: NodeId, now: u64 },
     /// The new size could not be committed.
     #[error("the new size was not committed: {cause}; the volume stays {now} bytes")]
     Uncommitted { cause: InSyncError, now: u64 },
@@ -464,10 +469,17 @@ impl Engine {
         if size < now {
             return Err(ResizeError::Shrink { now, asked: size });
         }
-        let targets: Vec<Arc<dyn Replica>> = in_sync
-            .union(&rebuilding)
-            .filter_map(|id| self.replica(*id))
-            .collect();
+        // Every in-sync replica must grow before the size is committed; one
+        // the set lacks cannot, so the resize fails rather than commit a
+        // size that an in-sync copy does not have.
+        let mut targets: Vec<Arc<dyn Replica>> = Vec::new();
+        for id in &in_sync {
+            let replica = self
+                .replica(*id)
+                .ok_or(ResizeError::Missing { id: *id, now })?;
+            targets.push(replica);
+        }
+        targets.extend(rebuilding.iter().filter_map(|id| self.replica(*id)));
         let grown = join_all(targets.iter().map(|replica| async move {
             let outcome = self
                 .stamped(term, replica, |stamp| replica.grow(stamp, size))
@@ -496,11 +508,15 @@ impl Engine {
     }
 
     /// Grows the rebuild target `id` to the volume's size, for a copy that
-    /// missed a resize.
+    /// missed a resize. The size is the larger of the one served and the
+    /// committed one: a resize whose commit was not confirmed may have
+    /// committed all the same, and a copy that joins the in-sync set must
+    /// hold every byte a later writer will serve.
     pub async fn grow_target(&self, id: NodeId) -> Result<(), RebuildError> {
         let term = self.lock().term.ok_or(RebuildError::Inactive)?;
         let target = self.target(id)?;
-        let size = self.current_size();
+        let committed = self.tracker.volume_size().await?.unwrap_or(0);
+        let size = self.current_size().max(committed);
         self.stamped(term, &target, |stamp| target.grow(stamp, size))
             .await
             .map_err(|cause| RebuildError::replica("growing", id, cause))?;
