@@ -882,10 +882,11 @@ impl Engine {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
         let term = self.term().ok_or(ScrubError::Inactive)?;
         let offset = extent.saturating_mul(self.extent_size);
-        if offset >= self.current_size() || self.lock().activity.unsure.contains(&extent) {
+        let size = self.current_size();
+        if offset >= size || self.lock().activity.unsure.contains(&extent) {
             return Ok(None);
         }
-        let len = self.extent_size.min(self.current_size() - offset);
+        let len = self.extent_size.min(size - offset);
         let members = self.read_order();
         let answers = join_all(
             members
@@ -1001,10 +1002,11 @@ impl Engine {
             .ok_or(RebuildError::NoSource)?;
         let target = self.target(id)?;
         let offset = extent * self.extent_size;
-        if offset >= self.current_size() {
+        let size = self.current_size();
+        if offset >= size {
             return Ok(0);
         }
-        let len = self.extent_size.min(self.current_size() - offset);
+        let len = self.extent_size.min(size - offset);
         let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
         let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
         let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
@@ -1320,11 +1322,12 @@ impl Engine {
                 break;
             }
             let offset = extent * self.extent_size;
-            if offset >= self.current_size() {
+            let size = self.current_size();
+            if offset >= size {
                 self.lock().activity.unsure.remove(&extent);
                 continue;
             }
-            let len = self.extent_size.min(self.current_size() - offset);
+            let len = self.extent_size.min(size - offset);
             let mut order = self.read_order().into_iter();
             let Some(source) = order.next() else {
                 break;
