@@ -281,7 +281,8 @@ pub trait Replica: Send + Sync {
     /// Its fence floor and dirty-mark count.
     async fn info(&self) -> Result<ReplicaInfo, ReplicaError>;
     /// BLAKE3 digests of the extents that `[offset, offset+len)` covers:
-    /// the index of the first extent and one digest per extent.
+    /// the index of the first extent and one digest per extent, each of
+    /// its bytes from the extent's start up to the end of the request.
     async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError>;
 }
 

@@ -41,11 +41,12 @@
 //! - **Growth.** The size only grows ([`ReplicaStore::grow`], stamped and
 //!   admitted like a flush). The data file is extended and synced before
 //!   the new size is recorded, and the new range is served only after
-//!   both: a crash in between leaves a longer file whose tail nothing ever
-//!   wrote, and the next open trims it back to the recorded size. A store
-//!   opened with a larger configured size grows the same way; one opened
-//!   with a smaller one keeps its recorded size (the volume was resized
-//!   online since the config was written).
+//!   both: a crash in between leaves a longer file whose tail is never
+//!   served, and the next growth cuts the file to the served size before
+//!   extending it, so the new range reads as zeroes. Opening never changes
+//!   the size or the file: the recorded size stands whatever the config
+//!   says (the config's size is for a new volume; a volume grows only
+//!   through `replica-ha resize`).
 
 use super::meta::{Meta, MetaSlot};
 use std::collections::HashSet;
@@ -226,27 +227,27 @@ impl ReplicaStore {
                     )));
                 }
                 if len > stored.size {
-                    // A growth that crashed before it was recorded: its
-                    // tail was never served, so never written.
+                    // A growth that crashed before it was recorded. The
+                    // tail is kept, never served, and zeroed by the next
+                    // growth: opening a store never cuts its data file.
                     tracing::warn!(
                         file = %data_path.display(),
                         len,
                         size = stored.size,
-                        "trimming the tail of an unfinished growth"
+                        "the data file is longer than the recorded size (a growth that \
+                         was cut off); serving the recorded size"
                     );
-                    file.set_len(stored.size)?;
-                    file.sync_all()?;
                 }
-                if identity.size > stored.size {
+                if identity.size != stored.size {
+                    // The recorded size is the copy's: it grows only when a
+                    // writer grows it, stamped, for a resize (the config's
+                    // size is for a new volume).
                     tracing::info!(
-                        from = stored.size,
-                        to = identity.size,
-                        "growing the replica to the configured size"
+                        configured = identity.size,
+                        recorded = stored.size,
+                        "the replica keeps its recorded size; grow a volume with \
+                         `replica-ha resize`"
                     );
-                    extend_file(&file, identity.size)?;
-                    identity_tree.insert("size", &identity.size.to_be_bytes())?;
-                    db.flush()?;
-                } else {
                     identity.size = stored.size;
                 }
                 file
@@ -329,7 +330,11 @@ impl ReplicaStore {
         }
         let meta = self.meta.get()?;
         let file = Arc::clone(&self.file);
-        run_io(move || extend_file(&file, size)).await?;
+        // The last extent's digest changes when it was partial: no
+        // predigest taken before the growth is served after it.
+        let _touch = self.predigests.touch();
+        let from = self.size();
+        run_io(move || extend_file(&file, from, size)).await?;
         meta.identity
             .insert("size", &size.to_be_bytes())
             .map_err(|e| self.meta.failed(e))?;
@@ -480,6 +485,9 @@ impl ReplicaStore {
     /// BLAKE3 digests of the extents overlapping `[offset, offset + len)`,
     /// at most [`MAX_DIGEST_EXTENTS`] per call; returns the first extent's
     /// index and the digests. Replicas compare these to find what differs.
+    /// Each digest covers its extent up to the end of the request and no
+    /// further, so two copies of different sizes (one grew for a resize
+    /// that never committed) agree on the range the writer asks about.
     pub async fn digests(
         &self,
         offset: u64,
@@ -509,10 +517,15 @@ impl ReplicaStore {
         } else {
             (offset + len - 1) / size
         };
-        if let Some(digests) = self.predigests.lookup(first, last) {
-            return Ok((first, digests));
+        let until = if len == 0 { self.size() } else { offset + len };
+        // The predigests cover whole extents up to the volume's end.
+        let whole = until >= ((last + 1) * size).min(self.size());
+        if whole {
+            if let Some(digests) = self.predigests.lookup(first, last) {
+                return Ok((first, digests));
+            }
         }
-        let digests = run_io(self.hasher(first..=last)).await?;
+        let digests = run_io(self.hasher(first..=last, until)).await?;
         Ok((first, digests))
     }
 
@@ -529,7 +542,7 @@ impl ReplicaStore {
         extents.dedup();
         extents.truncate(MAX_PREDIGEST_EXTENTS);
         let count = extents.len();
-        let hash = self.hasher(extents.clone());
+        let hash = self.hasher(extents.clone(), self.size());
         let digests = run_io(move || Ok(extents.into_iter().zip(hash()?).collect())).await?;
         if self.predigests.keep(epoch, digests) {
             Ok(count)
@@ -538,16 +551,18 @@ impl ReplicaStore {
         }
     }
 
-    /// A blocking task that returns the BLAKE3 digests of `extents`. An
-    /// extent that is a hole in the data file (never written, or
+    /// A blocking task that returns the BLAKE3 digests of `extents`, each
+    /// hashed from its start to its end, `until` or the volume's end,
+    /// whichever comes first. An extent that is a hole in the data file (never written, or
     /// discarded) reads as zeroes, so it gets the digest of zeroes without
     /// being read: a digest pass over a sparse volume costs in proportion
     /// to what is allocated, not to the volume's size.
     fn hasher(
         &self,
         extents: impl IntoIterator<Item = u64> + Send + 'static,
+        until: u64,
     ) -> impl FnOnce() -> std::io::Result<Vec<Digest>> + Send + 'static {
-        let (size, volume) = (self.identity.extent_size, self.size());
+        let (size, volume) = (self.identity.extent_size, until.min(self.size()));
         let file = Arc::clone(&self.file);
         move || {
             let mut buf = vec![0u8; size as usize];
@@ -556,7 +571,7 @@ impl ReplicaStore {
                 .into_iter()
                 .map(|extent| {
                     let start = extent * size;
-                    let end = (start + size).min(volume);
+                    let end = (start + size).min(volume).max(start);
                     let chunk = &mut buf[..(end - start) as usize];
                     if is_hole(&file, start, end) {
                         if chunk.len() as u64 != size {
@@ -912,7 +927,11 @@ fn write_identity(tree: &sled::Tree, identity: &StoreIdentity) -> Result<(), Rep
 }
 
 /// Extends `file` to `size` bytes (sparse) durably.
-fn extend_file(file: &File, size: u64) -> std::io::Result<()> {
+/// Extends the data file from the served size `from` to `size`, durably.
+/// Cutting it to `from` first drops whatever tail an earlier, unfinished
+/// growth left, so the new range reads as zeroes.
+fn extend_file(file: &File, from: u64, size: u64) -> std::io::Result<()> {
+    file.set_len(from)?;
     file.set_len(size)?;
     file.sync_all()
 }
@@ -1465,8 +1484,18 @@ mod tests {
         let (_, after) = store.digests(0, 3 * mib).await.unwrap();
         assert_eq!(after[0], before[0]);
         assert_ne!(after[1], before[1]);
-        let (first, one) = store.digests(mib + 5, 1).await.unwrap();
+        let (first, one) = store.digests(mib, mib).await.unwrap();
         assert_eq!((first, one), (1, vec![after[1]]));
+        // A digest covers its extent up to the end of the request: that
+        // is what a copy of another size (one that grew for a resize that
+        // never committed) is compared on.
+        let (first, part) = store.digests(mib + 5, 6).await.unwrap();
+        let mut expected = vec![0u8; 11];
+        expected[10] = 1;
+        assert_eq!(
+            (first, part),
+            (1, vec![*blake3::hash(&expected).as_bytes()])
+        );
         assert!(matches!(
             store.digests(SIZE, 1).await,
             Err(ReplicaError::Range(_))
@@ -1622,7 +1651,7 @@ mod tests {
         writing.await.unwrap().unwrap();
         *store.io_delay.lock().unwrap() = Duration::ZERO;
         assert_eq!(store.predigest().await.unwrap(), 1);
-        let (_, now) = store.digests(0, 1).await.unwrap();
+        let (_, now) = store.digests(0, DEFAULT_EXTENT_SIZE).await.unwrap();
         let mut expected = vec![0u8; DEFAULT_EXTENT_SIZE as usize];
         expected[..4096].fill(2);
         assert_eq!(now[0], *blake3::hash(&expected).as_bytes());
@@ -1690,25 +1719,71 @@ mod tests {
             block(9, 512)
         );
         drop(store);
-        // A larger configured size grows the copy as it opens.
+        // A larger configured size changes nothing either: only a stamped
+        // growth grows a copy.
         let store = try_open(dir.path(), StoreIdentity::new("c1", "vol0", SIZE * 3))
             .await
             .unwrap();
-        assert_eq!(store.size(), SIZE * 3);
+        assert_eq!(store.size(), SIZE * 2);
+        assert_eq!(
+            std::fs::metadata(dir.path().join(DATA_FILE)).unwrap().len(),
+            SIZE * 2
+        );
         assert_eq!(store.read(0, 4096).await.unwrap(), block(7, 4096));
     }
 
+    /// Copies of different sizes (one grew for a resize that never
+    /// committed) agree on a partial last extent, and a predigest of that
+    /// extent taken before a growth is not served after it.
     #[tokio::test]
-    async fn a_growth_cut_off_before_it_was_recorded_is_trimmed_at_open() {
+    async fn digests_go_by_the_request_not_the_copys_size() {
+        let mib = DEFAULT_EXTENT_SIZE;
+        let odd = 3 * mib + 1536;
+        let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let a = try_open(a_dir.path(), StoreIdentity::new("c1", "vol0", odd))
+            .await
+            .unwrap();
+        let b = try_open(b_dir.path(), StoreIdentity::new("c1", "vol0", odd))
+            .await
+            .unwrap();
+        for store in [&a, &b] {
+            store
+                .write(Term(1), 3 * mib, block(4, 512), true)
+                .await
+                .unwrap();
+        }
+        assert_eq!(a.predigest().await.unwrap(), 1);
+        assert_eq!(a.grow(Term(1), 4 * mib).await, Ok(4 * mib));
+        assert_eq!(
+            a.digests(0, odd).await.unwrap(),
+            b.digests(0, odd).await.unwrap()
+        );
+        let mut whole = vec![0u8; mib as usize];
+        whole[..512].fill(4);
+        let (_, grown) = a.digests(3 * mib, mib).await.unwrap();
+        assert_eq!(grown, vec![*blake3::hash(&whole).as_bytes()]);
+    }
+
+    #[tokio::test]
+    async fn a_growth_cut_off_before_it_was_recorded_is_kept_unserved_and_zeroed_by_the_next() {
         let dir = tempfile::tempdir().unwrap();
         drop(open(dir.path()).await);
-        // The file was extended, and then the node died.
+        // The file was extended and something landed in its tail (it can
+        // not, but the store must not rely on that), and then the node died.
         let data = dir.path().join(DATA_FILE);
         let file = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
         file.set_len(SIZE * 4).unwrap();
+        file.write_all_at(&[0xee; 512], SIZE).unwrap();
+        drop(file);
+        // Opening keeps the file and serves the recorded size.
         let store = open(dir.path()).await;
         assert_eq!(store.size(), SIZE);
-        assert_eq!(std::fs::metadata(&data).unwrap().len(), SIZE);
+        assert_eq!(std::fs::metadata(&data).unwrap().len(), SIZE * 4);
+        assert!(store.read(SIZE, 512).await.is_err());
+        // The next growth serves zeroes past the old end.
+        assert_eq!(store.grow(Term(1), SIZE * 2).await, Ok(SIZE * 2));
+        assert_eq!(store.read(SIZE, 512).await.unwrap(), block(0, 512));
+        assert_eq!(std::fs::metadata(&data).unwrap().len(), SIZE * 2);
     }
 
     #[tokio::test]
