@@ -43,6 +43,8 @@ pub struct Meta {
     pub fence: sled::Tree,
     /// The dirty marks.
     pub dirty: sled::Tree,
+    /// The missed-write maps (see [`super::missed`]).
+    pub missed: sled::Tree,
     /// Group flushes of the whole database.
     pub flusher: Flusher,
 }
@@ -54,6 +56,7 @@ impl Meta {
             identity: db.open_tree("identity")?,
             fence: db.open_tree("fence")?,
             dirty: db.open_tree("dirty")?,
+            missed: db.open_tree("missed")?,
             flusher: Flusher::new(db),
         })
     }

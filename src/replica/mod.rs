@@ -27,6 +27,7 @@ pub mod engine;
 pub mod fencer;
 pub mod liveness;
 pub mod meta;
+pub mod missed;
 pub mod order;
 pub mod predigest;
 pub mod quorum;

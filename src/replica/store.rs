@@ -49,6 +49,8 @@
 //!   through `replica-ha resize`).
 
 use super::meta::{Meta, MetaSlot};
+use super::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps};
+use crate::ids::{Incarnation, NodeId};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -159,6 +161,11 @@ pub struct ReplicaStore {
     /// Dirty marks known to be durable, so only a term's first write into an
     /// extent pays for a metadata flush.
     marked: Mutex<HashSet<DirtyExtent>>,
+    /// The missed-write maps of absent members, as far as they are durable
+    /// (see [`super::missed`]).
+    missed: MissedMaps,
+    /// Serializes opening and closing maps.
+    missed_edit: tokio::sync::Mutex<()>,
     /// Requests admitted with a term below the floor (see the module docs).
     stale_accepts: AtomicU64,
     /// Every change to the data file is counted here, and the digests of
@@ -283,6 +290,7 @@ impl ReplicaStore {
             Some(bytes) => decode_u64(&bytes, "stale-accept count")?,
             None => 0,
         };
+        let missed = MissedMaps::load(&meta.missed)?;
         let meta_path = dir.join(META_DIR);
         Ok(Self {
             dir,
@@ -293,6 +301,8 @@ impl ReplicaStore {
             meta: MetaSlot::new(meta_path, meta),
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::new(HashSet::new()),
+            missed,
+            missed_edit: tokio::sync::Mutex::new(()),
             stale_accepts: AtomicU64::new(stale_accepts),
             predigests: Arc::default(),
             #[cfg(test)]
@@ -606,6 +616,130 @@ impl ReplicaStore {
         self.stale_accepts.load(Ordering::SeqCst)
     }
 
+    /// Opens the missed-write map of `node` (about `incarnation` of its
+    /// data dir) if it is not open, and adds `extents` to it, durably, on
+    /// behalf of the writer of `stamp` (admitted like a write). A map open
+    /// about another incarnation is replaced: the copy it described is
+    /// gone (S8). See [`super::missed`].
+    pub async fn note_missed(
+        &self,
+        stamp: impl Into<Stamp>,
+        node: NodeId,
+        incarnation: Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        if extents.len() as u64 > MAX_MISSED_EXTENTS {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "{} extents in one note; at most {MAX_MISSED_EXTENTS}",
+                extents.len()
+            )));
+        }
+        let count = self.size().div_ceil(self.identity.extent_size);
+        if let Some(extent) = extents.iter().find(|e| **e >= count) {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "extent {extent} is past the volume's {count} extents"
+            )));
+        }
+        let _admitted = self.admit(stamp).await?;
+        let _one_at_a_time = self.missed_edit.lock().await;
+        let meta = self.meta.get()?;
+        let current = self.missed.open_of(node);
+        let replaced = current.is_some_and(|open| open != incarnation);
+        if replaced {
+            let old: Vec<sled::IVec> = meta
+                .missed
+                .scan_prefix(missed::entry_prefix(node))
+                .keys()
+                .collect::<Result<_, _>>()
+                .map_err(|e| self.meta.failed(e))?;
+            crate::sled_ops::remove_all(&meta.missed, &old).map_err(|e| self.meta.failed(e))?;
+        }
+        let empty: &[u8] = &[];
+        let entries = extents
+            .iter()
+            .map(|extent| (missed::entry_key(node, *extent), empty));
+        crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
+        meta.missed
+            .insert(missed::open_key(node), &incarnation.0.to_be_bytes())
+            .map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
+        if current != Some(incarnation) {
+            tracing::info!(replica = %node, %incarnation, noted = extents.len(), "missed-write map opened");
+        }
+        self.missed.opened(node, incarnation, extents, replaced);
+        Ok(())
+    }
+
+    /// One page of `node`'s missed-write map: the extents from `from` on,
+    /// at most [`MAX_MISSED_EXTENTS`]; `None` if no map of it is open.
+    /// Reads what the database holds, which may be more than is flushed: a
+    /// superset is safe.
+    pub fn missed(&self, node: NodeId, from: u64) -> Result<Option<MissedMap>, ReplicaError> {
+        let Some(incarnation) = self.missed.open_of(node) else {
+            return Ok(None);
+        };
+        let meta = self.meta.get()?;
+        let start = missed::entry_key(node, from);
+        let end = missed::entry_key(node, u64::MAX);
+        let mut map = MissedMap {
+            incarnation,
+            ..MissedMap::default()
+        };
+        for key in meta.missed.range(start..=end).keys() {
+            let key = key.map_err(|e| self.meta.failed(e))?;
+            if map.extents.len() as u64 == MAX_MISSED_EXTENTS {
+                map.more = true;
+                break;
+            }
+            map.extents.push(missed::decode_entry(&key)?.1);
+        }
+        Ok(Some(map))
+    }
+
+    /// The members this store keeps an open missed-write map of.
+    pub fn missed_open(&self) -> std::collections::BTreeMap<NodeId, Incarnation> {
+        self.missed.open()
+    }
+
+    /// Closes `node`'s missed-write map and drops its entries, on behalf
+    /// of the writer of `stamp`, once `node` is back in the in-sync set.
+    pub async fn close_missed(
+        &self,
+        stamp: impl Into<Stamp>,
+        node: NodeId,
+    ) -> Result<(), ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        let _admitted = self.admit(stamp).await?;
+        let _one_at_a_time = self.missed_edit.lock().await;
+        if self.missed.open_of(node).is_none() {
+            return Ok(());
+        }
+        let meta = self.meta.get()?;
+        meta.missed
+            .remove(missed::open_key(node))
+            .map_err(|e| self.meta.failed(e))?;
+        let entries: Vec<sled::IVec> = meta
+            .missed
+            .scan_prefix(missed::entry_prefix(node))
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.meta.failed(e))?;
+        crate::sled_ops::remove_all(&meta.missed, &entries).map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
+        self.missed.closed(node);
+        tracing::info!(replica = %node, "missed-write map closed");
+        Ok(())
+    }
+
     /// Every durable dirty mark, ordered by term then extent.
     pub fn dirty_extents(&self) -> Result<Vec<DirtyExtent>, ReplicaError> {
         let meta = self.meta.get()?;
@@ -785,18 +919,27 @@ impl ReplicaStore {
                 .filter(|mark| !marked.contains(mark))
                 .collect()
         };
-        if missing.is_empty() {
+        // The absent members' maps take the change first, in the same
+        // flush (see [`super::missed`]).
+        let needed = self.missed.needed(first, last);
+        if missing.is_empty() && needed.entries.is_empty() {
             return Ok(());
         }
         let empty: &[u8] = &[];
         let pairs = missing.iter().map(|mark| (encode_dirty(mark), empty));
         let meta = self.meta.get()?;
         crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
+        let entries = needed
+            .entries
+            .iter()
+            .map(|(node, extent)| (missed::entry_key(*node, *extent), empty));
+        crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
         meta.flusher
             .flush()
             .await
             .map_err(|e| self.meta.failed(e))?;
         self.lock_marked().extend(missing);
+        self.missed.flushed(needed);
         Ok(())
     }
 
@@ -1681,6 +1824,83 @@ mod tests {
         }
         // The right identity still opens.
         drop(open(dir.path()).await);
+    }
+
+    /// While a member's map is open, every change adds its extents first,
+    /// durably; a reopened store still has them; another incarnation
+    /// replaces the map; a close drops it; a fenced writer can do neither.
+    #[tokio::test]
+    async fn a_missed_write_map_records_every_change_while_it_is_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let mib = DEFAULT_EXTENT_SIZE;
+        let store = open(dir.path()).await;
+        let (x, y) = (NodeId(3), NodeId(4));
+        store.write(Term(2), 0, block(1, 512), false).await.unwrap();
+        assert_eq!(store.missed(x, 0).unwrap(), None, "no map before it opens");
+        store
+            .note_missed(Term(2), x, Incarnation(7), &[5])
+            .await
+            .unwrap();
+        store
+            .write(Term(2), mib, block(1, 512), false)
+            .await
+            .unwrap();
+        store.discard(Term(2), 2 * mib, 4096).await.unwrap();
+        store
+            .write(Term(2), mib + 4096, block(2, 512), false)
+            .await
+            .unwrap();
+        let map = store.missed(x, 0).unwrap().unwrap();
+        assert_eq!(map.incarnation, Incarnation(7));
+        assert_eq!(map.extents, vec![1, 2, 5]);
+        assert_eq!(store.missed(x, 2).unwrap().unwrap().extents, vec![2, 5]);
+        drop(store);
+
+        let store = open(dir.path()).await;
+        assert_eq!(store.missed(x, 0).unwrap().unwrap().extents, vec![1, 2, 5]);
+        assert_eq!(store.missed_open().into_keys().collect::<Vec<_>>(), vec![x]);
+        // Another member's map starts empty.
+        store
+            .note_missed(Term(2), y, Incarnation(1), &[])
+            .await
+            .unwrap();
+        store
+            .write(Term(2), 6 * mib, block(3, 512), false)
+            .await
+            .unwrap();
+        assert_eq!(store.missed(y, 0).unwrap().unwrap().extents, vec![6]);
+        assert_eq!(
+            store.missed(x, 0).unwrap().unwrap().extents,
+            vec![1, 2, 5, 6]
+        );
+        // A new incarnation of x: its old map described a copy that is gone.
+        store
+            .note_missed(Term(2), x, Incarnation(8), &[0])
+            .await
+            .unwrap();
+        let map = store.missed(x, 0).unwrap().unwrap();
+        assert_eq!((map.incarnation, map.extents), (Incarnation(8), vec![0]));
+        // Refused: past the end, or from a fenced writer.
+        assert!(matches!(
+            store.note_missed(Term(2), x, Incarnation(8), &[8]).await,
+            Err(ReplicaError::InvalidRequest(_))
+        ));
+        store.fence(Term(3)).await.unwrap();
+        assert!(matches!(
+            store.note_missed(Term(2), x, Incarnation(8), &[1]).await,
+            Err(ReplicaError::StaleTerm { .. })
+        ));
+        assert!(matches!(
+            store.close_missed(Term(2), x).await,
+            Err(ReplicaError::StaleTerm { .. })
+        ));
+        store.close_missed(Term(3), x).await.unwrap();
+        assert_eq!(store.missed(x, 0).unwrap(), None);
+        store.write(Term(3), 0, block(4, 512), false).await.unwrap();
+        drop(store);
+        let store = open(dir.path()).await;
+        assert_eq!(store.missed(x, 0).unwrap(), None);
+        assert_eq!(store.missed(y, 0).unwrap().unwrap().extents, vec![0, 6]);
     }
 
     #[tokio::test]

@@ -1,0 +1,245 @@
+//! The missed-write map: while a replica is out of the in-sync set, the
+//! in-sync replicas record which extents they changed, so that its rebuild
+//! compares and copies those and not the whole volume (DRBD's bitmap).
+//!
+//! Each replica store keeps, in its metadata database, one map per absent
+//! member: an *open* record naming the member and the incarnation of its
+//! data dir the map is about, and one entry per extent. While a map is
+//! open, every change the store applies (a write, a discard, a copy of a
+//! rebuild, scrub or convergence) adds its extents to it first, durably and
+//! in the same metadata flush as the change's S6 mark; an extent already
+//! in the map costs nothing more, so a long absence costs at most one entry
+//! per extent of the volume.
+//!
+//! **Invariant M.** If an in-sync replica A holds an open map for member X
+//! of incarnation I, every extent where X's copy (of incarnation I) may
+//! differ from A's is in A's map, apart from the extents X itself holds
+//! marks for, which its rebuild adds. How it is kept:
+//! - *When X leaves.* Before the writer commits X's removal from the
+//!   in-sync set, it opens X's map on every replica that stays (in sync or
+//!   being rebuilt), and then notes there the extents of every write still
+//!   in flight: a write that began before the map was open on some replica
+//!   may have reached it and not X. A write that began after finds the map
+//!   open. Writes whose outcome on X was unknown are among those in flight.
+//!   A node whose fencer drops an unreachable X opens X's map with every
+//!   marked extent of the dead writer (its unacknowledged writes may have
+//!   reached some copies and not others).
+//! - *While X is away.* A replica records every change while X's map is
+//!   open, whoever makes it. A replica that returns from a rebuild of its
+//!   own is given the maps of its source (merged, after it began receiving
+//!   writes), since it missed what the others recorded while it was away.
+//! - *When X returns.* Once its return is committed, the writer closes its
+//!   map everywhere. A map left open by a close that failed is a superset,
+//!   and a superset only costs copies.
+//!
+//! A replica with no shared history gets a full rebuild: one whose
+//! incarnation is not the map's (a replaced disk, S8), or a source without
+//! an open map for it (the map was never opened there: a replica formed
+//! before maps existed, or a node that lost its metadata). The map has no
+//! other limit: it never covers more than every extent of the volume, and
+//! then the rebuild compares every extent, as a full one does.
+//!
+//! Races inside a store: a map is opened, closed and changed under one
+//! lock, and a change's entries are added to the in-memory copy only if no
+//! open or close happened between computing them and their flush (a
+//! `version` counts those), so memory never claims an entry the database
+//! lost to a close.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
+
+use crate::ids::{Incarnation, NodeId};
+
+use super::ReplicaError;
+
+/// At most this many extents in one note or one page of a map.
+pub const MAX_MISSED_EXTENTS: u64 = 65_536;
+
+const OPEN: u8 = b'o';
+const ENTRY: u8 = b'e';
+
+/// One absent member's map, as a store returns it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MissedMap {
+    /// The incarnation of the member's data dir the map is about.
+    pub incarnation: Incarnation,
+    /// The extents, ascending, from the page's start.
+    pub extents: Vec<u64>,
+    /// Whether more extents follow (ask again from the last one plus one).
+    pub more: bool,
+}
+
+/// The key of `node`'s open record.
+pub fn open_key(node: NodeId) -> [u8; 9] {
+    let mut key = [0u8; 9];
+    key[0] = OPEN;
+    key[1..].copy_from_slice(&node.0.to_be_bytes());
+    key
+}
+
+/// The key of `node`'s entry for `extent`.
+pub fn entry_key(node: NodeId, extent: u64) -> [u8; 17] {
+    let mut key = [0u8; 17];
+    key[0] = ENTRY;
+    key[1..9].copy_from_slice(&node.0.to_be_bytes());
+    key[9..].copy_from_slice(&extent.to_be_bytes());
+    key
+}
+
+/// The prefix of every entry of `node`.
+pub fn entry_prefix(node: NodeId) -> [u8; 9] {
+    let mut key = open_key(node);
+    key[0] = ENTRY;
+    key
+}
+
+fn decode_u64(bytes: &[u8]) -> Result<u64, ReplicaError> {
+    let bytes: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| ReplicaError::Io(format!("corrupt missed-write map key {bytes:?}")))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// The extent of an entry key.
+pub fn decode_entry(key: &[u8]) -> Result<(NodeId, u64), ReplicaError> {
+    if key.len() != 17 || key[0] != ENTRY {
+        return Err(ReplicaError::Io(format!(
+            "corrupt missed-write map key {key:?}"
+        )));
+    }
+    Ok((NodeId(decode_u64(&key[1..9])?), decode_u64(&key[9..])?))
+}
+
+/// The in-memory copy of a store's maps: which are open, and which entries
+/// are durable. See the module docs.
+#[derive(Debug, Default)]
+pub struct MissedMaps {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    open: BTreeMap<NodeId, Incarnation>,
+    noted: HashSet<(NodeId, u64)>,
+    version: u64,
+}
+
+/// Entries a change must add before it is applied, and the version they
+/// were computed at.
+#[derive(Debug, Default)]
+pub struct Needed {
+    pub entries: Vec<(NodeId, u64)>,
+    version: u64,
+}
+
+impl MissedMaps {
+    /// Loads the maps of `tree`; entries of a member without an open map
+    /// (a change that raced a close) are removed.
+    pub fn load(tree: &sled::Tree) -> Result<Self, ReplicaError> {
+        let mut state = State::default();
+        for item in tree.scan_prefix([OPEN]) {
+            let (key, value) = item?;
+            let node = NodeId(decode_u64(&key[1..])?);
+            state.open.insert(node, Incarnation(decode_u64(&value)?));
+        }
+        let mut orphans = Vec::new();
+        for key in tree.scan_prefix([ENTRY]).keys() {
+            let key = key?;
+            let (node, extent) = decode_entry(&key)?;
+            if state.open.contains_key(&node) {
+                state.noted.insert((node, extent));
+            } else {
+                orphans.push(key);
+            }
+        }
+        crate::sled_ops::remove_all(tree, &orphans)?;
+        Ok(Self {
+            state: Mutex::new(state),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The entries a change to extents `first..=last` must add first.
+    pub fn needed(&self, first: u64, last: u64) -> Needed {
+        let state = self.lock();
+        let entries = state
+            .open
+            .keys()
+            .flat_map(|node| (first..=last).map(move |extent| (*node, extent)))
+            .filter(|entry| !state.noted.contains(entry))
+            .collect();
+        Needed {
+            entries,
+            version: state.version,
+        }
+    }
+
+    /// `needed`'s entries are durable now.
+    pub fn flushed(&self, needed: Needed) {
+        let mut state = self.lock();
+        if state.version == needed.version {
+            state.noted.extend(needed.entries);
+        }
+    }
+
+    /// The incarnation `node`'s open map is about, if one is open.
+    pub fn open_of(&self, node: NodeId) -> Option<Incarnation> {
+        self.lock().open.get(&node).copied()
+    }
+
+    /// Every member with an open map.
+    pub fn open(&self) -> BTreeMap<NodeId, Incarnation> {
+        self.lock().open.clone()
+    }
+
+    /// `node`'s map is open (about `incarnation`) and holds `extents`,
+    /// durably; `replaced` if its earlier entries were removed.
+    pub fn opened(&self, node: NodeId, incarnation: Incarnation, extents: &[u64], replaced: bool) {
+        let mut state = self.lock();
+        state.version += 1;
+        if replaced {
+            state.noted.retain(|(n, _)| *n != node);
+        }
+        state.open.insert(node, incarnation);
+        state
+            .noted
+            .extend(extents.iter().map(|extent| (node, *extent)));
+    }
+
+    /// `node`'s map is closed and its entries removed, durably.
+    pub fn closed(&self, node: NodeId) {
+        let mut state = self.lock();
+        state.version += 1;
+        state.open.remove(&node);
+        state.noted.retain(|(n, _)| *n != node);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_computed_before_a_close_are_not_remembered_after_it() {
+        let maps = MissedMaps::default();
+        maps.opened(NodeId(3), Incarnation(7), &[1], false);
+        let needed = maps.needed(0, 2);
+        assert_eq!(needed.entries, vec![(NodeId(3), 0), (NodeId(3), 2)]);
+        maps.closed(NodeId(3));
+        maps.flushed(needed);
+        maps.opened(NodeId(3), Incarnation(7), &[], false);
+        assert_eq!(maps.needed(0, 0).entries, vec![(NodeId(3), 0)]);
+    }
+
+    #[test]
+    fn keys_round_trip_and_garbage_is_an_error() {
+        let key = entry_key(NodeId(9), 1 << 40);
+        assert_eq!(decode_entry(&key).unwrap(), (NodeId(9), 1 << 40));
+        assert!(key.starts_with(&entry_prefix(NodeId(9))));
+        assert!(decode_entry(&key[..16]).is_err());
+        assert!(decode_entry(&open_key(NodeId(9))).is_err());
+    }
+}
