@@ -37,7 +37,7 @@ use crate::proto::admin::{
     StatusReply, StatusRequest, TransferReply, TransferRequest, WatchLeaderRequest, WriteReply,
     WriteRequest,
 };
-use crate::replica::ResizeError;
+use crate::replica::{ReplicaError, ResizeError};
 use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
@@ -342,9 +342,13 @@ impl Admin for AdminService {
         let previous = self.view.device().size();
         let size = self.view.resize(size).await.map_err(|err| match err {
             ResizeError::Invalid(_) => Status::invalid_argument(err.to_string()),
-            ResizeError::Shrink { .. } | ResizeError::Inactive => {
-                Status::failed_precondition(err.to_string())
-            }
+            ResizeError::Shrink { .. }
+            | ResizeError::Inactive
+            | ResizeError::Refused { .. }
+            | ResizeError::Replica {
+                cause: ReplicaError::StaleTerm { .. },
+                ..
+            } => Status::failed_precondition(err.to_string()),
             ResizeError::Replica { .. }
             | ResizeError::Missing { .. }
             | ResizeError::Uncommitted { .. } => Status::unavailable(err.to_string()),

@@ -1109,11 +1109,11 @@ async fn a_resize_grows_every_in_sync_replica_before_the_size_is_committed_and_s
     assert_eq!(rig.tracker.volume_size().await.unwrap(), None);
     assert_eq!(rig.engine.size(), SIZE);
     rig.replicas[1].set(Fault::None);
-    // A commit that fails: the copies grew, the size served did not.
+    // A commit that is refused: the copies grew, the size served did not.
     rig.tracker.inner.fail_removals(true);
     assert!(matches!(
         rig.engine.resize(2 * SIZE).await,
-        Err(ResizeError::Uncommitted { now: SIZE, .. })
+        Err(ResizeError::Refused { now: SIZE, .. })
     ));
     assert_eq!(rig.engine.size(), SIZE);
     rig.tracker.inner.fail_removals(false);
@@ -1187,6 +1187,28 @@ async fn a_rebuilt_replica_grows_to_a_committed_size_the_writer_does_not_serve_y
     rig.tracker.resize(Term(5), 2 * SIZE).await.unwrap();
     assert_eq!(rig.engine.size(), SIZE);
     rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(rig.replicas[2].store().size(), 2 * SIZE);
+    // A resize goes by the committed size too: one in between is a shrink,
+    // and the committed one again is served once every copy has grown.
+    assert_eq!(
+        rig.engine.resize(SIZE + SIZE / 2).await,
+        Err(replica_ha::replica::ResizeError::Shrink {
+            now: 2 * SIZE,
+            asked: SIZE + SIZE / 2
+        })
+    );
+    assert_eq!(rig.engine.resize(2 * SIZE).await, Ok(2 * SIZE));
+    assert_eq!(rig.replicas[0].store().size(), 2 * SIZE);
+}
+
+/// A replica the committed in-sync set holds grows with a resize even if
+/// this writer does not count it in sync (a return whose answer was lost).
+#[tokio::test]
+async fn a_resize_grows_every_replica_of_the_committed_set() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.tracker.add(Term(5), &[NodeId(3)].into()).await.unwrap();
+    rig.engine.resize(2 * SIZE).await.unwrap();
     assert_eq!(rig.replicas[2].store().size(), 2 * SIZE);
 }
 

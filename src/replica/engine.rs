@@ -233,7 +233,12 @@ pub struct Engine {
     size: std::sync::atomic::AtomicU64,
 }
 
-/// Why the volume could not be resized. Nothing is committed in any case.
+/// The largest volume size a resize accepts (1 EiB): a file system's
+/// files are limited to `i64::MAX` bytes.
+pub const MAX_VOLUME_SIZE: u64 = 1 << 60;
+
+/// Why the volume could not be resized. Nothing is committed, except
+/// perhaps by [`ResizeError::Uncommitted`], whose outcome is unknown.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResizeError {
     /// A volume only grows.
@@ -243,7 +248,7 @@ pub enum ResizeError {
     )]
     Shrink { now: u64, asked: u64 },
     /// Not a size a volume can have.
-    #[error("a volume size must be a positive multiple of 512 bytes, not {0}")]
+    #[error("a volume size must be a positive multiple of 512 bytes of at most 1 EiB, not {0}")]
     Invalid(u64),
     /// The engine has no term: this node is not the writer.
     #[error("this node is not the active writer; only the writer resizes (ask the leader)")]
@@ -260,8 +265,17 @@ pub enum ResizeError {
         "in-sync replica {id} is not in the writer's replica set; the volume stays {now} bytes"
     )]
     Missing { id: NodeId, now: u64 },
-    /// The new size could not be committed.
-    #[error("the new size was not committed: {cause}; the volume stays {now} bytes")]
+    /// Raft refused the new size (this node is not the recorded writer, or
+    /// the size is below the committed one); nothing changed.
+    #[error("the new size was refused: {cause}; the volume stays {now} bytes")]
+    Refused { cause: InSyncError, now: u64 },
+    /// The new size may or may not have committed (no quorum, a newer
+    /// leader): every in-sync copy has grown, so asking again for the same
+    /// size is safe.
+    #[error(
+        "the new size was not confirmed: {cause}; it may have committed (ask again for the same \
+         size; the volume is at least {now} bytes)"
+    )]
     Uncommitted { cause: InSyncError, now: u64 },
 }
 
@@ -455,31 +469,61 @@ impl Engine {
     /// changes wait meanwhile, so no replica joins the set without having
     /// grown. Returns the size served afterwards.
     pub async fn resize(&self, size: u64) -> Result<u64, ResizeError> {
-        if size == 0 || size % 512 != 0 {
+        if size == 0 || size % 512 != 0 || size > MAX_VOLUME_SIZE {
             return Err(ResizeError::Invalid(size));
         }
         let _serialized = self.shrink.lock().await;
-        let now = self.current_size();
-        let (term, in_sync, rebuilding) = {
+        // The size committed may be larger than the one served: a resize
+        // whose answer was lost.
+        let committed_size =
+            self.tracker
+                .volume_size()
+                .await
+                .map_err(|cause| ResizeError::Uncommitted {
+                    cause,
+                    now: self.current_size(),
+                })?;
+        let now = self.current_size().max(committed_size.unwrap_or(0));
+        let (term, mut must_grow, rebuilding) = {
             let state = self.lock();
             let term = state.term.ok_or(ResizeError::Inactive)?;
+            // A replica whose return is committing, or whose outcome was
+            // lost, may be in the committed set: it must grow like a member.
+            let joining = state.rebuilding.iter().filter(|(_, r)| r.joining);
+            let must_grow: BTreeSet<NodeId> = state
+                .in_sync
+                .iter()
+                .copied()
+                .chain(joining.map(|(id, _)| *id))
+                .collect();
             let rebuilding: BTreeSet<NodeId> = state.rebuilding.keys().copied().collect();
-            (term, state.in_sync.clone(), rebuilding)
+            (term, must_grow, rebuilding)
         };
         if size < now {
             return Err(ResizeError::Shrink { now, asked: size });
         }
-        // Every in-sync replica must grow before the size is committed; one
-        // the set lacks cannot, so the resize fails rather than commit a
-        // size that an in-sync copy does not have.
+        let committed_set = self
+            .tracker
+            .in_sync()
+            .await
+            .map_err(|cause| ResizeError::Uncommitted { cause, now })?;
+        must_grow.extend(committed_set);
+        // Every replica that is or may be in the committed set must grow
+        // before the size is committed; one the set lacks cannot, so the
+        // resize fails rather than commit a size that an in-sync copy does
+        // not have.
         let mut targets: Vec<Arc<dyn Replica>> = Vec::new();
-        for id in &in_sync {
+        for id in &must_grow {
             let replica = self
                 .replica(*id)
                 .ok_or(ResizeError::Missing { id: *id, now })?;
             targets.push(replica);
         }
-        targets.extend(rebuilding.iter().filter_map(|id| self.replica(*id)));
+        targets.extend(
+            rebuilding
+                .difference(&must_grow)
+                .filter_map(|id| self.replica(*id)),
+        );
         let grown = join_all(targets.iter().map(|replica| async move {
             let outcome = self
                 .stamped(term, replica, |stamp| replica.grow(stamp, size))
@@ -489,7 +533,7 @@ impl Engine {
         .await;
         for (id, outcome) in grown {
             let Err(cause) = outcome else { continue };
-            if in_sync.contains(&id) {
+            if must_grow.contains(&id) {
                 return Err(ResizeError::Replica { id, cause, now });
             }
             tracing::warn!(replica = %id, %cause, "a replica being rebuilt could not grow");
@@ -500,7 +544,10 @@ impl Engine {
         self.tracker
             .resize(term, size)
             .await
-            .map_err(|cause| ResizeError::Uncommitted { cause, now })?;
+            .map_err(|cause| match cause {
+                InSyncError::Refused(_) => ResizeError::Refused { cause, now },
+                InSyncError::Uncommitted(_) => ResizeError::Uncommitted { cause, now },
+            })?;
         self.size
             .fetch_max(size, std::sync::atomic::Ordering::AcqRel);
         tracing::info!(%term, from = now, to = size, "volume resized");

@@ -189,7 +189,8 @@ impl ReplicaStore {
     /// Opens the store in `dir`, creating it on first use.
     ///
     /// Fails with [`ReplicaError::IdentityMismatch`] when `dir` holds a store
-    /// of another cluster, volume, size or extent size, and with
+    /// of another cluster, volume or extent size, or a data file shorter
+    /// than its recorded size, and with
     /// [`ReplicaError::Io`] when the directory is in use by another process.
     pub async fn open(
         dir: impl AsRef<Path>,
@@ -503,8 +504,13 @@ impl ReplicaStore {
         offset: u64,
         len: u64,
     ) -> Result<(u64, Vec<[u8; 32]>), ReplicaError> {
+        if len == 0 {
+            return Err(ReplicaError::InvalidRequest(
+                "a digest request must cover at least one byte".into(),
+            ));
+        }
         let size = self.identity.extent_size;
-        let extents = len.div_ceil(size).max(1);
+        let extents = len.div_ceil(size);
         if extents > MAX_DIGEST_EXTENTS {
             return Err(ReplicaError::Range(crate::volume::RangeError::TooLarge {
                 len,
@@ -522,12 +528,8 @@ impl ReplicaStore {
             }
         }
         let first = offset / size;
-        let last = if len == 0 {
-            first
-        } else {
-            (offset + len - 1) / size
-        };
-        let until = if len == 0 { self.size() } else { offset + len };
+        let last = (offset + len - 1) / size;
+        let until = offset + len;
         // The predigests cover whole extents up to the volume's end.
         let whole = until >= ((last + 1) * size).min(self.size());
         if whole {
@@ -1069,7 +1071,6 @@ fn write_identity(tree: &sled::Tree, identity: &StoreIdentity) -> Result<(), Rep
     Ok(())
 }
 
-/// Extends `file` to `size` bytes (sparse) durably.
 /// Extends the data file from the served size `from` to `size`, durably.
 /// Cutting it to `from` first drops whatever tail an earlier, unfinished
 /// growth left, so the new range reads as zeroes.
@@ -1642,6 +1643,10 @@ mod tests {
         assert!(matches!(
             store.digests(SIZE, 1).await,
             Err(ReplicaError::Range(_))
+        ));
+        assert!(matches!(
+            store.digests(0, 0).await,
+            Err(ReplicaError::InvalidRequest(_))
         ));
         assert!(matches!(
             store.digests(0, (MAX_DIGEST_EXTENTS + 1) * mib).await,

@@ -402,8 +402,12 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
             Vec::new()
         }
     };
+    // The committed size: a copy may be longer (one that grew for a
+    // resize that failed elsewhere, or a growth cut off), never shorter.
+    let mut size = 0;
     for id in &all {
         if let Some(status) = cluster.status(*id).await {
+            size = size.max(status.volume_size);
             let own = status.replicas.iter().find(|r| r.local);
             let count = own.map_or(0, |r| r.stale_accepts);
             evidence.stale_accepts.insert(*id, count);
@@ -417,7 +421,9 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         evidence.journals.insert(*id, journal);
     }
     for id in &in_sync {
-        evidence.replicas.insert(*id, file_digests(&cluster, *id));
+        evidence
+            .replicas
+            .insert(*id, file_digests(&cluster, *id, size));
     }
     // The rules must have something to judge, or they pass vacuously.
     if checker::intervals(&evidence.journals).is_empty() {
@@ -851,12 +857,16 @@ async fn writer_within(cluster: &Cluster, within: Duration) -> Result<u64, Strin
     }
 }
 
-/// BLAKE3 of each 1 MiB extent of node `id`'s replica file (node stopped).
-fn file_digests(cluster: &Cluster, id: u64) -> Vec<[u8; 32]> {
+/// BLAKE3 of each 1 MiB extent of the first `size` bytes of node `id`'s
+/// replica file (node stopped). An extent the file is too short for gets a
+/// digest no bytes have, so a short copy is seen to diverge.
+fn file_digests(cluster: &Cluster, id: u64, size: u64) -> Vec<[u8; 32]> {
     let path = cluster.data_dir(id).join("replica").join("volume.img");
-    let mut file = std::fs::File::open(&path).expect("open the replica file");
+    let file = std::fs::File::open(&path).expect("open the replica file");
+    let mut file = file.take(size);
     let mut digests = Vec::new();
     let mut buf = vec![0u8; EXTENT as usize];
+    let mut read = 0u64;
     loop {
         let mut filled = 0;
         while filled < buf.len() {
@@ -869,8 +879,13 @@ fn file_digests(cluster: &Cluster, id: u64) -> Vec<[u8; 32]> {
             }
         }
         if filled == 0 {
-            return digests;
+            break;
         }
+        read += filled as u64;
         digests.push(*blake3::hash(&buf[..filled]).as_bytes());
     }
+    if read < size {
+        digests.push([0xff; 32]);
+    }
+    digests
 }
