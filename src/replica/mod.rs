@@ -18,7 +18,8 @@
 //!   hold over the wire), dialling through [`channels`], the pool that
 //!   learns each peer's data address.
 //! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
-//! - [`resync`]: online rebuild of a replica that is out of sync (S5).
+//! - [`resync`]: online rebuild of a replica that is out of sync (S5),
+//!   comparing what [`missed`], the missed-write maps, say it missed.
 //! - [`scrub`]: the writer's background comparison of the in-sync copies,
 //!   repairing one that differs (S11).
 
@@ -47,8 +48,10 @@ pub use engine::{Engine, EngineConfig, MembershipError, RebuildError, ResizeErro
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
-use crate::ids::{NodeId, Term};
+use crate::ids::{Incarnation, NodeId, Term};
 use crate::volume::RangeError;
+use missed::MissedMap;
+use std::collections::BTreeMap;
 
 /// What a write or flush is stamped with: the writer's term, the fencing
 /// token (S2), and the writer's *generation* for this one replica within the
@@ -285,6 +288,24 @@ pub trait Replica: Send + Sync {
     /// the index of the first extent and one digest per extent, each of
     /// its bytes from the extent's start up to the end of the request.
     async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError>;
+    /// Opens the missed-write map of member `node` (about `incarnation`)
+    /// if it is not open, and adds `extents`, on behalf of the writer of
+    /// `stamp` (see [`missed`]).
+    async fn note_missed(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError>;
+    /// One page of member `node`'s missed-write map from extent `from`;
+    /// `None` when no map of it is open.
+    async fn missed(&self, node: NodeId, from: u64) -> Result<Option<MissedMap>, ReplicaError>;
+    /// The members this copy keeps an open missed-write map of.
+    async fn missed_maps(&self) -> Result<BTreeMap<NodeId, Incarnation>, ReplicaError>;
+    /// Closes member `node`'s missed-write map, on behalf of the writer of
+    /// `stamp`.
+    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError>;
 }
 
 /// A replica in this process: the store without a network hop.
@@ -364,6 +385,26 @@ impl Replica for LocalReplica {
                 .map(|d| Bytes::copy_from_slice(d.as_ref()))
                 .collect(),
         ))
+    }
+    async fn note_missed(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError> {
+        self.store
+            .note_missed(stamp, node, incarnation, extents)
+            .await
+    }
+    async fn missed(&self, node: NodeId, from: u64) -> Result<Option<MissedMap>, ReplicaError> {
+        self.store.missed(node, from)
+    }
+    async fn missed_maps(&self) -> Result<BTreeMap<NodeId, Incarnation>, ReplicaError> {
+        Ok(self.store.missed_open())
+    }
+    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
+        self.store.close_missed(stamp, node).await
     }
 }
 

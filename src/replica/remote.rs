@@ -16,13 +16,15 @@ use bytes::Bytes;
 use tonic::transport::Channel;
 
 use super::channels::Channels;
+use super::missed::MissedMap;
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
-use crate::ids::{NodeId, Term};
+use crate::ids::{Incarnation, NodeId, Term};
 use crate::net::{Expect, Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::volume::MAX_REQUEST;
+use std::collections::BTreeMap;
 
 /// A replica on another node.
 pub struct RemoteReplica {
@@ -304,5 +306,81 @@ impl Replica for RemoteReplica {
             .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
         Ok((reply.first_extent, reply.digests))
+    }
+
+    async fn note_missed(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError> {
+        let request = self.request(pb::NoteMissedRequest {
+            volume: self.volume(),
+            term: stamp.term.0,
+            generation: stamp.generation,
+            node: node.0,
+            incarnation: incarnation.0,
+            extents: extents.to_vec(),
+        });
+        self.client()
+            .await?
+            .note_missed(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| self.failed(&status, stamp))
+    }
+
+    async fn missed(&self, node: NodeId, from: u64) -> Result<Option<MissedMap>, ReplicaError> {
+        let request = self.request(pb::MissedRequest {
+            volume: self.volume(),
+            node: node.0,
+            from,
+        });
+        let reply = self
+            .client()
+            .await?
+            .missed(request)
+            .await
+            .map_err(|status| self.failed(&status, Term::ZERO))?
+            .into_inner();
+        Ok(reply.open.then_some(MissedMap {
+            incarnation: Incarnation(reply.incarnation),
+            extents: reply.extents,
+            more: reply.more,
+        }))
+    }
+
+    async fn missed_maps(&self) -> Result<BTreeMap<NodeId, Incarnation>, ReplicaError> {
+        let request = self.request(pb::MissedMapsRequest {
+            volume: self.volume(),
+        });
+        let reply = self
+            .client()
+            .await?
+            .missed_maps(request)
+            .await
+            .map_err(|status| self.failed(&status, Term::ZERO))?
+            .into_inner();
+        Ok(reply
+            .maps
+            .into_iter()
+            .map(|map| (NodeId(map.node), Incarnation(map.incarnation)))
+            .collect())
+    }
+
+    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
+        let request = self.request(pb::CloseMissedRequest {
+            volume: self.volume(),
+            term: stamp.term.0,
+            generation: stamp.generation,
+            node: node.0,
+        });
+        self.client()
+            .await?
+            .close_missed(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| self.failed(&status, stamp))
     }
 }

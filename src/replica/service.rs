@@ -31,7 +31,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
 use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
-use crate::ids::{Incarnation, Term};
+use crate::ids::{Incarnation, NodeId, Term};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::volume::RangeError;
@@ -395,6 +395,79 @@ impl ReplicaRpc for ReplicaService {
             stale_accepts: info.stale_accepts,
             generation: info.generation,
         }))
+    }
+
+    #[tracing::instrument(level = "debug", name = "replica.note_missed", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    async fn note_missed(
+        &self,
+        request: Request<pb::NoteMissedRequest>,
+    ) -> Result<Response<pb::NoteMissedReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store
+            .note_missed(
+                stamp(r.term, r.generation),
+                NodeId(r.node),
+                Incarnation(r.incarnation),
+                &r.extents,
+            )
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::NoteMissedReply {}))
+    }
+
+    #[tracing::instrument(level = "debug", name = "replica.missed", skip_all, fields(node = %self.node, of = request.get_ref().node))]
+    async fn missed(
+        &self,
+        request: Request<pb::MissedRequest>,
+    ) -> Result<Response<pb::MissedReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let map = self
+            .store
+            .missed(NodeId(r.node), r.from)
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(match map {
+            Some(map) => pb::MissedReply {
+                open: true,
+                incarnation: map.incarnation.0,
+                extents: map.extents,
+                more: map.more,
+            },
+            None => pb::MissedReply::default(),
+        }))
+    }
+
+    #[tracing::instrument(level = "debug", name = "replica.missed_maps", skip_all, fields(node = %self.node))]
+    async fn missed_maps(
+        &self,
+        request: Request<pb::MissedMapsRequest>,
+    ) -> Result<Response<pb::MissedMapsReply>, Status> {
+        self.admit(request.into_inner().volume.as_ref())?;
+        let maps = self
+            .store
+            .missed_open()
+            .into_iter()
+            .map(|(node, incarnation)| pb::OpenMap {
+                node: node.0,
+                incarnation: incarnation.0,
+            })
+            .collect();
+        Ok(Response::new(pb::MissedMapsReply { maps }))
+    }
+
+    #[tracing::instrument(level = "debug", name = "replica.close_missed", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    async fn close_missed(
+        &self,
+        request: Request<pb::CloseMissedRequest>,
+    ) -> Result<Response<pb::CloseMissedReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        self.store
+            .close_missed(stamp(r.term, r.generation), NodeId(r.node))
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::CloseMissedReply {}))
     }
 }
 

@@ -233,6 +233,37 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.digests(offset, len).await
     }
+    async fn note_missed(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: replica_ha::ids::Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner
+            .note_missed(stamp, node, incarnation, extents)
+            .await
+    }
+    async fn missed(
+        &self,
+        node: NodeId,
+        from: u64,
+    ) -> Result<Option<replica_ha::replica::missed::MissedMap>, ReplicaError> {
+        self.gate(None).await?;
+        self.inner.missed(node, from).await
+    }
+    async fn missed_maps(
+        &self,
+    ) -> Result<std::collections::BTreeMap<NodeId, replica_ha::ids::Incarnation>, ReplicaError>
+    {
+        self.gate(None).await?;
+        self.inner.missed_maps().await
+    }
+    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner.close_missed(stamp, node).await
+    }
 }
 
 /// An in-memory tracker that appends "remove:<ids>" to a shared event log

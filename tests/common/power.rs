@@ -174,4 +174,31 @@ impl Replica for PowerCutReplica {
     async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
         self.inner.digests(offset, len).await
     }
+    async fn note_missed(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: replica_ha::ids::Incarnation,
+        extents: &[u64],
+    ) -> Result<(), ReplicaError> {
+        self.inner
+            .note_missed(stamp, node, incarnation, extents)
+            .await
+    }
+    async fn missed(
+        &self,
+        node: NodeId,
+        from: u64,
+    ) -> Result<Option<replica_ha::replica::missed::MissedMap>, ReplicaError> {
+        self.inner.missed(node, from).await
+    }
+    async fn missed_maps(
+        &self,
+    ) -> Result<std::collections::BTreeMap<NodeId, replica_ha::ids::Incarnation>, ReplicaError>
+    {
+        self.inner.missed_maps().await
+    }
+    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
+        self.inner.close_missed(stamp, node).await
+    }
 }
