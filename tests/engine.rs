@@ -1249,3 +1249,75 @@ async fn a_replica_being_rebuilt_grows_with_the_resize() {
     rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
     assert!(rig.committed().await.contains(&NodeId(3)));
 }
+
+/// #21: a follower that missed a few writes is rebuilt from the
+/// missed-write map: the rebuild compares and copies those extents (and the
+/// one in flight when it left), not the volume, and its copy then equals
+/// the others everywhere. Once it is back, the map is closed.
+#[tokio::test]
+async fn a_rebuild_copies_what_the_missed_write_map_names() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let mib = rig.engine.extent_size();
+    for extent in [3, 5] {
+        rig.engine
+            .write_at(extent * mib + 8192, block(7), false)
+            .await
+            .unwrap();
+    }
+    for i in 0..2 {
+        let map = rig.replicas[i]
+            .store()
+            .missed(NodeId(3), 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(map.extents, vec![0, 3, 5], "n{}'s map", i + 1);
+    }
+    let resync = Resyncer::new(Arc::clone(&rig.engine), ResyncConfig::default());
+    let target = Arc::clone(&rig.replicas[2]) as Arc<dyn Replica>;
+    assert_eq!(resync.rebuild(&target).await.unwrap(), 3 * mib);
+    let progress = resync.progress()[&NodeId(3)];
+    assert!(!progress.full);
+    assert_eq!((progress.done, progress.total), (3 * mib, 3 * mib));
+    assert!(rig.committed().await.contains(&NodeId(3)));
+    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
+    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+    for i in 0..2 {
+        assert_eq!(rig.replicas[i].store().missed(NodeId(3), 0).unwrap(), None);
+    }
+}
+
+/// #21: a source without a map of the target (it never opened one) means a
+/// full rebuild, which compares every extent.
+#[tokio::test]
+async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine
+        .write_at(SIZE - 4096, block(7), false)
+        .await
+        .unwrap();
+    for i in 0..2 {
+        rig.replicas[i]
+            .store()
+            .close_missed(
+                replica_ha::replica::Stamp {
+                    term: Term(5),
+                    generation: 1,
+                },
+                NodeId(3),
+            )
+            .await
+            .unwrap();
+    }
+    let resync = Resyncer::new(Arc::clone(&rig.engine), ResyncConfig::default());
+    let target = Arc::clone(&rig.replicas[2]) as Arc<dyn Replica>;
+    resync.rebuild(&target).await.unwrap();
+    let progress = resync.progress()[&NodeId(3)];
+    assert!(progress.full);
+    assert_eq!(progress.total, SIZE);
+    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
+    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+}

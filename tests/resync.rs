@@ -275,20 +275,23 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
         .await
         .unwrap();
     cluster.wait_in_sync(writer, follower, false, WAIT).await;
-    // Bytes no writer acknowledged, on the down replica's disk (as a write
-    // that reached only it before its writer died would leave).
-    let image = cluster
-        .data_dir(follower)
-        .join("replica")
-        .join("volume.img");
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&image)
+    // A write no writer acknowledged, on the down replica only, as one
+    // that reached only it before its writer died leaves it: marked (S6)
+    // and applied. The rebuild must compare that extent although no other
+    // copy's missed-write map names it. (Bytes changed behind the store's
+    // back, with no mark, are the scrub's to find: tests/scrub.rs.)
+    let store = replica_ha::replica::ReplicaStore::open(
+        cluster.data_dir(follower).join("replica"),
+        replica_ha::replica::store::StoreIdentity::new(&cluster.cluster_id, "vol0", 128 * MIB),
+    )
+    .await
+    .unwrap();
+    let stamp = store.floor_stamp().await;
+    store
+        .write(stamp, 50 * MIB, Bytes::from(vec![0xbd; 8192]), true)
+        .await
         .unwrap();
-    use std::io::{Seek, SeekFrom, Write};
-    file.seek(SeekFrom::Start(50 * MIB)).unwrap();
-    file.write_all(&[0xbd; 8192]).unwrap();
-    drop(file);
+    drop(store);
     cluster.spawn(follower);
     cluster
         .wait_in_sync(writer, follower, true, Duration::from_secs(60))

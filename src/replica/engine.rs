@@ -60,7 +60,10 @@
 //! **Rebuilding** ([`super::resync`]). A replica outside the in-sync set can
 //! be rebuilt online: [`Engine::begin_rebuild`] makes it a write-only member
 //! (it receives every write, but its answers do not count for S5), and a
-//! barrier waits out the writes that began without it. Extents are then
+//! barrier waits out the writes that began without it, and it is given the
+//! source's missed-write maps of other absent members (see
+//! [`super::missed`]; the engine opens a map for every member it drops
+//! before the drop commits, and closes it once the member is back). Extents are then
 //! compared and copied with [`Engine::copy_extent`], which holds the
 //! extent's stripe exclusively so no write to that extent interleaves with
 //! the copy. [`Engine::finish_rebuild`] marks it joining — from then on a
@@ -81,12 +84,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
+use super::missed::{self, MissedMap};
 use super::order::WriteOrder;
 use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
 use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
-use crate::ids::{NodeId, Term};
+use crate::ids::{Incarnation, NodeId, Term};
 use crate::volume::{Device, DeviceError, MAX_REQUEST, RangeError, VolumeSpec, check_request};
 
 /// How an engine is set up.
@@ -912,7 +916,178 @@ impl Engine {
         self.grow_target(id)
             .await
             .inspect_err(|_| self.abort_rebuild(id))?;
+        self.adopt_missed_maps(term, id)
+            .await
+            .inspect_err(|_| self.abort_rebuild(id))?;
         Ok(term)
+    }
+
+    /// Invariant M when members leave (see [`super::missed`]): opens the
+    /// missed-write maps of `leaving` on every replica that stays (the
+    /// rest of `in_sync`, and those being rebuilt), then notes there the
+    /// extents of every write still in flight — one that began before a
+    /// map was open may have reached a replica that stays and not the one
+    /// that leaves. A replica in sync that cannot take the note fails the
+    /// removal (the write is held and tried again); a replica being
+    /// rebuilt that cannot is not rebuilt this time.
+    async fn open_missed_maps(
+        &self,
+        term: Term,
+        leaving: &BTreeSet<NodeId>,
+        in_sync: &BTreeSet<NodeId>,
+    ) -> Result<(), DeviceError> {
+        let leaving: Vec<(NodeId, Incarnation)> = leaving
+            .iter()
+            .map(|id| (*id, self.replicas.incarnation(*id)))
+            .collect();
+        let staying: Vec<Arc<dyn Replica>> = {
+            let state = self.lock();
+            self.replicas
+                .members()
+                .iter()
+                .filter(|r| !leaving.iter().any(|(id, _)| *id == r.id()))
+                .filter(|r| in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id()))
+                .cloned()
+                .collect()
+        };
+        for _phase in ["open", "in flight"] {
+            let extents: Vec<u64> = {
+                let state = self.lock();
+                let activity = &state.activity;
+                let mut extents: BTreeSet<u64> = activity.in_flight.keys().copied().collect();
+                extents.extend(activity.unsure.iter().copied());
+                extents.into_iter().collect()
+            };
+            let notes = staying.iter().map(|replica| {
+                let (leaving, extents) = (&leaving, &extents);
+                async move {
+                    for (node, incarnation) in leaving {
+                        for piece in missed::pieces(extents) {
+                            self.stamped(term, replica, |stamp| {
+                                replica.note_missed(stamp, *node, *incarnation, piece)
+                            })
+                            .await?;
+                        }
+                    }
+                    Ok::<(), ReplicaError>(())
+                }
+            });
+            for (replica, outcome) in staying.iter().zip(join_all(notes).await) {
+                let Err(err) = outcome else { continue };
+                let id = replica.id();
+                if in_sync.contains(&id) {
+                    return Err(DeviceError::InSyncCommit(format!(
+                        "replica {id} could not open the missed-write map of {leaving:?}: {err}"
+                    )));
+                }
+                tracing::warn!(replica = %id, %err, "a replica being rebuilt could not open a missed-write map");
+                if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
+                    rebuild.failed = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Invariant M for a copy that returns: gives rebuild target `id`
+    /// the maps the source keeps of other absent members, since the
+    /// target missed what was recorded while it was away. It receives
+    /// every write already (the barrier of `begin_rebuild` is behind), so
+    /// what the source records from now on it records too.
+    async fn adopt_missed_maps(&self, term: Term, id: NodeId) -> Result<(), RebuildError> {
+        let source = self
+            .read_order()
+            .into_iter()
+            .next()
+            .ok_or(RebuildError::NoSource)?;
+        let target = self.target(id)?;
+        let maps = self
+            .bounded(source.id(), source.missed_maps())
+            .await
+            .map_err(|e| {
+                RebuildError::replica("listing the missed-write maps of", source.id(), e)
+            })?;
+        for node in maps.into_keys().filter(|node| *node != id) {
+            let Some(map) = self.whole_missed_map(&source, node).await? else {
+                continue;
+            };
+            for piece in missed::pieces(&map.extents) {
+                self.stamped(term, &target, |stamp| {
+                    target.note_missed(stamp, node, map.incarnation, piece)
+                })
+                .await
+                .map_err(|e| RebuildError::replica("giving the missed-write maps to", id, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every page of `replica`'s missed-write map of `node`. A map
+    /// replaced between two pages is read again; one that keeps changing
+    /// counts as none (a full rebuild).
+    async fn whole_missed_map(
+        &self,
+        replica: &Arc<dyn Replica>,
+        node: NodeId,
+    ) -> Result<Option<MissedMap>, RebuildError> {
+        'attempt: for _ in 0..3 {
+            let mut whole: Option<MissedMap> = None;
+            let mut from = 0;
+            loop {
+                let page = self
+                    .bounded(replica.id(), replica.missed(node, from))
+                    .await
+                    .map_err(|e| {
+                        RebuildError::replica("reading the missed-write map of", replica.id(), e)
+                    })?;
+                let Some(page) = page else {
+                    return Ok(None);
+                };
+                let whole = whole.get_or_insert_with(|| MissedMap {
+                    incarnation: page.incarnation,
+                    ..MissedMap::default()
+                });
+                if whole.incarnation != page.incarnation {
+                    continue 'attempt;
+                }
+                whole.extents.extend_from_slice(&page.extents);
+                match (page.more, page.extents.last()) {
+                    (true, Some(last)) => from = last + 1,
+                    _ => return Ok(Some(std::mem::take(whole))),
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// What rebuild target `id` may differ in from the in-sync copies: the
+    /// extents of the source's missed-write map of it, and those the
+    /// target itself holds marks for (writes that reached it and perhaps
+    /// no other). `None` when it needs a full rebuild: the source keeps no
+    /// map of it, or one of another incarnation (a replaced disk, S8).
+    pub async fn missed_plan(&self, id: NodeId) -> Result<Option<Vec<u64>>, RebuildError> {
+        let term = self.term().ok_or(RebuildError::Inactive)?;
+        let source = self
+            .read_order()
+            .into_iter()
+            .next()
+            .ok_or(RebuildError::NoSource)?;
+        let Some(map) = self.whole_missed_map(&source, id).await? else {
+            return Ok(None);
+        };
+        if map.incarnation != self.replicas.incarnation(id) {
+            return Ok(None);
+        }
+        let target = self.target(id)?;
+        // A fence at this term reads its marks and changes nothing else
+        // (its floor is this term already, since `begin_rebuild`).
+        let marks = self
+            .bounded(id, target.fence(term))
+            .await
+            .map_err(|e| RebuildError::replica("reading the marks of", id, e))?;
+        let mut extents: BTreeSet<u64> = map.extents.into_iter().collect();
+        extents.extend(marks.dirty.iter().map(|m| m.extent));
+        Ok(Some(extents.into_iter().collect()))
     }
 
     /// Compares extent `extent` on every in-sync replica under the
@@ -1164,8 +1339,9 @@ impl Engine {
             return Err(RebuildError::WriteFailed(id));
         }
         // Its marks. Those of older terms are stale: the rebuild compared
-        // every extent with an in-sync copy, and those copies converged at
-        // this term's promotion. Those of this term (copies of an abandoned
+        // with an in-sync copy every extent it may differ in (its own
+        // marks among them), and those copies converged at this term's
+        // promotion. Those of this term (copies of an abandoned
         // attempt, writes it took while it was out) name extents that agree
         // now: retire them like a write's. A fence at this term reads them
         // and changes nothing else (the floor is already past it). Best
@@ -1189,6 +1365,31 @@ impl Engine {
             .await
         {
             tracing::debug!(replica = %id, %err, "could not clear older marks");
+        }
+        // Invariant M: back in sync, it needs no map any more. Best
+        // effort: a map left open is a superset, which costs only copies.
+        let keepers: Vec<Arc<dyn Replica>> = {
+            let state = self.lock();
+            self.replicas
+                .members()
+                .iter()
+                .filter(|r| r.id() != id)
+                .filter(|r| {
+                    state.in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id())
+                })
+                .cloned()
+                .collect()
+        };
+        let closes = keepers.iter().map(|replica| async move {
+            let closed = self
+                .stamped(term, replica, |stamp| replica.close_missed(stamp, id))
+                .await;
+            (replica.id(), closed)
+        });
+        for (keeper, closed) in join_all(closes).await {
+            if let Err(err) = closed {
+                tracing::debug!(replica = %keeper, of = %id, %err, "could not close a missed-write map");
+            }
         }
         tracing::info!(%term, replica = %id, "replica back in the in-sync set");
         Ok(())
@@ -1267,8 +1468,10 @@ impl Engine {
                     })
                     .collect();
                 // Members, and replicas being rebuilt (they took the same
-                // writes; a rebuild compares every extent before it joins,
-                // so a mark retired there can never hide a difference).
+                // writes, acknowledged; what a rebuild compares comes from
+                // the missed-write map, kept apart from the marks, or from
+                // every extent, so a mark retired there can never hide a
+                // difference).
                 let members: Vec<Arc<dyn Replica>> = self
                     .replicas
                     .members()
@@ -1512,6 +1715,7 @@ impl Engine {
             Verdict::Remove(ids) => ids,
         };
         tracing::warn!(%term, removed = ?to_remove, errors = ?errors(&to_remove), "dropping replicas from the in-sync set");
+        self.open_missed_maps(term, &to_remove, &current).await?;
         let committed = self
             .tracker
             .remove(term, &to_remove)

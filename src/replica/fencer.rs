@@ -403,6 +403,52 @@ impl TokenFencer {
     }
 }
 
+impl TokenFencer {
+    /// Invariant M when the fencer drops unreached members (see
+    /// [`super::missed`]): before their removal commits, every member that
+    /// stays opens their missed-write maps with every extent any fenced
+    /// replica holds a mark for — the dead writer's unacknowledged writes
+    /// may have reached some copies and not the ones that leave.
+    async fn open_missed_maps(
+        &self,
+        leaving: &BTreeSet<NodeId>,
+        staying: &BTreeSet<NodeId>,
+        fenced: &BTreeMap<NodeId, FenceReply>,
+        replicas: &Members,
+    ) -> Result<(), FenceError> {
+        let marked: BTreeSet<u64> = fenced
+            .values()
+            .flat_map(|reply| reply.dirty.iter().map(|m| m.extent))
+            .collect();
+        let marked: Vec<u64> = marked.into_iter().collect();
+        let targets: Vec<&Arc<dyn Replica>> = staying
+            .iter()
+            .filter_map(|id| find(replicas, *id))
+            .collect();
+        let stamps: BTreeMap<NodeId, Stamp> = fenced
+            .iter()
+            .map(|(id, reply)| {
+                let stamp = Stamp {
+                    term: reply.floor,
+                    generation: reply.generation,
+                };
+                (*id, stamp)
+            })
+            .collect();
+        for node in leaving {
+            let incarnation = self.replicas.incarnation(*node);
+            for piece in super::missed::pieces(&marked) {
+                self.on_all("opening a missed-write map", &targets, |replica| {
+                    let stamp = stamp_of(&stamps, replica.id());
+                    async move { replica.note_missed(stamp, *node, incarnation, piece).await }
+                })
+                .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What one convergence did, for the log.
 #[derive(Debug, Default)]
 struct Convergence {
@@ -460,6 +506,9 @@ impl Fencer for TokenFencer {
                 ?unreached,
                 "dropping unreached replicas from the in-sync set"
             );
+            let staying: BTreeSet<NodeId> = committed.difference(&unreached).copied().collect();
+            self.open_missed_maps(&unreached, &staying, &fenced, &replicas)
+                .await?;
             self.tracker.remove(term, &unreached).await?
         };
         let converged = self.converge(term, &members, &fenced, &replicas).await?;

@@ -69,6 +69,16 @@ pub struct MissedMap {
     pub more: bool,
 }
 
+/// `extents` in pieces a note may carry; one empty piece when there are
+/// none, so that a note still opens the map.
+pub fn pieces(extents: &[u64]) -> impl Iterator<Item = &[u64]> {
+    let empty: &[u64] = &[];
+    let first = extents.is_empty().then_some(empty);
+    first
+        .into_iter()
+        .chain(extents.chunks(MAX_MISSED_EXTENTS as usize))
+}
+
 /// The key of `node`'s open record.
 pub fn open_key(node: NodeId) -> [u8; 9] {
     let mut key = [0u8; 9];

@@ -7,20 +7,25 @@
 //! S5):
 //! 1. `begin_rebuild`: the replica becomes a write-only member, so it cannot
 //!    fall further behind while it is rebuilt;
-//! 2. a digest pass: BLAKE3 digests of each 1 MiB extent, 64 extents per
-//!    request, from an in-sync source and from the target; each extent that
-//!    differs is copied under its stripe lock (re-compared there first), up
-//!    to four at once. A
-//!    replica that missed 1% of the writes receives about 1% of the volume;
-//!    an empty disk reads as zeroes and receives every extent that is not
-//!    all zeroes on the source;
+//! 2. when the source keeps a missed-write map of the target (see
+//!    [`super::missed`]): each extent the map names, and each the target
+//!    holds marks for, is compared and copied if it differs, under its
+//!    stripe lock, up to four at once — the cost follows what the replica
+//!    missed, not the volume's size. Otherwise (a new incarnation, a source
+//!    without a map) a full digest pass: BLAKE3 digests of each 1 MiB
+//!    extent, 64 extents per request, from an in-sync source and from the
+//!    target, copying each extent that differs the same way; holes hash
+//!    without being read, so an empty disk costs what the source holds;
 //! 3. `finish_rebuild`: the return is committed through Raft, conditional on
 //!    this writer's term.
 //!
 //! Interruptions need no bookkeeping: a failed write to the target, a new
 //! term, or an error aborts the rebuild, the replica stays out, and the next
 //! attempt (by this writer or the next) compares digests again, so extents
-//! already copied are not copied twice.
+//! already copied are not copied twice. The map stays open until the
+//! return commits, so the next attempt compares what it names again — all
+//! of it, plus what was written since, which is the resumption a map
+//! rebuild needs; a full pass starts again from the first extent.
 //!
 //! The copy rate is limited by `rate` (bytes per second of copied data) so
 //! a rebuild cannot starve client I/O.
@@ -76,6 +81,9 @@ pub struct Progress {
     /// Whether the rebuild is running (false: the last one, finished or
     /// abandoned).
     pub running: bool,
+    /// A full rebuild (every extent compared) rather than one of the
+    /// extents the missed-write map names.
+    pub full: bool,
 }
 
 /// Rebuilds replicas that are reachable but out of sync. See the module
@@ -130,8 +138,17 @@ impl Resyncer {
     pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
         let id = target.id();
         let term = self.engine.begin_rebuild(id).await?;
-        tracing::info!(%term, replica = %id, "resync started");
-        let outcome = self.copy_differences(id, term).await;
+        let outcome = match self.engine.missed_plan(id).await {
+            Ok(Some(extents)) => {
+                tracing::info!(%term, replica = %id, extents = extents.len(), "resync started from the missed-write map");
+                self.copy_listed(id, term, &extents).await
+            }
+            Ok(None) => {
+                tracing::info!(%term, replica = %id, "full resync started (no missed-write map of this copy)");
+                self.copy_differences(id, term).await
+            }
+            Err(err) => Err(err),
+        };
         let outcome = match outcome {
             Ok(copied) => self.engine.finish_rebuild(id).await.map(|()| copied),
             Err(err) => {
@@ -195,6 +212,38 @@ impl Resyncer {
         Ok(copied)
     }
 
+    /// The map's pass: compares and copies only `extents`, the ones the
+    /// target may differ in (see [`Engine::missed_plan`]), a few at once.
+    async fn copy_listed(
+        &self,
+        id: NodeId,
+        term: Term,
+        extents: &[u64],
+    ) -> Result<u64, RebuildError> {
+        let extent = self.engine.extent_size();
+        let total = extents.len() as u64 * extent;
+        let started = Instant::now();
+        let mut copied = 0u64;
+        self.report_pass(id, 0, total, 0, started, false);
+        for (done, batch) in extents.chunks(EXTENTS_PER_PASS as usize).enumerate() {
+            if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
+                return Err(RebuildError::Abandoned(id));
+            }
+            let mut copies = futures::stream::iter(batch.iter().copied())
+                .map(|extent| self.engine.copy_extent(id, extent))
+                .buffer_unordered(COPIES_IN_FLIGHT);
+            let at = done as u64 * EXTENTS_PER_PASS * extent;
+            while let Some(bytes) = copies.next().await {
+                copied += bytes?;
+                self.report_pass(id, at, total, copied, started, false);
+                self.throttle(copied, started).await;
+            }
+            let at = (at + batch.len() as u64 * extent).min(total);
+            self.report_pass(id, at, total, copied, started, false);
+        }
+        Ok(copied)
+    }
+
     /// Sleeps as long as needed to keep `copied` within the rate limit.
     async fn throttle(&self, copied: u64, started: Instant) {
         if self.config.rate == 0 {
@@ -208,6 +257,18 @@ impl Resyncer {
     }
 
     fn report(&self, id: NodeId, done: u64, total: u64, copied: u64, started: Instant) {
+        self.report_pass(id, done, total, copied, started, true);
+    }
+
+    fn report_pass(
+        &self,
+        id: NodeId,
+        done: u64,
+        total: u64,
+        copied: u64,
+        started: Instant,
+        full: bool,
+    ) {
         let seconds = started.elapsed().as_secs_f64().max(1e-3);
         let rate = done as f64 / seconds;
         let eta = if rate > 0.0 {
@@ -224,6 +285,7 @@ impl Resyncer {
                 rate,
                 eta,
                 running: true,
+                full,
             },
         );
     }

@@ -104,6 +104,14 @@ impl ReplicaSet {
         self.channels.as_ref()
     }
 
+    /// The incarnation of member `id`'s data dir that the membership
+    /// names (S8); incarnation 0 for a set without a membership book.
+    pub fn incarnation(&self, id: NodeId) -> crate::ids::Incarnation {
+        self.channels
+            .as_ref()
+            .map_or(crate::ids::Incarnation(0), |c| c.incarnation(id))
+    }
+
     /// This node's id.
     pub fn local_id(&self) -> NodeId {
         self.local
