@@ -461,6 +461,7 @@ fn replica_status(report: ReplicaReport) -> ReplicaStatus {
         resync_rate_bytes_per_second: report.resync.map_or(0.0, |p| p.rate),
         resync_eta_seconds: report.resync.map_or(0.0, |p| p.eta),
         resync_running: report.resync.is_some_and(|p| p.running),
+        resync_full: report.resync.is_some_and(|p| p.full),
         stale_accepts: info.stale_accepts,
     }
 }

@@ -334,7 +334,7 @@ pub fn render(status: &NodeStatus) -> String {
         }
     }
 
-    text.family("replica_ha_resync_bytes", Kind::Gauge, "The latest resync of each replica by this node: bytes compared (done), of the volume (total), copied.");
+    text.family("replica_ha_resync_bytes", Kind::Gauge, "The latest resync of each replica by this node: bytes compared (done), to compare (total: the volume, or the extents its missed-write map names), copied.");
     for report in reports {
         if let Some(p) = &report.resync {
             for (kind, value) in [("done", p.done), ("total", p.total), ("copied", p.copied)] {
@@ -344,6 +344,20 @@ pub fn render(status: &NodeStatus) -> String {
                     value as f64,
                 );
             }
+        }
+    }
+    text.family(
+        "replica_ha_resync_full",
+        Kind::Gauge,
+        "Whether the latest resync of each replica compares every extent (1) or only those its missed-write map names (0).",
+    );
+    for report in reports {
+        if let Some(p) = &report.resync {
+            text.sample(
+                "replica_ha_resync_full",
+                &[("replica", &report.id.to_string())],
+                f64::from(u8::from(p.full)),
+            );
         }
     }
     text.family(

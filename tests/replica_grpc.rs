@@ -405,6 +405,38 @@ async fn an_unreached_in_sync_replica_is_dropped_by_a_commit() {
     );
 }
 
+/// Invariant M when the fencer drops an unreached member: every member
+/// that stays opens its missed-write map with the dead writer's marked
+/// extents (its unacknowledged writes may have reached them and not the
+/// one that left), before the removal commits.
+#[tokio::test]
+async fn a_dropped_member_gets_a_missed_write_map_with_the_marked_extents() {
+    let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;
+    let mib = 1 << 20;
+    // Term 1's writer reached n1 and n2 only, at extents 2 and 4.
+    for (i, extent) in [(0, 2), (1, 4)] {
+        rig.replicas[i]
+            .store()
+            .write(Term(1), extent * mib, block(0x31), false)
+            .await
+            .unwrap();
+    }
+    rig.replicas[2].set(Fault::Hang);
+    rig.fencer.fence(None, Term(2)).await.unwrap();
+    assert_eq!(
+        rig.tracker.in_sync().await.unwrap(),
+        set(&[NodeId(1), NodeId(2)])
+    );
+    for i in 0..2 {
+        let map = rig.replicas[i]
+            .store()
+            .missed(NodeId(3), 0)
+            .unwrap()
+            .expect("a map of the dropped member");
+        assert_eq!(map.extents, vec![2, 4], "n{}'s map", i + 1);
+    }
+}
+
 #[tokio::test]
 async fn too_few_fenced_replicas_fail_the_fence_and_change_nothing() {
     let rig = fence_rig(&[NodeId(1), NodeId(2), NodeId(3)]).await;

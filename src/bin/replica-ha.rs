@@ -667,12 +667,18 @@ async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
     }
 }
 
-/// "resync 42% (100 of 240 MiB compared, 4 MiB copied, 128 MiB/s, 1 s
-/// left)": a running rebuild of replica `r`, for the table and the watch.
+/// "resync 42% (from the missed-write map: 100 of 240 MiB compared, 4 MiB
+/// copied, 128 MiB/s, 1 s left)": a running rebuild of replica `r`, for the
+/// table and the watch; "full" when it compares every extent.
 fn resync_progress(r: &replica_ha::proto::admin::ReplicaStatus) -> String {
     format!(
-        "resync {:.0}% ({} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
+        "resync {:.0}% ({}: {} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
         100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
+        if r.resync_full {
+            "full"
+        } else {
+            "from the missed-write map"
+        },
         r.resync_done_bytes >> 20,
         r.resync_total_bytes >> 20,
         r.resync_copied_bytes >> 20,
