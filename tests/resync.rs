@@ -372,3 +372,84 @@ async fn a_follower_that_missed_4_mib_compares_what_it_missed_not_the_volume() {
         }
     }
 }
+
+/// #21, resume: the writer dies while it rebuilds a follower from the
+/// missed-write map. The next writer rebuilds it from the same map (kept
+/// on the replica that stays), comparing what the follower missed, not the
+/// volume: the bytes compared over both writers stay far below one pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
+    let _one = one_cluster_at_a_time().await;
+    const GIB: u64 = 1 << 30;
+    let mut cluster = Cluster::start_with(3, &["--size", "1GiB", "--resync-rate", "2MiB"]).await;
+    let (first, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = *cluster.ids.iter().find(|id| **id != first).unwrap();
+    cluster.kill(follower);
+    for i in 0..16u64 {
+        let data = Bytes::from(vec![0x60 + i as u8; MIB as usize]);
+        let deadline = Instant::now() + WAIT;
+        while cluster
+            .write(first, i * (GIB / 16), data.clone())
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "the writer took no write");
+        }
+    }
+    cluster.wait_in_sync(first, follower, false, WAIT).await;
+    cluster.spawn(follower);
+    // Cut the rebuild off once it has copied something.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let before = loop {
+        let copied = copied_bytes(&cluster, first, follower).await;
+        if copied >= 2 * MIB {
+            break copied;
+        }
+        assert!(Instant::now() < deadline, "the rebuild copied nothing");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    cluster.kill(first);
+    let others: Vec<u64> = cluster
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| *id != first)
+        .collect();
+    let (second, _) = cluster
+        .wait_for_writer(&others, Duration::from_secs(30))
+        .await;
+    assert_ne!(second, follower, "the follower was not in sync");
+    cluster
+        .wait_in_sync(second, follower, true, Duration::from_secs(60))
+        .await;
+    let status = cluster.status(second).await.unwrap();
+    let replica = status
+        .replicas
+        .iter()
+        .find(|r| r.id == follower.to_string())
+        .unwrap();
+    eprintln!(
+        "cut off after {} MiB copied; the next writer compared {} of {} MiB and copied {} MiB (full = {})",
+        before >> 20,
+        replica.resync_done_bytes >> 20,
+        replica.resync_total_bytes >> 20,
+        replica.resync_copied_bytes >> 20,
+        replica.resync_full
+    );
+    assert!(!replica.resync_full, "the next writer used the map");
+    assert!(
+        replica.resync_total_bytes <= 20 * MIB,
+        "the next writer compared {} bytes for 16 MiB missed",
+        replica.resync_total_bytes
+    );
+    let mut offset = 0;
+    while offset < GIB {
+        let len = 256 * MIB;
+        assert!(
+            cluster.digests(follower, offset, len).await
+                == cluster.digests(second, offset, len).await,
+            "the copies differ in [{offset}, +{len})"
+        );
+        offset += len;
+    }
+}
