@@ -1321,3 +1321,51 @@ async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
     let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
     assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
 }
+
+/// Invariant M: a replica being rebuilt keeps its older terms' marks until
+/// its rebuild has compared them. Here a dead writer's write reached only
+/// n3 (marked there), and a scrub repair of that extent on n2 makes the
+/// writer retire its marks meanwhile: n3's mark must survive, or the
+/// rebuild (which compares the map and n3's own marks) would keep n3's
+/// unacknowledged bytes.
+#[tokio::test]
+async fn a_rebuilding_replica_keeps_its_older_marks_until_its_rebuild_compared_them() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let mib = rig.engine.extent_size();
+    let extent = 6;
+    rig.replicas[2]
+        .store()
+        .write(Term(4), extent * mib, block(0xd4), true)
+        .await
+        .unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    // n2's copy of the extent went bad; the scrub repairs it from n1.
+    let current = replica_ha::replica::Stamp {
+        term: Term(5),
+        generation: 1,
+    };
+    rig.replicas[1]
+        .store()
+        .write(current, extent * mib, block(0xee), true)
+        .await
+        .unwrap();
+    let finding = rig.engine.scrub_extent(extent).await.unwrap().unwrap();
+    assert!(finding.repaired);
+    rig.engine.retire_marks().await.unwrap();
+    // The repair spoiled the running rebuild; the next attempt begins.
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    let plan = rig.engine.missed_plan(NodeId(3)).await.unwrap().unwrap();
+    assert!(
+        plan.contains(&extent),
+        "n3's own mark is in the plan: {plan:?}"
+    );
+    for e in plan {
+        rig.engine.copy_extent(NodeId(3), e).await.unwrap();
+    }
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(
+        rig.on(2, extent * mib, 4096).await,
+        rig.on(0, extent * mib, 4096).await
+    );
+}

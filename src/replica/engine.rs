@@ -992,8 +992,10 @@ impl Engine {
     /// Invariant M for a copy that returns: gives rebuild target `id`
     /// the maps the source keeps of other absent members, since the
     /// target missed what was recorded while it was away. It receives
-    /// every write already (the barrier of `begin_rebuild` is behind), so
-    /// what the source records from now on it records too.
+    /// every write already (the barrier of `begin_rebuild` is behind); each
+    /// map is opened on it *before* the source's is read, so a write that
+    /// lands between the read and the copy is recorded by the target
+    /// itself.
     async fn adopt_missed_maps(&self, term: Term, id: NodeId) -> Result<(), RebuildError> {
         let source = self
             .read_order()
@@ -1007,8 +1009,20 @@ impl Engine {
             .map_err(|e| {
                 RebuildError::replica("listing the missed-write maps of", source.id(), e)
             })?;
-        for node in maps.into_keys().filter(|node| *node != id) {
+        let give = |node: NodeId, incarnation: Incarnation, piece: &[u64]| {
+            let (target, piece) = (&target, piece.to_vec());
+            async move {
+                self.stamped(term, target, |stamp| {
+                    target.note_missed(stamp, node, incarnation, &piece)
+                })
+                .await
+                .map_err(|e| RebuildError::replica("giving the missed-write maps to", id, e))
+            }
+        };
+        for (node, incarnation) in maps.into_iter().filter(|(node, _)| *node != id) {
+            give(node, incarnation, &[]).await?;
             let Some(map) = self.whole_missed_map(&source, node).await? else {
+                // Closed meanwhile: the member is back in sync.
                 continue;
             };
             for piece in missed::pieces(&map.extents) {
@@ -1052,7 +1066,7 @@ impl Engine {
                 }
                 whole.extents.extend_from_slice(&page.extents);
                 match (page.more, page.extents.last()) {
-                    (true, Some(last)) => from = last + 1,
+                    (true, Some(last)) if *last < u64::MAX => from = last + 1,
                     _ => return Ok(Some(std::mem::take(whole))),
                 }
             }
@@ -1087,7 +1101,9 @@ impl Engine {
             .map_err(|e| RebuildError::replica("reading the marks of", id, e))?;
         let mut extents: BTreeSet<u64> = map.extents.into_iter().collect();
         extents.extend(marks.dirty.iter().map(|m| m.extent));
-        Ok(Some(extents.into_iter().collect()))
+        // Only extents of the volume: the answers come from the network.
+        let count = self.current_size().div_ceil(self.extent_size);
+        Ok(Some(extents.into_iter().filter(|e| *e < count).collect()))
     }
 
     /// Compares extent `extent` on every in-sync replica under the
@@ -1467,18 +1483,16 @@ impl Engine {
                             && !activity.unsure.contains(e)
                     })
                     .collect();
-                // Members, and replicas being rebuilt (they took the same
-                // writes, acknowledged; what a rebuild compares comes from
-                // the missed-write map, kept apart from the marks, or from
-                // every extent, so a mark retired there can never hide a
-                // difference).
+                // Members only. A replica being rebuilt keeps its marks:
+                // older terms' marks there may name the only record of a
+                // write that reached it and no other copy, which its
+                // rebuild compares (see `missed_plan`); its return retires
+                // them (`finish_rebuild`).
                 let members: Vec<Arc<dyn Replica>> = self
                     .replicas
                     .members()
                     .iter()
-                    .filter(|r| {
-                        state.in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id())
-                    })
+                    .filter(|r| state.in_sync.contains(&r.id()))
                     .cloned()
                     .collect();
                 (ready, members)

@@ -43,7 +43,10 @@
 //! lock, and a change's entries are added to the in-memory copy only if no
 //! open or close happened between computing them and their flush (a
 //! `version` counts those), so memory never claims an entry the database
-//! lost to a close.
+//! lost to a close. An open or close that fails part way makes memory
+//! forget the member's entries, since the database may have lost some
+//! (a replacement removes the open record before the old entries, so a
+//! crash between leaves no map rather than a map with holes).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Mutex;
@@ -219,6 +222,15 @@ impl MissedMaps {
             .extend(extents.iter().map(|extent| (node, *extent)));
     }
 
+    /// A change to `node`'s map failed part way: the database may have
+    /// lost entries memory holds, so memory holds none of them any more
+    /// (the next change to each extent adds it again: a superset).
+    pub fn forget(&self, node: NodeId) {
+        let mut state = self.lock();
+        state.version += 1;
+        state.noted.retain(|(n, _)| *n != node);
+    }
+
     /// `node`'s map is closed and its entries removed, durably.
     pub fn closed(&self, node: NodeId) {
         let mut state = self.lock();
@@ -242,6 +254,21 @@ mod tests {
         maps.flushed(needed);
         maps.opened(NodeId(3), Incarnation(7), &[], false);
         assert_eq!(maps.needed(0, 0).entries, vec![(NodeId(3), 0)]);
+    }
+
+    #[test]
+    fn a_change_that_failed_part_way_forgets_what_memory_held() {
+        let maps = MissedMaps::default();
+        maps.opened(NodeId(3), Incarnation(7), &[1, 2], false);
+        assert!(maps.needed(1, 2).entries.is_empty());
+        let needed = maps.needed(0, 0);
+        maps.forget(NodeId(3));
+        maps.flushed(needed);
+        assert_eq!(maps.open_of(NodeId(3)), Some(Incarnation(7)));
+        assert_eq!(
+            maps.needed(0, 2).entries,
+            vec![(NodeId(3), 0), (NodeId(3), 1), (NodeId(3), 2)]
+        );
     }
 
     #[test]

@@ -646,10 +646,37 @@ impl ReplicaStore {
         }
         let _admitted = self.admit(stamp).await?;
         let _one_at_a_time = self.missed_edit.lock().await;
-        let meta = self.meta.get()?;
         let current = self.missed.open_of(node);
         let replaced = current.is_some_and(|open| open != incarnation);
+        let written = self
+            .write_missed(node, incarnation, extents, replaced)
+            .await;
+        if let Err(err) = written {
+            self.missed.forget(node);
+            return Err(err);
+        }
+        if current != Some(incarnation) {
+            tracing::info!(replica = %node, %incarnation, noted = extents.len(), "missed-write map opened");
+        }
+        self.missed.opened(node, incarnation, extents, replaced);
+        Ok(())
+    }
+
+    /// The database side of [`ReplicaStore::note_missed`].
+    async fn write_missed(
+        &self,
+        node: NodeId,
+        incarnation: Incarnation,
+        extents: &[u64],
+        replaced: bool,
+    ) -> Result<(), ReplicaError> {
+        let meta = self.meta.get()?;
         if replaced {
+            // The open record first: a crash from here on leaves no map
+            // (a full rebuild), never one with entries missing.
+            meta.missed
+                .remove(missed::open_key(node))
+                .map_err(|e| self.meta.failed(e))?;
             let old: Vec<sled::IVec> = meta
                 .missed
                 .scan_prefix(missed::entry_prefix(node))
@@ -666,15 +693,7 @@ impl ReplicaStore {
         meta.missed
             .insert(missed::open_key(node), &incarnation.0.to_be_bytes())
             .map_err(|e| self.meta.failed(e))?;
-        meta.flusher
-            .flush()
-            .await
-            .map_err(|e| self.meta.failed(e))?;
-        if current != Some(incarnation) {
-            tracing::info!(replica = %node, %incarnation, noted = extents.len(), "missed-write map opened");
-        }
-        self.missed.opened(node, incarnation, extents, replaced);
-        Ok(())
+        meta.flusher.flush().await.map_err(|e| self.meta.failed(e))
     }
 
     /// One page of `node`'s missed-write map: the extents from `from` on,
@@ -703,6 +722,22 @@ impl ReplicaStore {
         Ok(Some(map))
     }
 
+    /// The database side of [`ReplicaStore::close_missed`].
+    async fn remove_missed(&self, node: NodeId) -> Result<(), ReplicaError> {
+        let meta = self.meta.get()?;
+        meta.missed
+            .remove(missed::open_key(node))
+            .map_err(|e| self.meta.failed(e))?;
+        let entries: Vec<sled::IVec> = meta
+            .missed
+            .scan_prefix(missed::entry_prefix(node))
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.meta.failed(e))?;
+        crate::sled_ops::remove_all(&meta.missed, &entries).map_err(|e| self.meta.failed(e))?;
+        meta.flusher.flush().await.map_err(|e| self.meta.failed(e))
+    }
+
     /// The members this store keeps an open missed-write map of.
     pub fn missed_open(&self) -> std::collections::BTreeMap<NodeId, Incarnation> {
         self.missed.open()
@@ -722,21 +757,11 @@ impl ReplicaStore {
         if self.missed.open_of(node).is_none() {
             return Ok(());
         }
-        let meta = self.meta.get()?;
-        meta.missed
-            .remove(missed::open_key(node))
-            .map_err(|e| self.meta.failed(e))?;
-        let entries: Vec<sled::IVec> = meta
-            .missed
-            .scan_prefix(missed::entry_prefix(node))
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(|e| self.meta.failed(e))?;
-        crate::sled_ops::remove_all(&meta.missed, &entries).map_err(|e| self.meta.failed(e))?;
-        meta.flusher
-            .flush()
-            .await
-            .map_err(|e| self.meta.failed(e))?;
+        let removed = self.remove_missed(node).await;
+        if let Err(err) = removed {
+            self.missed.forget(node);
+            return Err(err);
+        }
         self.missed.closed(node);
         tracing::info!(replica = %node, "missed-write map closed");
         Ok(())
