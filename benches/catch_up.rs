@@ -8,7 +8,13 @@
 //! With `BASELINE_BIN=PATH` (another build) each size also runs on that
 //! build, alternating, and the ratios current/baseline are printed.
 //!
-//! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`).
+//! With `WRITTEN=1` every replica file is written in full before the
+//! nodes first start (the same bytes on each), so a pass over the volume
+//! must read it: the case the missed-write map is for. Without it the
+//! volume is sparse, and a full pass costs little (holes are not read).
+//!
+//! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`,
+//! `WRITTEN=0`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -31,9 +37,29 @@ fn env_list(name: &str, default: &str) -> Vec<u64> {
         .collect()
 }
 
+/// Writes `gib` GiB of one pattern into `path`.
+fn fill(path: &Path, gib: u64) {
+    use std::io::Write;
+    std::fs::create_dir_all(path.parent().expect("a replica dir")).expect("mkdir");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).expect("create"));
+    let chunk = vec![0x5au8; 8 * MIB as usize];
+    for _ in 0..(gib * GIB / chunk.len() as u64) {
+        file.write_all(&chunk).expect("fill the replica file");
+    }
+    file.flush().expect("flush");
+}
+
 /// One catch-up on a fresh cluster of `bin` with a `gib` GiB volume.
-async fn catch_up(bin: &Path, gib: u64) -> Duration {
+async fn catch_up(bin: &Path, gib: u64, written: bool) -> Duration {
     let mut cluster = Cluster::new(3);
+    if written {
+        for id in cluster.ids.clone() {
+            fill(
+                &cluster.data_dir(id).join("replica").join("volume.img"),
+                gib,
+            );
+        }
+    }
     cluster.bin = bin.to_path_buf();
     cluster.extra_args = vec![
         "--size".into(),
@@ -84,19 +110,21 @@ async fn main() {
     let runs = common::env_u64("RUNS", 3);
     let current = PathBuf::from(BIN);
     let baseline = std::env::var_os("BASELINE_BIN").map(PathBuf::from);
-    println!("catch-up after a 4 MiB miss, {runs} runs per size");
+    let written = common::env_u64("WRITTEN", 0) == 1;
+    let kind = if written { "written" } else { "sparse" };
+    println!("catch-up after a 4 MiB miss, {kind} volume, {runs} runs per size");
     for gib in sizes {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for run in 0..runs {
             if let Some(baseline) = &baseline {
-                let t = catch_up(baseline, gib).await;
+                let t = catch_up(baseline, gib, written).await;
                 println!(
                     "{gib:>3} GiB run {run} baseline: {:>8.2} s",
                     t.as_secs_f64()
                 );
                 theirs.push(t);
             }
-            let t = catch_up(&current, gib).await;
+            let t = catch_up(&current, gib, written).await;
             println!(
                 "{gib:>3} GiB run {run} current:  {:>8.2} s",
                 t.as_secs_f64()
