@@ -33,11 +33,11 @@ use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     LeaderUpdate, Member, MembersChange, MembersChangeReply, MembersReply, MembersRequest,
-    ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ScrubReply, ScrubRequest,
-    StatusReply, StatusRequest, TransferReply, TransferRequest, WatchLeaderRequest, WriteReply,
-    WriteRequest,
+    ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ResyncReply, ResyncRequest,
+    ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
+    WatchLeaderRequest, WriteReply, WriteRequest,
 };
-use crate::replica::{ReplicaError, ResizeError};
+use crate::replica::{RebuildError, ReplicaError, ResizeError};
 use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
@@ -330,6 +330,38 @@ impl Admin for AdminService {
                 })
                 .collect(),
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(id = request.get_ref().id, full = request.get_ref().full))]
+    async fn resync(
+        &self,
+        request: Request<ResyncRequest>,
+    ) -> Result<Response<ResyncReply>, Status> {
+        Caller::of(&request).require_admin("ask for a full rebuild")?;
+        if !self.view.is_active_writer() {
+            return Err(Status::failed_precondition(
+                "this node is not the active writer; only the writer rebuilds (ask the leader)",
+            ));
+        }
+        let request = request.into_inner();
+        if !request.full {
+            return Err(Status::invalid_argument(
+                "only a full rebuild can be asked for (--full); a replica out of sync is rebuilt \
+                 from its missed-write map by itself",
+            ));
+        }
+        self.view
+            .resyncer()
+            .force_full(NodeId(request.id))
+            .map_err(|err| match err {
+                RebuildError::Unknown(_) => Status::not_found(err.to_string()),
+                RebuildError::InSync(_) => Status::failed_precondition(format!(
+                    "{err}: a full rebuild is for a replica out of sync (`replica-ha scrub --now` \
+                     compares the in-sync copies)"
+                )),
+                other => Status::failed_precondition(other.to_string()),
+            })?;
+        Ok(Response::new(ResyncReply {}))
     }
 
     #[tracing::instrument(skip_all, fields(size = request.get_ref().size))]

@@ -259,6 +259,11 @@ impl NodeView {
         &self.scrub
     }
 
+    /// The writer's resync, for the admin API to ask for a full rebuild.
+    pub fn resyncer(&self) -> &Arc<Resyncer> {
+        &self.resync
+    }
+
     /// Grows the volume to `size` bytes (see [`Engine::resize`]).
     pub async fn resize(&self, size: u64) -> Result<u64, ResizeError> {
         self.engine.resize(size).await

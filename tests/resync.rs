@@ -455,3 +455,54 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
         offset += len;
     }
 }
+
+/// `replica-ha resync --full --id N`: the next rebuild of an out-of-sync
+/// replica compares every extent instead of its missed-write map; a
+/// replica in sync, an unknown one, or a request without `--full` is
+/// refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_rebuild_can_be_asked_for() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", "128MiB"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let mut followers = cluster.ids.iter().copied().filter(|id| *id != writer);
+    let (follower, other) = (followers.next().unwrap(), followers.next().unwrap());
+    async fn ask(cluster: &Cluster, writer: u64, args: Vec<String>) -> (bool, String, String) {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cluster.cli(writer, &args).await
+    }
+    let args = |id: u64, full: bool| {
+        let mut args = vec!["resync".to_string(), "--id".into(), id.to_string()];
+        if full {
+            args.push("--full".into());
+        }
+        args
+    };
+    let (ok, _, err) = ask(&cluster, writer, args(other, true)).await;
+    assert!(!ok && err.contains("in sync"), "{err}");
+    let (ok, _, err) = ask(&cluster, writer, args(9, true)).await;
+    assert!(!ok && err.contains("not a replica"), "{err}");
+    cluster.kill(follower);
+    cluster
+        .write(writer, 0, Bytes::from(vec![0x77; 4096]))
+        .await
+        .unwrap();
+    cluster.wait_in_sync(writer, follower, false, WAIT).await;
+    let (ok, _, err) = ask(&cluster, writer, args(follower, false)).await;
+    assert!(!ok && err.contains("--full"), "{err}");
+    let (ok, out, err) = ask(&cluster, writer, args(follower, true)).await;
+    assert!(ok, "{out}{err}");
+    cluster.spawn(follower);
+    cluster
+        .wait_in_sync(writer, follower, true, Duration::from_secs(60))
+        .await;
+    let status = cluster.status(writer).await.unwrap();
+    let replica = status
+        .replicas
+        .iter()
+        .find(|r| r.id == follower.to_string())
+        .unwrap();
+    assert!(replica.resync_full, "the rebuild was a full one");
+    assert_eq!(replica.resync_total_bytes, SIZE);
+    verify_identical(&cluster, writer).await;
+}

@@ -17,8 +17,8 @@ use replica_ha::net::{Expect, Limits, Tls, Transport};
 use replica_ha::node::{self, NodeConfig, Overrides, TlsFile};
 use replica_ha::proto::admin::admin_client::AdminClient;
 use replica_ha::proto::admin::{
-    MembersChange, MembersRequest, ResizeRequest, ScrubRequest, StatusReply, StatusRequest,
-    TransferRequest,
+    MembersChange, MembersRequest, ResizeRequest, ResyncRequest, ScrubRequest, StatusReply,
+    StatusRequest, TransferRequest,
 };
 use replica_ha::replica::{ReplicaStore, StoreIdentity};
 
@@ -110,6 +110,26 @@ enum Command {
         /// and every copy agreed or was repaired, 1 otherwise.
         #[arg(long)]
         now: bool,
+        #[command(flatten)]
+        tls: ClientTls,
+    },
+    /// Ask the writer to rebuild an out-of-sync replica in full: every
+    /// extent compared with an in-sync copy, instead of only those its
+    /// missed-write map names (use it when you doubt that copy's disk). A
+    /// rebuild of it that is running starts over. A replica in the in-sync
+    /// set is refused (`replica-ha scrub --now` compares those). Ask the
+    /// writer; needs an admin certificate.
+    Resync {
+        /// The writer's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:7001")]
+        addr: String,
+        /// The replica's node id.
+        #[arg(long)]
+        id: u64,
+        /// Compare every extent (the only kind of rebuild that can be asked
+        /// for; without it the command refuses).
+        #[arg(long)]
+        full: bool,
         #[command(flatten)]
         tls: ClientTls,
     },
@@ -425,6 +445,12 @@ async fn dispatch(cli: Cli) -> ExitCode {
         } => change_members(&addr, change, &tls).await,
         Command::Scrub { addr, now, tls } => scrub(&addr, now, &tls).await,
         Command::Resize { addr, size, tls } => resize(&addr, size, &tls).await,
+        Command::Resync {
+            addr,
+            id,
+            full,
+            tls,
+        } => resync(&addr, id, full, &tls).await,
         Command::Inspect {
             data_dir,
             cluster_id,
@@ -1170,6 +1196,33 @@ async fn change_members(addr: &str, change: MembersCommand, tls: &ClientTls) -> 
 
 fn parse_volume_size(text: &str) -> Result<u64, String> {
     replica_ha::node::config::parse_size(text).map_err(|e| e.to_string())
+}
+
+async fn resync(addr: &str, id: u64, full: bool, tls: &ClientTls) -> ExitCode {
+    let outcome = async {
+        let mut client = admin_client(addr, tls)?;
+        let mut request = tonic::Request::new(ResyncRequest { id, full });
+        request.set_timeout(Duration::from_secs(10));
+        client
+            .resync(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| describe(&s))
+    }
+    .await;
+    match outcome {
+        Ok(_) => {
+            println!(
+                "replica {id} will be rebuilt in full (every extent compared); `replica-ha status` \
+                 shows its progress"
+            );
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            eprintln!("replica-ha: resync failed: {err}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 async fn resize(addr: &str, size: u64, tls: &ClientTls) -> ExitCode {

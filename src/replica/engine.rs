@@ -1652,6 +1652,15 @@ impl Engine {
         }
     }
 
+    /// Spoils a running rebuild of `id` as a failed write to it would: it
+    /// does not return (or, if its return is committing, is dropped again),
+    /// and the next attempt starts afresh.
+    pub fn spoil_rebuild(&self, id: NodeId) {
+        if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
+            rebuild.failed = true;
+        }
+    }
+
     /// Whether a write to `id` failed since its rebuild began (or it is no
     /// longer being rebuilt).
     pub fn rebuild_failed(&self, id: NodeId) -> bool {

@@ -92,6 +92,8 @@ pub struct Resyncer {
     engine: Arc<Engine>,
     config: ResyncConfig,
     progress: Mutex<BTreeMap<NodeId, Progress>>,
+    /// Replicas whose next rebuild compares every extent, by request.
+    full: Mutex<std::collections::BTreeSet<NodeId>>,
 }
 
 impl Resyncer {
@@ -101,7 +103,28 @@ impl Resyncer {
             engine,
             config,
             progress: Mutex::default(),
+            full: Mutex::default(),
         }
+    }
+
+    /// Makes the next rebuild of `id` a full one (every extent compared),
+    /// whatever its missed-write map says; a rebuild of it that is running
+    /// is abandoned so that the next one starts. Refused for a replica in
+    /// the in-sync set (the scrub compares those).
+    pub fn force_full(&self, id: NodeId) -> Result<(), RebuildError> {
+        if self.engine.replica_set().get(id).is_none() {
+            return Err(RebuildError::Unknown(id));
+        }
+        if self.engine.in_sync().contains(&id) {
+            return Err(RebuildError::InSync(id));
+        }
+        self.full
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id);
+        self.engine.spoil_rebuild(id);
+        tracing::info!(replica = %id, "the next rebuild compares every extent (asked for)");
+        Ok(())
     }
 
     /// Each replica's latest rebuild.
@@ -138,14 +161,36 @@ impl Resyncer {
     pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
         let id = target.id();
         let term = self.engine.begin_rebuild(id).await?;
-        let outcome = match self.engine.missed_plan(id).await {
+        let forced = self
+            .full
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&id);
+        let plan = if forced {
+            Ok(None)
+        } else {
+            self.engine.missed_plan(id).await
+        };
+        let outcome = match plan {
             Ok(Some(extents)) => {
                 tracing::info!(%term, replica = %id, extents = extents.len(), "resync started from the missed-write map");
                 self.copy_listed(id, term, &extents).await
             }
             Ok(None) => {
-                tracing::info!(%term, replica = %id, "full resync started (no missed-write map of this copy)");
-                self.copy_differences(id, term).await
+                let why = if forced {
+                    "asked for"
+                } else {
+                    "no missed-write map of this copy"
+                };
+                tracing::info!(%term, replica = %id, why, "full resync started");
+                let copied = self.copy_differences(id, term).await;
+                if copied.is_ok() {
+                    self.full
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id);
+                }
+                copied
             }
             Err(err) => Err(err),
         };
