@@ -1,7 +1,7 @@
 //! How long a follower that missed a few writes takes to be back in sync,
 //! against the volume's size (issue 21's measurement): a three-node cluster
 //! of release processes on a sparse volume; one follower is killed, 4 MiB
-//! are written (1 MiB at a time, spread over the volume), the follower is
+//! (`MISS_MIB`) are written (1 MiB at a time, spread over the volume), the follower is
 //! started again, and the time from its start to its return to the in-sync
 //! set is taken.
 //!
@@ -14,7 +14,7 @@
 //! volume is sparse, and a full pass costs little (holes are not read).
 //!
 //! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`,
-//! `WRITTEN=0`).
+//! `WRITTEN=0`, `MISS_MIB=4`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -76,8 +76,9 @@ async fn catch_up(bin: &Path, gib: u64, written: bool) -> Duration {
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     cluster.kill(follower);
     let data = Bytes::from(vec![0x42; MIB as usize]);
-    for i in 0..4 {
-        let offset = i * (gib * GIB / 4);
+    let missed = common::env_u64("MISS_MIB", 4).max(1);
+    for i in 0..missed {
+        let offset = i * (gib * GIB / missed);
         // The first write after the kill waits for the follower's removal.
         let deadline = Instant::now() + Duration::from_secs(30);
         while cluster.write(writer, offset, data.clone()).await.is_err() {
@@ -112,7 +113,8 @@ async fn main() {
     let baseline = std::env::var_os("BASELINE_BIN").map(PathBuf::from);
     let written = common::env_u64("WRITTEN", 0) == 1;
     let kind = if written { "written" } else { "sparse" };
-    println!("catch-up after a 4 MiB miss, {kind} volume, {runs} runs per size");
+    let missed = common::env_u64("MISS_MIB", 4);
+    println!("catch-up after a {missed} MiB miss, {kind} volume, {runs} runs per size");
     for gib in sizes {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for run in 0..runs {
