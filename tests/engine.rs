@@ -1369,3 +1369,34 @@ async fn a_rebuilding_replica_keeps_its_older_marks_until_its_rebuild_compared_t
         rig.on(0, extent * mib, 4096).await
     );
 }
+
+/// Invariant M: a map a replica kept while it was away, of a member that
+/// returned meanwhile (its close could not reach it), is stale: it lacks
+/// what was written since. The replica's rebuild closes it, so it can
+/// never pass for complete when that member leaves again.
+#[tokio::test]
+async fn a_rebuild_closes_the_stale_maps_its_target_kept() {
+    let rig = Rig::new(1).await;
+    with_n3_out(&rig).await;
+    // n2 leaves too; n3 returns while n2 is away.
+    rig.replicas[1].set(Fault::Fail);
+    rig.engine.write_at(4096, block(2), false).await.unwrap();
+    assert!(!rig.committed().await.contains(&NodeId(2)));
+    rig.replicas[1].set(Fault::None);
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    for extent in rig.engine.missed_plan(NodeId(3)).await.unwrap().unwrap() {
+        rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
+    }
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(rig.replicas[0].store().missed(NodeId(3), 0).unwrap(), None);
+    assert!(
+        rig.replicas[1]
+            .store()
+            .missed(NodeId(3), 0)
+            .unwrap()
+            .is_some(),
+        "n2 was away when n3's map was closed"
+    );
+    rig.engine.begin_rebuild(NodeId(2)).await.unwrap();
+    assert_eq!(rig.replicas[1].store().missed(NodeId(3), 0).unwrap(), None);
+}

@@ -1019,6 +1019,22 @@ impl Engine {
                 .map_err(|e| RebuildError::replica("giving the missed-write maps to", id, e))
             }
         };
+        // A map the target holds and the source does not is stale: the
+        // member returned while the target was away, and its close missed
+        // the target. Kept, it would claim to be complete the next time
+        // that member leaves; closed, it is reopened then like any other.
+        let stale: Vec<NodeId> = self
+            .bounded(id, target.missed_maps())
+            .await
+            .map_err(|e| RebuildError::replica("listing the missed-write maps of", id, e))?
+            .into_keys()
+            .filter(|node| !maps.contains_key(node))
+            .collect();
+        for node in stale {
+            self.stamped(term, &target, |stamp| target.close_missed(stamp, node))
+                .await
+                .map_err(|e| RebuildError::replica("closing a stale missed-write map on", id, e))?;
+        }
         for (node, incarnation) in maps.into_iter().filter(|(node, _)| *node != id) {
             give(node, incarnation, &[]).await?;
             let Some(map) = self.whole_missed_map(&source, node).await? else {

@@ -26,8 +26,10 @@
 //!   reached some copies and not others).
 //! - *While X is away.* A replica records every change while X's map is
 //!   open, whoever makes it. A replica that returns from a rebuild of its
-//!   own is given the maps of its source (merged, after it began receiving
-//!   writes), since it missed what the others recorded while it was away.
+//!   own is given the maps of its source (each opened on it before the
+//!   source's is read, after it began receiving writes), since it missed
+//!   what the others recorded while it was away; a map it kept that the
+//!   source does not (its member returned meanwhile) is stale and closed.
 //! - *When X returns.* Once its return is committed, the writer closes its
 //!   map everywhere. A map left open by a close that failed is a superset,
 //!   and a superset only costs copies.
