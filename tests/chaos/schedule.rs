@@ -51,7 +51,7 @@ pub enum Fault {
     WipeFollower,
     /// The writer grows the volume by 1 MiB (`replica-ha resize`), best
     /// effort: a follower down meanwhile must be grown by its rebuild, and
-    /// every copy must end the same size with the same bytes.
+    /// every copy must end with the same bytes up to the committed size.
     Resize,
 }
 
