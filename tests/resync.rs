@@ -62,14 +62,56 @@ async fn verify_identical(cluster: &Cluster, writer: u64) {
     }
 }
 
-async fn copied_bytes(cluster: &Cluster, writer: u64, id: u64) -> u64 {
+/// What `writer` reports of replica `id` (its resync counters among it).
+async fn replica_status(
+    cluster: &Cluster,
+    writer: u64,
+    id: u64,
+) -> replica_ha::proto::admin::ReplicaStatus {
     let status = cluster.status(writer).await.unwrap();
-    let replica = status
+    status
         .replicas
-        .iter()
+        .into_iter()
         .find(|r| r.id == id.to_string())
-        .unwrap();
-    replica.resync_copied_bytes
+        .unwrap()
+}
+
+async fn copied_bytes(cluster: &Cluster, writer: u64, id: u64) -> u64 {
+    replica_status(cluster, writer, id)
+        .await
+        .resync_copied_bytes
+}
+
+/// Writes `count` MiB, one at a time, spread evenly over the first `size`
+/// bytes, each of its own byte from `first`. The first write after a
+/// replica's death waits for its removal; one that fails meanwhile is
+/// sent again.
+async fn write_spread(cluster: &Cluster, writer: u64, count: u64, size: u64, first: u8) {
+    for i in 0..count {
+        let data = Bytes::from(vec![first.wrapping_add(i as u8); MIB as usize]);
+        let deadline = Instant::now() + WAIT;
+        while cluster
+            .write(writer, i * (size / count), data.clone())
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "the writer took no write");
+        }
+    }
+}
+
+/// Nodes `a` and `b` hold the same first `size` bytes (256 extents per
+/// digest request).
+async fn verify_identical_up_to(cluster: &Cluster, a: u64, b: u64, size: u64) {
+    let mut offset = 0;
+    while offset < size {
+        let len = (256 * MIB).min(size - offset);
+        assert!(
+            cluster.digests(a, offset, len).await == cluster.digests(b, offset, len).await,
+            "nodes {a} and {b} differ in [{offset}, +{len})"
+        );
+        offset += len;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,30 +359,13 @@ async fn a_follower_that_missed_4_mib_compares_what_it_missed_not_the_volume() {
         let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
         let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
         cluster.kill(follower);
-        for i in 0..4 {
-            let data = Bytes::from(vec![0x40 + i as u8; MIB as usize]);
-            // The first write after the kill waits for the removal; one
-            // that times out meanwhile is sent again.
-            let deadline = Instant::now() + WAIT;
-            while cluster
-                .write(writer, i * (size / 4), data.clone())
-                .await
-                .is_err()
-            {
-                assert!(Instant::now() < deadline, "the writer took no write");
-            }
-        }
+        write_spread(&cluster, writer, 4, size, 0x40).await;
         cluster.wait_in_sync(writer, follower, false, WAIT).await;
         cluster.spawn(follower);
         cluster
             .wait_in_sync(writer, follower, true, Duration::from_secs(60))
             .await;
-        let status = cluster.status(writer).await.unwrap();
-        let replica = status
-            .replicas
-            .iter()
-            .find(|r| r.id == follower.to_string())
-            .unwrap();
+        let replica = replica_status(&cluster, writer, follower).await;
         eprintln!(
             "{gib} GiB: compared {} of {} MiB, copied {} MiB, full = {}",
             replica.resync_done_bytes >> 20,
@@ -356,17 +381,7 @@ async fn a_follower_that_missed_4_mib_compares_what_it_missed_not_the_volume() {
         );
         assert_eq!(replica.resync_done_bytes, replica.resync_total_bytes);
         assert!((4 * MIB..=replica.resync_total_bytes).contains(&replica.resync_copied_bytes));
-        // 256 extents per digest request.
-        let mut offset = 0;
-        while offset < size {
-            let len = (256 * MIB).min(size - offset);
-            assert!(
-                cluster.digests(follower, offset, len).await
-                    == cluster.digests(writer, offset, len).await,
-                "the copies differ in [{offset}, +{len})"
-            );
-            offset += len;
-        }
+        verify_identical_up_to(&cluster, follower, writer, size).await;
         for id in cluster.ids.clone() {
             cluster.kill(id);
         }
@@ -385,17 +400,7 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
     let (first, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != first).unwrap();
     cluster.kill(follower);
-    for i in 0..16u64 {
-        let data = Bytes::from(vec![0x60 + i as u8; MIB as usize]);
-        let deadline = Instant::now() + WAIT;
-        while cluster
-            .write(first, i * (GIB / 16), data.clone())
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "the writer took no write");
-        }
-    }
+    write_spread(&cluster, first, 16, GIB, 0x60).await;
     cluster.wait_in_sync(first, follower, false, WAIT).await;
     cluster.spawn(follower);
     // Cut the rebuild off once it has copied something.
@@ -424,12 +429,7 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
     cluster
         .wait_in_sync(second, follower, true, Duration::from_secs(60))
         .await;
-    let status = cluster.status(second).await.unwrap();
-    let replica = status
-        .replicas
-        .iter()
-        .find(|r| r.id == follower.to_string())
-        .unwrap();
+    let replica = replica_status(&cluster, second, follower).await;
     eprintln!(
         "cut off after {} MiB copied; the next writer compared {} of {} MiB and copied {} MiB (full = {})",
         before >> 20,
@@ -444,16 +444,7 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
         "the next writer compared {} bytes for 16 MiB missed",
         replica.resync_total_bytes
     );
-    let mut offset = 0;
-    while offset < GIB {
-        let len = 256 * MIB;
-        assert!(
-            cluster.digests(follower, offset, len).await
-                == cluster.digests(survivor, offset, len).await,
-            "the copies differ in [{offset}, +{len})"
-        );
-        offset += len;
-    }
+    verify_identical_up_to(&cluster, follower, survivor, GIB).await;
 }
 
 /// `replica-ha resync --full --id N`: the next rebuild of an out-of-sync
@@ -496,12 +487,7 @@ async fn a_full_rebuild_can_be_asked_for() {
     cluster
         .wait_in_sync(writer, follower, true, Duration::from_secs(60))
         .await;
-    let status = cluster.status(writer).await.unwrap();
-    let replica = status
-        .replicas
-        .iter()
-        .find(|r| r.id == follower.to_string())
-        .unwrap();
+    let replica = replica_status(&cluster, writer, follower).await;
     assert!(replica.resync_full, "the rebuild was a full one");
     assert_eq!(replica.resync_total_bytes, SIZE);
     verify_identical(&cluster, writer).await;

@@ -53,6 +53,23 @@ use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
 use crate::ids::{NodeId, Term};
 use crate::volume::VolumeSpec;
 
+/// The stamps the fencer of `term` sends each fenced replica. A member's
+/// floor may be a later generation of this term (a stint of this node's
+/// own at the term, or a rebuild): what the fencer sends it carries that
+/// generation, so it is admitted.
+fn stamps_for(term: Term, fenced: &BTreeMap<NodeId, FenceReply>) -> BTreeMap<NodeId, Stamp> {
+    fenced
+        .iter()
+        .map(|(id, reply)| {
+            let stamp = Stamp {
+                term,
+                generation: reply.generation,
+            };
+            (*id, stamp)
+        })
+        .collect()
+}
+
 /// The stamp the fencer uses for replica `id` (generation 0 if unknown).
 fn stamp_of(stamps: &BTreeMap<NodeId, Stamp>, id: NodeId) -> Stamp {
     stamps.get(&id).copied().unwrap_or_default()
@@ -324,19 +341,7 @@ impl TokenFencer {
             .iter()
             .filter_map(|id| find(replicas, *id))
             .collect();
-        // Each member's floor may be a later generation of this term (a
-        // stint of this node's own at the term, or a rebuild): stamp what
-        // the fencer sends it with that generation, so it is admitted.
-        let stamps: BTreeMap<NodeId, Stamp> = fenced
-            .iter()
-            .map(|(id, reply)| {
-                let stamp = Stamp {
-                    term,
-                    generation: reply.generation,
-                };
-                (*id, stamp)
-            })
-            .collect();
+        let stamps = stamps_for(term, fenced);
         // The committed size, not this node's config: a resize may have
         // grown the volume past it, and every in-sync replica with it.
         let size = self.tracker.volume_size().await?.unwrap_or(self.size);
@@ -411,6 +416,7 @@ impl TokenFencer {
     /// may have reached some copies and not the ones that leave.
     async fn open_missed_maps(
         &self,
+        term: Term,
         leaving: &BTreeSet<NodeId>,
         staying: &BTreeSet<NodeId>,
         fenced: &BTreeMap<NodeId, FenceReply>,
@@ -425,16 +431,7 @@ impl TokenFencer {
             .iter()
             .filter_map(|id| find(replicas, *id))
             .collect();
-        let stamps: BTreeMap<NodeId, Stamp> = fenced
-            .iter()
-            .map(|(id, reply)| {
-                let stamp = Stamp {
-                    term: reply.floor,
-                    generation: reply.generation,
-                };
-                (*id, stamp)
-            })
-            .collect();
+        let stamps = stamps_for(term, fenced);
         for node in leaving {
             let incarnation = self.replicas.incarnation(*node);
             for piece in super::missed::pieces(&marked) {
@@ -507,7 +504,7 @@ impl Fencer for TokenFencer {
                 "dropping unreached replicas from the in-sync set"
             );
             let staying: BTreeSet<NodeId> = committed.difference(&unreached).copied().collect();
-            self.open_missed_maps(&unreached, &staying, &fenced, &replicas)
+            self.open_missed_maps(term, &unreached, &staying, &fenced, &replicas)
                 .await?;
             self.tracker.remove(term, &unreached).await?
         };
