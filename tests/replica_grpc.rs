@@ -734,3 +734,121 @@ async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
         "{err}"
     );
 }
+
+/// The block channel refuses what it cannot trust and applies nothing of
+/// it: a frame with a wrong checksum, an oversized or unknown header, a
+/// request before `Hello`, a `Hello` for another volume, a request for
+/// another incarnation (S8), a stale term (S2), a range past the end. A
+/// broken frame closes its connection; the store is unchanged and still
+/// serves the next connection.
+#[tokio::test]
+async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
+    use replica_ha::net::frame::{Frame, Header, Kind, PREFACE, hello_payload};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let dir = tempfile::tempdir().unwrap();
+    let local = store(dir.path(), NodeId(1)).await;
+    local.write(Term(5), 0, block(5), false).await.unwrap();
+    let addr = serve(Arc::clone(&local)).await;
+
+    let write = |term: u64, offset: u64, incarnation: u64| {
+        let mut header = Header::new(Kind::Write, 7);
+        header.term = term;
+        header.offset = offset;
+        header.incarnation = incarnation;
+        Frame::new(header, block(9))
+    };
+    let wire = |frame: &Frame| {
+        let mut out = frame.header.encode().to_vec();
+        out.extend_from_slice(&frame.payload);
+        out
+    };
+    let hello = |volume: &str| {
+        wire(&Frame::new(
+            Header::new(Kind::Hello, 1),
+            hello_payload("test", volume),
+        ))
+    };
+    // Sends `bytes` after the preface and reads until the server closes;
+    // what it answered.
+    let exchange = |bytes: Vec<u8>| async move {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(PREFACE).await.unwrap();
+        tcp.write_all(&bytes).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut answer))
+            .await
+            .expect("the server closes a connection it cannot trust")
+            .ok();
+        answer
+    };
+
+    let mut corrupt = wire(&write(9, 0, 0));
+    let last = corrupt.len() - 1;
+    corrupt[last] ^= 1;
+    let mut oversized = wire(&write(9, 0, 0));
+    oversized[4..8].copy_from_slice(&u32::MAX.to_be_bytes());
+    let mut unknown = wire(&write(9, 0, 0));
+    unknown[1] = 0x42;
+    for (what, bytes) in [
+        ("a wrong checksum", [hello("vol0"), corrupt].concat()),
+        ("an oversized payload", [hello("vol0"), oversized].concat()),
+        ("an unknown kind", [hello("vol0"), unknown].concat()),
+        ("a write before Hello", wire(&write(9, 0, 0))),
+        (
+            "a Hello for another volume",
+            [hello("vol1"), wire(&write(9, 0, 0))].concat(),
+        ),
+    ] {
+        let answer = exchange(bytes).await;
+        // At most the Hello's answer and one refusal came back; never an
+        // Ok for the write.
+        let mut buf = bytes::BytesMut::from(&answer[..]);
+        let mut decoder = replica_ha::net::frame::Decoder::default();
+        while let Ok(Some(frame)) = decoder.next(&mut buf) {
+            assert!(
+                frame.header.id != 7 || frame.header.kind == Kind::Refused,
+                "{what}: the write was answered {:?}",
+                frame.header.kind
+            );
+        }
+        assert_eq!(local.read(0, 4096).await.unwrap(), block(5), "{what}");
+        assert_eq!(local.floor().await, Term(5), "{what}");
+    }
+
+    // Well-formed requests the store refuses, over a real link.
+    let link = replica_ha::net::Transport::default()
+        .link(
+            &addr.to_string(),
+            replica_ha::net::Expect::AnyNode,
+            "test",
+            "vol0",
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+    for (what, frame, wanted) in [
+        ("another incarnation", write(9, 0, 3), "replaced disk"),
+        ("a stale term", write(4, 0, 0), "stale term"),
+        ("past the end", write(9, SIZE - 1024, 0), "beyond"),
+        ("term 0", write(0, 0, 0), "term 0"),
+    ] {
+        let reply = link
+            .call(frame.header, frame.payload, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(reply.header.kind, Kind::Refused, "{what}");
+        let message = String::from_utf8_lossy(&reply.payload);
+        assert!(message.contains(wanted), "{what}: {message}");
+    }
+    assert_eq!(local.read(0, 4096).await.unwrap(), block(5));
+    assert_eq!(local.floor().await, Term(5));
+    // The same link still serves a good write.
+    let good = write(9, 0, 0);
+    let reply = link
+        .call(good.header, good.payload, Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(reply.header.kind, Kind::Ok);
+    assert_eq!(local.read(0, 4096).await.unwrap(), block(9));
+}

@@ -84,6 +84,35 @@ async fn held(cluster: &Cluster, id: u64) -> Held {
     }
 }
 
+/// A write over node `id`'s block channel, through `transport`, with a
+/// term far above any floor and meant for the node's incarnation as it is
+/// now (S8), so that only the credentials can be what refuses it.
+async fn block_write(cluster: &Cluster, id: u64, transport: &Transport) -> Result<(), String> {
+    use replica_ha::net::frame::{FUA, Header, Kind};
+    let link = transport
+        .link(
+            &cluster.data_addrs[&id].to_string(),
+            Expect::AnyNode,
+            &cluster.cluster_id,
+            "vol0",
+            Duration::from_secs(5),
+        )
+        .await
+        .map_err(|err| err.to_string())?;
+    let mut header = Header::new(Kind::Write, 0);
+    header.term = 1 << 40;
+    header.flags = FUA;
+    header.incarnation = volume(cluster, id).await.unwrap().incarnation;
+    let reply = link
+        .call(header, block(0xee, 64 * 1024), Duration::from_secs(5))
+        .await
+        .map_err(|err| err.to_string())?;
+    match reply.header.kind {
+        Kind::Ok => Ok(()),
+        _ => Err(String::from_utf8_lossy(&reply.payload).into_owned()),
+    }
+}
+
 /// Every call that did harm before TLS, from whoever holds `channel`;
 /// returns the outcome of each, by name.
 async fn attack(
@@ -224,6 +253,22 @@ async fn strangers_are_refused_by_every_service_and_change_nothing() {
                     );
                 }
             }
+        }
+    }
+
+    // The block channel on each data listener: strangers, and this
+    // cluster's own admin client (a client certificate is not a node's).
+    let own_admin = client_transport(&cluster.certs, "admin");
+    for (who, transport) in attackers
+        .iter()
+        .chain([&("this cluster's admin", own_admin)])
+    {
+        for id in &cluster.ids {
+            let outcome = block_write(&cluster, *id, transport).await;
+            assert!(
+                outcome.is_err(),
+                "{who}: a block-channel write on node {id} was not refused"
+            );
         }
     }
 

@@ -58,6 +58,16 @@ pub enum Stream {
 pub struct Accepted {
     stream: Stream,
     peer: PeerInfo,
+    /// Bytes already read off the stream to tell its protocol
+    /// ([`route`]), served again before the stream's own.
+    prefix: bytes::Bytes,
+}
+
+impl Accepted {
+    /// Who is on the other end.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.peer
+    }
 }
 
 impl Connected for Accepted {
@@ -132,7 +142,13 @@ impl AsyncRead for Accepted {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+        let this = self.get_mut();
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
     }
 }
 
@@ -207,6 +223,7 @@ pub fn incoming(
                             tls: false,
                             identity: None,
                         },
+                        prefix: bytes::Bytes::new(),
                     }),
                     Some(tls) => {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&tls, tcp, remote))
@@ -230,6 +247,59 @@ pub fn incoming(
     futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|accepted| (Ok(accepted), rx))
     })
+}
+
+/// Sorts the connections of `incoming` by their first bytes: those that
+/// open with `preface` go to the returned receiver (with the preface
+/// consumed), every other one to the returned stream (with the bytes read
+/// served again), for a gRPC server. A connection that sends fewer bytes
+/// than the preface within [`HANDSHAKE_TIMEOUT`] is dropped. Sorting runs
+/// per connection, so a slow one delays nobody.
+pub fn route(
+    incoming: impl futures::Stream<Item = Result<Accepted, io::Error>> + Send + 'static,
+    preface: &'static [u8],
+) -> (
+    impl futures::Stream<Item = Result<Accepted, io::Error>> + Send + 'static,
+    mpsc::Receiver<Accepted>,
+) {
+    use futures::StreamExt;
+    use tokio::io::AsyncReadExt;
+    let (others_tx, others_rx) = mpsc::channel::<Accepted>(MAX_HANDSHAKES);
+    let (matched_tx, matched_rx) = mpsc::channel::<Accepted>(MAX_HANDSHAKES);
+    tokio::spawn(async move {
+        let mut incoming = std::pin::pin!(incoming);
+        loop {
+            let next = tokio::select! {
+                next = incoming.next() => next,
+                _ = others_tx.closed() => return,
+            };
+            let mut accepted = match next {
+                Some(Ok(accepted)) => accepted,
+                Some(Err(_)) => continue,
+                None => return,
+            };
+            let (others_tx, matched_tx) = (others_tx.clone(), matched_tx.clone());
+            tokio::spawn(async move {
+                let mut first = vec![0u8; preface.len()];
+                let read =
+                    tokio::time::timeout(HANDSHAKE_TIMEOUT, accepted.stream.read_exact(&mut first))
+                        .await;
+                if !matches!(read, Ok(Ok(_))) {
+                    return;
+                }
+                if first == preface {
+                    let _ = matched_tx.send(accepted).await;
+                } else {
+                    accepted.prefix = bytes::Bytes::from(first);
+                    let _ = others_tx.send(accepted).await;
+                }
+            });
+        }
+    });
+    let others = futures::stream::unfold(others_rx, |mut rx| async move {
+        rx.recv().await.map(|accepted| (Ok(accepted), rx))
+    });
+    (others, matched_rx)
 }
 
 /// Why an accepted connection was refused.
@@ -266,6 +336,7 @@ async fn handshake(tls: &Tls, tcp: TcpStream, remote: SocketAddr) -> Result<Acce
             tls: true,
             identity: Some(Arc::new(identity)),
         },
+        prefix: bytes::Bytes::new(),
     })
 }
 
@@ -285,17 +356,22 @@ impl Connector {
         }
     }
 
-    async fn connect(self) -> io::Result<TokioIo<Stream>> {
+    /// Dials: TCP, then the TLS handshake when set.
+    pub async fn dial(self) -> io::Result<Stream> {
         let tcp = TcpStream::connect(&self.addr).await?;
         tcp.set_nodelay(true)?;
         let Some((tls, expect)) = self.tls else {
-            return Ok(TokioIo::new(Stream::Plain(tcp)));
+            return Ok(Stream::Plain(tcp));
         };
         let config = tls.client(expect).map_err(io::Error::other)?;
         let stream = tokio_rustls::TlsConnector::from(config)
             .connect(super::tls::server_name(&self.addr), tcp)
             .await?;
-        Ok(TokioIo::new(Stream::Tls(Box::new(stream.into()))))
+        Ok(Stream::Tls(Box::new(stream.into())))
+    }
+
+    async fn connect(self) -> io::Result<TokioIo<Stream>> {
+        Ok(TokioIo::new(self.dial().await?))
     }
 }
 

@@ -26,6 +26,8 @@
 //! `status` and in `/metrics`.
 
 pub mod conn;
+pub mod frame;
+pub mod link;
 pub mod tls;
 
 use std::sync::Arc;
@@ -226,12 +228,33 @@ impl Transport {
         audience: Audience,
         service: S,
     ) -> InterceptedService<S, PeerGuard> {
-        let guard = PeerGuard {
+        InterceptedService::new(self.limit(service), self.guard(audience))
+    }
+
+    /// The guard a server puts in front of a service for `audience`; the
+    /// block channel's server asks it about every frame.
+    pub fn guard(&self, audience: Audience) -> PeerGuard {
+        PeerGuard {
             audience,
             members: self.members.clone(),
             cluster_id: self.tls.as_ref().map(|tls| Arc::from(tls.cluster_id())),
-        };
-        InterceptedService::new(self.limit(service), guard)
+        }
+    }
+
+    /// Opens a block-channel link ([`link`]) to `addr`, which must be
+    /// `expect` (with TLS), for `cluster_id`'s `volume`; gives up after
+    /// the connect timeout or `timeout`, whichever is longer.
+    pub async fn link(
+        &self,
+        addr: &str,
+        expect: Expect,
+        cluster_id: &str,
+        volume: &str,
+        timeout: Duration,
+    ) -> Result<link::Link, link::LinkError> {
+        let tls = self.tls.as_ref().map(|tls| (Arc::clone(tls), expect));
+        let timeout = timeout.max(self.limits.connect_timeout);
+        link::Link::connect(addr, tls, cluster_id, volume, timeout).await
     }
 
     /// The connections of `listener` for a server, with `TCP_NODELAY` set

@@ -619,12 +619,10 @@ fn serve_grpc(
                 until_stopped(stopped.clone()),
             ),
     );
-    let data = tokio::spawn(
-        transport
-            .server()
-            .add_service(transport.serve(Audience::Members, replica_service.into_server()))
-            .serve_with_incoming_shutdown(transport.incoming(data), until_stopped(stopped)),
-    );
+    let data = tokio::spawn({
+        let transport = transport.clone();
+        async move { replica_service.serve(&transport, data, stopped).await }
+    });
     Ok(GrpcServer {
         stop: stop_server,
         tasks: [control, data],

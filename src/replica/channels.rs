@@ -9,8 +9,9 @@
 //! `0.0.0.0` or `::` in the answer means the host the peer was reached at.
 //!
 //! [`Channels`] keeps one lazily connecting channel per peer and hands out
-//! clones; every [`super::remote::RemoteReplica`] of the set dials through
-//! it. A call that fails in transport makes the pool forget that peer's
+//! clones, and the data address it dials; every
+//! [`super::remote::RemoteReplica`] of the set dials through it (its gRPC
+//! calls on the channel, its block channel's links to the address). A call that fails in transport makes the pool forget that peer's
 //! channel ([`Channels::forget`]), so the next call asks again: a peer that
 //! restarted listens on a new port when its data listener's port is chosen
 //! by the OS.
@@ -32,8 +33,9 @@ use crate::net::{Expect, Transport};
 use crate::proto::node::node_client::NodeClient;
 use crate::proto::node::{HelloReply, HelloRequest};
 
-/// One channel slot per peer; a resolution in progress holds its lock.
-type Slot = Arc<tokio::sync::Mutex<Option<Channel>>>;
+/// One channel slot per peer, with the data address it dials; a
+/// resolution in progress holds its lock.
+type Slot = Arc<tokio::sync::Mutex<Option<(Channel, String)>>>;
 
 /// How to reach a peer.
 #[derive(Debug, Clone)]
@@ -122,13 +124,24 @@ impl Channels {
 
     /// A channel to peer `id`'s replica service.
     pub async fn data(&self, id: NodeId) -> Result<Channel, ReplicaError> {
+        Ok(self.resolve(id).await?.0)
+    }
+
+    /// Where peer `id`'s data listener is (`HOST:PORT`), for its block
+    /// channel.
+    pub async fn data_address(&self, id: NodeId) -> Result<String, ReplicaError> {
+        Ok(self.resolve(id).await?.1)
+    }
+
+    /// Peer `id`'s channel and data address, asked for if not known yet.
+    async fn resolve(&self, id: NodeId) -> Result<(Channel, String), ReplicaError> {
         let peer =
             self.lock().get(&id).cloned().ok_or_else(|| {
                 ReplicaError::Unavailable(format!("node {id} is not a known peer"))
             })?;
         let mut slot = peer.slot.lock().await;
-        if let Some(channel) = slot.as_ref() {
-            return Ok(channel.clone());
+        if let Some(known) = slot.as_ref() {
+            return Ok(known.clone());
         }
         let addr = match &peer.fixed {
             Some(addr) => addr.clone(),
@@ -139,8 +152,8 @@ impl Channels {
             .channel(&addr, Expect::Node(id))
             .map_err(|err| ReplicaError::Unavailable(err.to_string()))?;
         tracing::debug!(peer = %id, %addr, "replica channel");
-        *slot = Some(channel.clone());
-        Ok(channel)
+        *slot = Some((channel.clone(), addr.clone()));
+        Ok((channel, addr))
     }
 
     /// Asks peer `id` at `control` where its data listener is.

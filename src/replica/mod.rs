@@ -23,6 +23,7 @@
 //! - [`scrub`]: the writer's background comparison of the in-sync copies,
 //!   repairing one that differs (S11).
 
+pub mod blocks;
 pub mod channels;
 pub mod engine;
 pub mod fencer;

@@ -1,5 +1,11 @@
-//! A peer's replica, reached over gRPC: the [`Replica`] the engine and the
-//! fencer use for every copy but their own.
+//! A peer's replica, reached over the network: the [`Replica`] the engine
+//! and the fencer use for every copy but their own.
+//!
+//! Block data (writes, discards, reads, flushes) goes over the block
+//! channel ([`crate::net::link`], served by [`super::blocks`]), on
+//! [`LINKS`] connections per replica used in turn; everything else (fence,
+//! digests, marks, maps, status) over the replica gRPC service. Both reach
+//! the peer's data listener and the same store checks.
 //!
 //! Every call carries a deadline. A call that times out, or fails in
 //! transport, is an error for that request (`Unavailable`): the engine then
@@ -9,22 +15,28 @@
 //! may still apply it. A timeout is never taken for a success.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use tonic::transport::Channel;
 
+use super::blocks;
 use super::channels::Channels;
 use super::missed::MissedMap;
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
+use crate::net::frame::{FUA, Frame, Header, Kind};
+use crate::net::link::{Link, LinkError};
 use crate::net::{Expect, Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
-use crate::volume::MAX_REQUEST;
 use std::collections::BTreeMap;
+
+/// How many block-channel connections a remote replica keeps.
+pub const LINKS: usize = 2;
 
 /// A replica on another node.
 pub struct RemoteReplica {
@@ -32,6 +44,10 @@ pub struct RemoteReplica {
     channels: Arc<Channels>,
     volume: pb::VolumeRef,
     timeout: Duration,
+    /// The block channel's connections, opened when first used and again
+    /// after one fails.
+    links: [tokio::sync::Mutex<Option<Arc<Link>>>; LINKS],
+    next_link: AtomicUsize,
 }
 
 impl RemoteReplica {
@@ -54,6 +70,8 @@ impl RemoteReplica {
                 incarnation: 0,
             },
             timeout,
+            links: Default::default(),
+            next_link: AtomicUsize::new(0),
         }
     }
 
@@ -97,6 +115,61 @@ impl RemoteReplica {
         error_of(status, stamp)
     }
 
+    /// One of the block channel's links, opened if it is not open.
+    async fn link(&self) -> Result<Arc<Link>, ReplicaError> {
+        let slot = &self.links[self.next_link.fetch_add(1, Ordering::Relaxed) % LINKS];
+        let mut slot = slot.lock().await;
+        if let Some(link) = slot.as_ref().filter(|link| !link.is_closed()) {
+            return Ok(Arc::clone(link));
+        }
+        let addr = self.channels.data_address(self.id).await?;
+        let link = self
+            .channels
+            .transport()
+            .link(
+                &addr,
+                Expect::Node(self.id),
+                &self.volume.cluster_id,
+                &self.volume.volume,
+                self.timeout,
+            )
+            .await
+            .map_err(|err| self.lost(&err))?;
+        let link = Arc::new(link);
+        *slot = Some(Arc::clone(&link));
+        Ok(link)
+    }
+
+    /// The error of a block-channel call that got no reply; the next call
+    /// asks the peer where it listens again, as it may have restarted.
+    fn lost(&self, err: &LinkError) -> ReplicaError {
+        self.channels.forget(self.id);
+        ReplicaError::Unavailable(err.to_string())
+    }
+
+    /// Sends a block request of `kind` over the channel; its reply, or the
+    /// error it stands for.
+    async fn call(
+        &self,
+        kind: Kind,
+        stamp: Stamp,
+        fill: impl FnOnce(&mut Header),
+        payload: Bytes,
+    ) -> Result<Frame, ReplicaError> {
+        let mut header = Header::new(kind, 0);
+        header.term = stamp.term.0;
+        header.generation = stamp.generation;
+        header.incarnation = self.channels.incarnation(self.id).0;
+        fill(&mut header);
+        let link = self.link().await?;
+        match link.call(header, payload, self.timeout).await {
+            Ok(reply) if reply.header.kind == Kind::Ok => Ok(reply),
+            Ok(refusal) => Err(blocks::error_of(&refusal, stamp)),
+            Err(err @ LinkError::TimedOut(_)) => Err(ReplicaError::Unavailable(err.to_string())),
+            Err(err) => Err(self.lost(&err)),
+        }
+    }
+
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         request.set_timeout(self.timeout);
@@ -126,73 +199,44 @@ impl Replica for RemoteReplica {
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
-        let request = self.request(pb::WriteRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            offset,
-            data,
-            fua,
-            generation: stamp.generation,
-        });
-        self.client()
-            .await?
-            .write(request)
-            .await
-            .map(|_| ())
-            .map_err(|status| self.failed(&status, stamp))
+        let fill = |h: &mut Header| {
+            h.offset = offset;
+            h.flags = if fua { FUA } else { 0 };
+        };
+        self.call(Kind::Write, stamp, fill, data).await.map(|_| ())
     }
 
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
-        let request = self.request(pb::DiscardRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            offset,
-            length: len,
-            generation: stamp.generation,
-        });
-        self.client()
-            .await?
-            .discard(request)
+        let fill = |h: &mut Header| {
+            h.offset = offset;
+            h.length = len;
+        };
+        self.call(Kind::Discard, stamp, fill, Bytes::new())
             .await
             .map(|_| ())
-            .map_err(|status| self.failed(&status, stamp))
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
-        let length = u32::try_from(len.min(MAX_REQUEST + 1)).unwrap_or(u32::MAX);
-        let request = self.request(pb::ReadRequest {
-            volume: self.volume(),
-            offset,
-            length,
-        });
+        let fill = |h: &mut Header| {
+            h.offset = offset;
+            h.length = len;
+        };
         let reply = self
-            .client()
-            .await?
-            .read(request)
-            .await
-            .map_err(|status| self.failed(&status, Term::ZERO))?
-            .into_inner();
-        if reply.data.len() as u64 != len {
+            .call(Kind::Read, Stamp::term(Term::ZERO), fill, Bytes::new())
+            .await?;
+        if reply.payload.len() as u64 != len {
             return Err(ReplicaError::Unavailable(format!(
                 "read of {len} bytes returned {}",
-                reply.data.len()
+                reply.payload.len()
             )));
         }
-        Ok(reply.data)
+        Ok(reply.payload)
     }
 
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
-        let request = self.request(pb::FlushRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-        });
-        self.client()
-            .await?
-            .flush(request)
+        self.call(Kind::Flush, stamp, |_| {}, Bytes::new())
             .await
             .map(|_| ())
-            .map_err(|status| self.failed(&status, stamp))
     }
 
     async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {

@@ -30,8 +30,14 @@ use std::sync::Arc;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Request, Response, Status};
 
+use tokio::sync::watch;
+
+use super::blocks::BlockServer;
 use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
+use crate::net::conn::route;
+use crate::net::frame::PREFACE;
+use crate::net::{Audience, Transport};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::volume::RangeError;
@@ -192,6 +198,38 @@ impl ReplicaService {
         ReplicaServer::new(self)
     }
 
+    /// The block channel's server of the same store, admitting frames
+    /// through `transport`'s members' guard.
+    pub fn block_server(&self, transport: &Transport) -> BlockServer {
+        BlockServer::new(
+            Arc::clone(&self.store),
+            self.incarnation,
+            transport.guard(Audience::Members),
+            &self.node,
+        )
+    }
+
+    /// Serves this replica on `listener` through `transport` until `stop`
+    /// turns true: the gRPC service and the block channel on the same
+    /// port, told apart by each connection's first bytes.
+    pub async fn serve(
+        self,
+        transport: &Transport,
+        listener: tokio::net::TcpListener,
+        stop: watch::Receiver<bool>,
+    ) -> Result<(), tonic::transport::Error> {
+        let (grpc, blocks) = route(transport.incoming(listener), PREFACE);
+        tokio::spawn(self.block_server(transport).serve(blocks, stop.clone()));
+        let mut stopped = stop;
+        transport
+            .server()
+            .add_service(transport.serve(Audience::Members, self.into_server()))
+            .serve_with_incoming_shutdown(grpc, async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await
+    }
+
     fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {
         let identity = self.store.identity();
         match volume {
@@ -200,12 +238,9 @@ impl ReplicaService {
                     && v.volume == identity.volume
                     && v.incarnation != self.incarnation.0 =>
             {
-                Err(Status::failed_precondition(format!(
-                    "replaced disk: this replica is incarnation {}, not {}; it holds no \
-                     acknowledged write until a membership change names it and a full \
-                     resync has rebuilt it",
+                Err(Status::failed_precondition(replaced_disk(
                     self.incarnation,
-                    Incarnation(v.incarnation)
+                    Incarnation(v.incarnation),
                 )))
             }
             Some(v) if v.cluster_id == identity.cluster_id && v.volume == identity.volume => Ok(()),
@@ -216,6 +251,16 @@ impl ReplicaService {
             None => Err(Status::invalid_argument("request names no volume")),
         }
     }
+}
+
+/// Why a request meant for incarnation `asked` of this node's replica is
+/// refused by incarnation `ours` (S8).
+pub fn replaced_disk(ours: Incarnation, asked: Incarnation) -> String {
+    format!(
+        "replaced disk: this replica is incarnation {ours}, not {asked}; it holds no \
+         acknowledged write until a membership change names it and a full resync has \
+         rebuilt it"
+    )
 }
 
 /// A request's stamp, from its protobuf fields.

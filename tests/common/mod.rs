@@ -408,15 +408,14 @@ pub async fn serve_replica_with(
     service: replica_ha::replica::service::ReplicaService,
     transport: replica_ha::net::Transport,
 ) -> std::net::SocketAddr {
-    use replica_ha::net::Audience;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(
-        transport
-            .server()
-            .add_service(transport.serve(Audience::Members, service.into_server()))
-            .serve_with_incoming(transport.incoming(listener)),
-    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        // Served until the test's runtime ends.
+        let _stop = stop;
+        service.serve(&transport, listener, stopped).await
+    });
     addr
 }
 

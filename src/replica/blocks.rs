@@ -1,0 +1,374 @@
+//! The block channel's server: a node's store, served to the writer as
+//! frames ([`crate::net::frame`]) for writes, discards, reads and flushes.
+//!
+//! It is the replica gRPC service's twin for block data, with the same
+//! checks in the same order, so the channel adds no path around them:
+//! - **S9.** A connection reaches this server only after the data
+//!   listener's TLS handshake; every frame is then admitted by the members'
+//!   [`PeerGuard`] (the member list can change while a connection lives).
+//! - **Identity.** The first frame must be a `Hello` naming this replica's
+//!   cluster and volume; anything else closes the connection.
+//! - **S8.** Every request names the incarnation it is for; one meant for
+//!   another incarnation is refused and changes nothing.
+//! - **S2, S3, S6, range.** The store checks the stamp, drains, marks and
+//!   bounds exactly as for a gRPC or in-process request.
+//! - A frame that does not decode (bad checksum, unknown kind, oversized)
+//!   closes the connection; nothing from it reaches the store.
+//!
+//! Requests run concurrently, at most [`IN_FLIGHT`] per connection (the
+//! reader stops reading past that); replies go back in completion order
+//! through the batching writer of [`crate::net::link`].
+//!
+//! Errors map to refusals in one place, [`refusal_of`], and back in one
+//! place, [`error_of`]:
+//!
+//! | replica error | code | figures in the header |
+//! |---|---|---|
+//! | stale term | `StaleTerm` | floor in `term` |
+//! | stale generation | `StaleGeneration` | floor in `term`, `generation` |
+//! | term 0 | `InvalidTerm` | |
+//! | invalid request | `InvalidRequest` | |
+//! | request too large | `TooLarge` | length in `length`, maximum in `offset` |
+//! | out of range | `OutOfRange` | `offset`, `length`, volume size in `generation` |
+//! | identity mismatch, invalid identity | `IdentityMismatch` | |
+//! | unavailable | `Unavailable` | |
+//! | disk or metadata I/O | `Io` | |
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::AsyncReadExt;
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use super::{ReplicaError, ReplicaStore, Stamp};
+use crate::ids::{Incarnation, Term};
+use crate::net::PeerGuard;
+use crate::net::conn::Accepted;
+use crate::net::frame::{Decoder, ErrorCode, FUA, Frame, Header, Kind, parse_hello};
+use crate::volume::RangeError;
+
+/// The most requests one connection runs at once.
+pub const IN_FLIGHT: usize = 256;
+
+/// The refusal frame (a reply to request `id`) for `err`.
+pub fn refusal_of(id: u64, err: &ReplicaError) -> Frame {
+    let mut header = Header::new(Kind::Refused, id);
+    let code = match err {
+        ReplicaError::StaleTerm { floor, .. } => {
+            header.term = floor.0;
+            ErrorCode::StaleTerm
+        }
+        ReplicaError::StaleGeneration { floor, .. } => {
+            header.term = floor.term.0;
+            header.generation = floor.generation;
+            ErrorCode::StaleGeneration
+        }
+        ReplicaError::InvalidTerm => ErrorCode::InvalidTerm,
+        ReplicaError::InvalidRequest(_) => ErrorCode::InvalidRequest,
+        ReplicaError::Range(RangeError::TooLarge { len, max }) => {
+            header.length = *len;
+            header.offset = *max;
+            ErrorCode::TooLarge
+        }
+        ReplicaError::Range(RangeError::OutOfRange { offset, len, size }) => {
+            header.offset = *offset;
+            header.length = *len;
+            header.generation = *size;
+            ErrorCode::OutOfRange
+        }
+        ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
+            ErrorCode::IdentityMismatch
+        }
+        ReplicaError::Unavailable(_) => ErrorCode::Unavailable,
+        ReplicaError::Io(_) => ErrorCode::Io,
+    };
+    header.flags = code as u16;
+    Frame::new(header, Bytes::from(err.to_string()))
+}
+
+/// The replica error a refusal frame stands for, for a request stamped
+/// `stamp`.
+pub fn error_of(refusal: &Frame, stamp: impl Into<Stamp>) -> ReplicaError {
+    let stamp = stamp.into();
+    let h = &refusal.header;
+    let message = String::from_utf8_lossy(&refusal.payload).into_owned();
+    match ErrorCode::of(h.flags) {
+        ErrorCode::StaleTerm => ReplicaError::StaleTerm {
+            term: stamp.term,
+            floor: Term(h.term),
+        },
+        ErrorCode::StaleGeneration => ReplicaError::StaleGeneration {
+            stamp,
+            floor: Stamp {
+                term: Term(h.term),
+                generation: h.generation,
+            },
+        },
+        ErrorCode::InvalidTerm => ReplicaError::InvalidTerm,
+        ErrorCode::InvalidRequest => ReplicaError::InvalidRequest(message),
+        ErrorCode::TooLarge => ReplicaError::Range(RangeError::TooLarge {
+            len: h.length,
+            max: h.offset,
+        }),
+        ErrorCode::OutOfRange => ReplicaError::Range(RangeError::OutOfRange {
+            offset: h.offset,
+            len: h.length,
+            size: h.generation,
+        }),
+        ErrorCode::IdentityMismatch => ReplicaError::IdentityMismatch(message),
+        ErrorCode::Unavailable => ReplicaError::Unavailable(message),
+        ErrorCode::Io => ReplicaError::Io(message),
+    }
+}
+
+/// Serves one store's block channel; see the module docs.
+#[derive(Clone)]
+pub struct BlockServer {
+    store: Arc<ReplicaStore>,
+    incarnation: Incarnation,
+    guard: PeerGuard,
+    node: Arc<str>,
+}
+
+impl BlockServer {
+    /// A server of `store`, incarnation `incarnation` of node `node`'s data
+    /// dir, admitting frames through `guard`.
+    pub fn new(
+        store: Arc<ReplicaStore>,
+        incarnation: Incarnation,
+        guard: PeerGuard,
+        node: &str,
+    ) -> Self {
+        Self {
+            store,
+            incarnation,
+            guard,
+            node: Arc::from(node),
+        }
+    }
+
+    /// Serves every connection that arrives on `connections` (their
+    /// preface already read) until `stop` turns true.
+    pub async fn serve(
+        self,
+        mut connections: mpsc::Receiver<Accepted>,
+        stop: watch::Receiver<bool>,
+    ) {
+        loop {
+            let mut stopped = stop.clone();
+            let accepted = tokio::select! {
+                accepted = connections.recv() => accepted,
+                _ = stopped.wait_for(|stop| *stop) => None,
+            };
+            let Some(accepted) = accepted else { return };
+            let server = self.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let remote = accepted.peer().remote;
+                if let Err(why) = server.serve_connection(accepted, stop).await {
+                    tracing::info!(node = %server.node, ?remote, %why, "block channel closed");
+                }
+            });
+        }
+    }
+
+    /// Serves one connection until it closes, fails or `stop` turns true.
+    async fn serve_connection(
+        &self,
+        accepted: Accepted,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<(), String> {
+        let peer = accepted.peer().clone();
+        let (mut reader, writer) = tokio::io::split(accepted);
+        let (replies, outgoing) = mpsc::channel::<Frame>(IN_FLIGHT);
+        let sending = tokio::spawn(crate::net::link::send_frames(writer, outgoing));
+        let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+        let mut buf = BytesMut::with_capacity(256 * 1024);
+        let mut decoder = Decoder::default();
+        let mut hello = false;
+        let outcome = loop {
+            let frame = match decoder.next(&mut buf) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => {
+                    if buf.capacity() - buf.len() < 64 * 1024 {
+                        buf.reserve(256 * 1024);
+                    }
+                    let read = tokio::select! {
+                        read = reader.read_buf(&mut buf) => read,
+                        _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                    };
+                    match read {
+                        Ok(0) => break Ok(()),
+                        Ok(_) => continue,
+                        Err(err) => break Err(format!("receiving: {err}")),
+                    }
+                }
+                Err(err) => break Err(err.to_string()),
+            };
+            let id = frame.header.id;
+            if let Err(status) = self.guard.admit(Some(&peer)) {
+                let _ = replies
+                    .send(refusal_of(
+                        id,
+                        &ReplicaError::IdentityMismatch(status.message().to_string()),
+                    ))
+                    .await;
+                break Err(format!("not admitted: {}", status.message()));
+            }
+            if !hello {
+                match self.hello(&frame) {
+                    Ok(()) => {
+                        hello = true;
+                        let _ = replies
+                            .send(Frame::new(Header::new(Kind::Ok, id), Bytes::new()))
+                            .await;
+                        continue;
+                    }
+                    Err(err) => {
+                        let _ = replies.send(refusal_of(id, &err)).await;
+                        break Err(err.to_string());
+                    }
+                }
+            }
+            if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
+                break Err(format!(
+                    "a {:?} frame where a request belongs",
+                    frame.header.kind
+                ));
+            }
+            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
+                break Ok(());
+            };
+            let server = self.clone();
+            let replies = replies.clone();
+            tokio::spawn(async move {
+                let reply = server.handle(frame).await;
+                let _ = replies.send(reply).await;
+                drop(permit);
+            });
+        };
+        drop(replies);
+        // Replies of requests still running are sent as they finish; the
+        // writer ends once the last one is out.
+        let _ = sending.await;
+        outcome
+    }
+
+    /// Checks a connection's first frame: a `Hello` for this replica.
+    fn hello(&self, frame: &Frame) -> Result<(), ReplicaError> {
+        if frame.header.kind != Kind::Hello {
+            return Err(ReplicaError::InvalidRequest(format!(
+                "a block channel opens with Hello, not {:?}",
+                frame.header.kind
+            )));
+        }
+        let identity = self.store.identity();
+        match parse_hello(&frame.payload) {
+            Some((cluster, volume))
+                if cluster == identity.cluster_id && volume == identity.volume =>
+            {
+                Ok(())
+            }
+            Some((cluster, volume)) => Err(ReplicaError::IdentityMismatch(format!(
+                "block channel for cluster {cluster:?} volume {volume:?}; this replica holds \
+                 cluster {:?} volume {:?}",
+                identity.cluster_id, identity.volume
+            ))),
+            None => Err(ReplicaError::InvalidRequest("malformed Hello".into())),
+        }
+    }
+
+    /// Runs one request against the store; the reply to send.
+    #[tracing::instrument(level = "debug", name = "blocks.request", skip_all, fields(node = %self.node, kind = ?frame.header.kind, term = frame.header.term))]
+    async fn handle(&self, frame: Frame) -> Frame {
+        let h = frame.header;
+        let stamp = Stamp {
+            term: Term(h.term),
+            generation: h.generation,
+        };
+        let done = |payload: Bytes| Frame::new(Header::new(Kind::Ok, h.id), payload);
+        if h.incarnation != self.incarnation.0 {
+            let err = ReplicaError::IdentityMismatch(super::service::replaced_disk(
+                self.incarnation,
+                Incarnation(h.incarnation),
+            ));
+            return refusal_of(h.id, &err);
+        }
+        let outcome = match h.kind {
+            Kind::Write => self
+                .store
+                .write(stamp, h.offset, frame.payload, h.flags & FUA != 0)
+                .await
+                .map(|()| Bytes::new()),
+            Kind::Discard => self
+                .store
+                .discard(stamp, h.offset, h.length)
+                .await
+                .map(|()| Bytes::new()),
+            Kind::Read => self.store.read(h.offset, h.length).await,
+            Kind::Flush => self.store.flush(stamp).await.map(|()| Bytes::new()),
+            Kind::Hello | Kind::Ok | Kind::Refused => Err(ReplicaError::InvalidRequest(format!(
+                "{:?} is not a request",
+                h.kind
+            ))),
+        };
+        match outcome {
+            Ok(payload) => done(payload),
+            Err(err) => refusal_of(h.id, &err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_refusal_comes_back_as_the_same_error() {
+        let errors = [
+            ReplicaError::StaleTerm {
+                term: Term(3),
+                floor: Term(5),
+            },
+            ReplicaError::StaleGeneration {
+                stamp: Stamp {
+                    term: Term(5),
+                    generation: 1,
+                },
+                floor: Stamp {
+                    term: Term(5),
+                    generation: 2,
+                },
+            },
+            ReplicaError::InvalidTerm,
+            ReplicaError::InvalidRequest("bad".into()),
+            ReplicaError::Range(RangeError::OutOfRange {
+                offset: 4096,
+                len: 512,
+                size: 4096,
+            }),
+            ReplicaError::Range(RangeError::TooLarge {
+                len: 64 << 20,
+                max: 32 << 20,
+            }),
+            ReplicaError::Unavailable("gone".into()),
+            ReplicaError::Io("disk".into()),
+        ];
+        for err in errors {
+            let stamp = match &err {
+                ReplicaError::StaleGeneration { stamp, .. } => *stamp,
+                ReplicaError::StaleTerm { term, .. } => Stamp::term(*term),
+                _ => Stamp::term(Term(1)),
+            };
+            let refusal = refusal_of(9, &err);
+            assert_eq!(refusal.header.id, 9);
+            let back = error_of(&refusal, stamp);
+            match (&err, &back) {
+                (ReplicaError::InvalidRequest(_), ReplicaError::InvalidRequest(m))
+                | (ReplicaError::Unavailable(_), ReplicaError::Unavailable(m))
+                | (ReplicaError::Io(_), ReplicaError::Io(m)) => assert_eq!(*m, err.to_string()),
+                _ => assert_eq!(back, err),
+            }
+        }
+    }
+}
