@@ -799,6 +799,10 @@ async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
             "a Hello for another volume",
             [hello("vol1"), wire(&write(9, 0, 0))].concat(),
         ),
+        (
+            "an oversized Hello",
+            [hello(&"v".repeat(4096)), wire(&write(9, 0, 0))].concat(),
+        ),
     ] {
         let answer = exchange(bytes).await;
         // At most the Hello's answer and one refusal came back; never an

@@ -303,9 +303,18 @@ impl Frame {
 pub struct Decoder {
     /// The header of a frame whose payload has not all arrived.
     pending: Option<Header>,
+    /// A payload limit below [`MAX_PAYLOAD`], if set.
+    limit: Option<u32>,
 }
 
 impl Decoder {
+    /// Refuses payloads longer than `max` (at most [`MAX_PAYLOAD`]) from
+    /// now on, before any of one is read: a connection not yet past its
+    /// `Hello` gets little.
+    pub fn limit(&mut self, max: Option<u32>) {
+        self.limit = max;
+    }
+
     /// The next whole frame of `buf`, if it holds one; `Ok(None)` asks for
     /// more bytes. The payload is split off `buf` without a copy.
     pub fn next(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
@@ -318,6 +327,9 @@ impl Decoder {
                 let mut fixed = [0u8; HEADER_LEN];
                 fixed.copy_from_slice(bytes);
                 let header = Header::decode(&fixed)?;
+                if self.limit.is_some_and(|max| header.payload_len > max) {
+                    return Err(FrameError::TooLong(header.payload_len));
+                }
                 buf.advance(HEADER_LEN);
                 header
             }

@@ -7,9 +7,10 @@
 //! [`Link::call`] gets a fresh request id and waits for the reply with that
 //! id, or for its deadline. A reply that comes after its caller gave up is
 //! dropped. When the connection fails (the peer went away, or sent a frame
-//! that does not decode) every call in flight fails with
-//! [`LinkError::Closed`] and the link stays closed; its owner makes a new
-//! one. A timeout is never taken for a success: the caller treats it as the
+//! that does not decode, or a call timed out while nothing at all arrived)
+//! every call in flight fails with [`LinkError::Closed`] and the link
+//! stays closed; its owner makes a new one. Dropping a link stops its
+//! tasks. A timeout is never taken for a success: the caller treats it as the
 //! replica being unavailable for that request (S5), as with gRPC.
 //!
 //! **Batching.** Frames to send queue on a channel; the writer task takes
@@ -19,15 +20,16 @@
 
 use std::collections::HashMap;
 use std::io::IoSlice;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::AbortHandle;
 
-use super::conn::{Connector, Stream};
+use super::conn::Connector;
 use super::frame::{Decoder, Frame, Header, Kind, PREFACE, hello_payload};
 use super::tls::{Expect, Tls};
 
@@ -47,6 +49,10 @@ pub enum LinkError {
     /// No connection could be made, or the peer refused the `Hello`.
     #[error("cannot open a block channel to {addr}: {why}")]
     Connect { addr: String, why: String },
+    /// The peer refused the `Hello` (another cluster or volume, not a
+    /// member); the refusal says why.
+    #[error("the block channel was refused: {}", String::from_utf8_lossy(&.0.payload))]
+    Refused(Frame),
     /// The connection failed or closed; the request may or may not have
     /// been applied.
     #[error("block channel closed: {0}")]
@@ -56,33 +62,55 @@ pub enum LinkError {
     TimedOut(Duration),
 }
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Frame>>>>;
+/// The calls waiting for a reply, by request id; `None` once the link
+/// failed, so no call can start waiting after the last ones were failed.
+type Pending = Mutex<Option<HashMap<u64, oneshot::Sender<Frame>>>>;
+
+/// What a link's caller, reader and writer share.
+struct Shared {
+    pending: Pending,
+    /// Why the link failed, once it did.
+    why: Mutex<Option<String>>,
+    /// Turns true when the link fails; the reader stops then.
+    closed: watch::Sender<bool>,
+    /// When the link was opened, and when the last frame arrived (1 + ms
+    /// after that; 0: never).
+    born: Instant,
+    heard: AtomicU64,
+}
+
+impl Shared {
+    /// Fails the link: every call in flight fails, later ones at once.
+    fn fail(&self, why: String) {
+        lock(&self.why).get_or_insert(why);
+        // Dropping the senders fails every call still waiting.
+        lock(&self.pending).take();
+        self.closed.send_replace(true);
+    }
+
+    fn why(&self) -> String {
+        lock(&self.why).clone().unwrap_or_default()
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
 
 /// One client connection; see the module docs.
 pub struct Link {
     queue: mpsc::Sender<Frame>,
-    pending: Pending,
+    shared: Arc<Shared>,
     next_id: AtomicU64,
-    closed: Arc<Closed>,
+    /// The reader and writer tasks, stopped when the link is dropped.
+    tasks: [AbortHandle; 2],
 }
 
-/// Whether a link has failed, and why.
-#[derive(Default)]
-struct Closed {
-    flag: AtomicBool,
-    why: Mutex<String>,
-}
-
-impl Closed {
-    fn close(&self, why: String) {
-        let mut held = self.why.lock().unwrap_or_else(|p| p.into_inner());
-        if !self.flag.swap(true, Ordering::SeqCst) {
-            *held = why;
+impl Drop for Link {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
         }
-    }
-
-    fn why(&self) -> String {
-        self.why.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -104,119 +132,141 @@ impl Link {
             let mut stream = Connector::new(addr, tls)
                 .dial()
                 .await
-                .map_err(|e| e.to_string())?;
-            stream.write_all(PREFACE).await.map_err(|e| e.to_string())?;
+                .map_err(|e| failed(e.to_string()))?;
             let hello = Frame::new(
                 Header::new(Kind::Hello, 0),
                 hello_payload(cluster_id, volume),
             );
+            let mut opening = PREFACE.to_vec();
+            opening.extend_from_slice(&hello.header.encode());
+            opening.extend_from_slice(&hello.payload);
             stream
-                .write_all(&hello.header.encode())
+                .write_all(&opening)
                 .await
-                .map_err(|e| e.to_string())?;
-            stream
-                .write_all(&hello.payload)
-                .await
-                .map_err(|e| e.to_string())?;
-            stream.flush().await.map_err(|e| e.to_string())?;
+                .map_err(|e| failed(e.to_string()))?;
+            stream.flush().await.map_err(|e| failed(e.to_string()))?;
             let mut buf = BytesMut::with_capacity(READ_CHUNK);
             let mut decoder = Decoder::default();
             let reply = loop {
-                if let Some(frame) = decoder.next(&mut buf).map_err(|e| e.to_string())? {
+                if let Some(frame) = decoder.next(&mut buf).map_err(|e| failed(e.to_string()))? {
                     break frame;
                 }
-                if stream.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
-                    return Err("the peer closed the connection".to_string());
+                let read = stream
+                    .read_buf(&mut buf)
+                    .await
+                    .map_err(|e| failed(e.to_string()))?;
+                if read == 0 {
+                    return Err(failed("the peer closed the connection".to_string()));
                 }
             };
             match reply.header.kind {
                 Kind::Ok => Ok((stream, buf)),
-                Kind::Refused => Err(String::from_utf8_lossy(&reply.payload).into_owned()),
-                other => Err(format!("unexpected {other:?} frame")),
+                Kind::Refused => Err(LinkError::Refused(reply)),
+                other => Err(failed(format!("unexpected {other:?} frame"))),
             }
         })
         .await
-        .map_err(|_| failed(format!("no answer within {timeout:?}")))?
-        .map_err(failed)?;
+        .map_err(|_| failed(format!("no answer within {timeout:?}")))??;
         let (stream, buf) = opened;
         Ok(Self::start(stream, buf))
     }
 
     /// Runs the link's reader and writer tasks over `stream`, whose reader
     /// has `buf` already.
-    fn start(stream: Stream, buf: BytesMut) -> Link {
+    fn start<S>(stream: S, buf: BytesMut) -> Link
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
         let (reader, writer) = tokio::io::split(stream);
         let (queue, frames) = mpsc::channel(QUEUE);
-        let pending = Pending::default();
-        let closed = Arc::new(Closed::default());
-        tokio::spawn({
-            let closed = Arc::clone(&closed);
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(Some(HashMap::new())),
+            why: Mutex::new(None),
+            closed: watch::channel(false).0,
+            born: Instant::now(),
+            heard: AtomicU64::new(0),
+        });
+        let writing = tokio::spawn({
+            let shared = Arc::clone(&shared);
             async move {
-                if let Err(err) = send_frames(writer, frames).await {
-                    closed.close(format!("sending: {err}"));
-                }
+                let outcome = send_frames(writer, frames).await;
+                shared.fail(match outcome {
+                    Ok(()) => "the link was dropped".to_string(),
+                    Err(err) => format!("sending: {err}"),
+                });
             }
         });
-        tokio::spawn(receive_replies(
-            reader,
-            buf,
-            Arc::clone(&pending),
-            Arc::clone(&closed),
-        ));
+        let reading = tokio::spawn(receive_replies(reader, buf, Arc::clone(&shared)));
         Link {
             queue,
-            pending,
+            shared,
             next_id: AtomicU64::new(1),
-            closed,
+            tasks: [writing.abort_handle(), reading.abort_handle()],
         }
     }
 
     /// Whether the connection has failed; a failed link never recovers.
     pub fn is_closed(&self) -> bool {
-        self.closed.flag.load(Ordering::SeqCst) || self.queue.is_closed()
+        *self.shared.closed.borrow() || self.queue.is_closed()
     }
 
     /// Sends a request of `header` (its id is set here) and `payload`, and
-    /// waits up to `timeout` for its reply.
+    /// waits up to `timeout` for its reply. A call that times out while
+    /// nothing at all arrived on the link since it began fails the link:
+    /// the peer or the path to it is gone (a half-open connection would
+    /// otherwise hold every later call until TCP gives up, minutes later).
     pub async fn call(
         &self,
         mut header: Header,
         payload: Bytes,
         timeout: Duration,
     ) -> Result<Frame, LinkError> {
-        if self.is_closed() {
-            return Err(LinkError::Closed(self.closed.why()));
-        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         header.id = id;
         let (tx, rx) = oneshot::channel();
-        lock(&self.pending).insert(id, tx);
+        match lock(&self.shared.pending).as_mut() {
+            Some(pending) => pending.insert(id, tx),
+            None => return Err(LinkError::Closed(self.shared.why())),
+        };
         let forget = Forget {
-            pending: &self.pending,
+            shared: &self.shared,
             id,
         };
+        let began = self.shared.now();
         let outcome = tokio::time::timeout(timeout, async {
             self.queue
                 .send(Frame::new(header, payload))
                 .await
-                .map_err(|_| LinkError::Closed(self.closed.why()))?;
-            rx.await.map_err(|_| LinkError::Closed(self.closed.why()))
+                .map_err(|_| LinkError::Closed(self.shared.why()))?;
+            rx.await.map_err(|_| LinkError::Closed(self.shared.why()))
         })
         .await;
         drop(forget);
-        outcome.map_err(|_| LinkError::TimedOut(timeout))?
+        match outcome {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                if self.shared.heard.load(Ordering::SeqCst) <= began {
+                    self.shared.fail(format!(
+                        "nothing received for {timeout:?} with a request in flight"
+                    ));
+                }
+                Err(LinkError::TimedOut(timeout))
+            }
+        }
     }
 }
 
 /// Removes a call's pending entry when the call ends, however it ends.
 struct Forget<'a> {
-    pending: &'a Pending,
+    shared: &'a Shared,
     id: u64,
 }
 
 impl Drop for Forget<'_> {
     fn drop(&mut self) {
-        lock(self.pending).remove(&self.id);
+        if let Some(pending) = lock(&self.shared.pending).as_mut() {
+            pending.remove(&self.id);
+        }
     }
 }
 
@@ -224,39 +274,49 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Reads replies and hands each to its caller; on any failure, closes the
-/// link and fails every call in flight.
-async fn receive_replies<R: AsyncRead + Unpin>(
+/// Reads replies and hands each to its caller; on any failure, or when the
+/// link fails elsewhere, fails the link.
+async fn receive_replies<R: AsyncRead + Unpin>(reader: R, buf: BytesMut, shared: Arc<Shared>) {
+    let mut closed = shared.closed.subscribe();
+    let why = tokio::select! {
+        why = read_replies(reader, buf, &shared) => why,
+        _ = closed.wait_for(|closed| *closed) => return,
+    };
+    shared.fail(why);
+}
+
+/// Reads replies until the connection fails; why it did.
+async fn read_replies<R: AsyncRead + Unpin>(
     mut reader: R,
     mut buf: BytesMut,
-    pending: Pending,
-    closed: Arc<Closed>,
-) {
+    shared: &Shared,
+) -> String {
     let mut decoder = Decoder::default();
-    let why = loop {
+    loop {
         match decoder.next(&mut buf) {
             Ok(Some(frame)) if frame.header.kind.is_reply() => {
-                if let Some(caller) = lock(&pending).remove(&frame.header.id) {
+                shared.heard.store(shared.now() + 1, Ordering::SeqCst);
+                let caller = lock(&shared.pending)
+                    .as_mut()
+                    .and_then(|pending| pending.remove(&frame.header.id));
+                if let Some(caller) = caller {
                     let _ = caller.send(frame);
                 }
                 continue;
             }
-            Ok(Some(frame)) => break format!("the peer sent a {:?} frame", frame.header.kind),
+            Ok(Some(frame)) => return format!("the peer sent a {:?} frame", frame.header.kind),
             Ok(None) => {}
-            Err(err) => break err.to_string(),
+            Err(err) => return err.to_string(),
         }
         if buf.capacity() - buf.len() < READ_CHUNK / 4 {
             buf.reserve(READ_CHUNK);
         }
         match reader.read_buf(&mut buf).await {
-            Ok(0) => break "the peer closed the connection".to_string(),
+            Ok(0) => return "the peer closed the connection".to_string(),
             Ok(_) => {}
-            Err(err) => break format!("receiving: {err}"),
+            Err(err) => return format!("receiving: {err}"),
         }
-    };
-    closed.close(why);
-    // Dropping the senders fails every call still waiting.
-    lock(&pending).clear();
+    }
 }
 
 /// Writes every frame that arrives on `frames` to `writer`, batching those
@@ -321,6 +381,91 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that takes requests and never answers (a half-open
+    /// connection): the first call times out and fails the link, so the
+    /// next one fails at once instead of waiting out its own timeout, and
+    /// the owner opens a new link.
+    #[tokio::test]
+    async fn a_silent_peer_fails_the_link_after_one_timeout() {
+        let (client, _server) = tokio::io::duplex(1 << 20);
+        let link = Link::start(client, BytesMut::new());
+        let timeout = Duration::from_millis(100);
+        let first = link
+            .call(
+                Header::new(Kind::Write, 0),
+                Bytes::from_static(b"x"),
+                timeout,
+            )
+            .await;
+        assert_eq!(first, Err(LinkError::TimedOut(timeout)));
+        assert!(link.is_closed());
+        let began = Instant::now();
+        let second = link
+            .call(
+                Header::new(Kind::Write, 0),
+                Bytes::from_static(b"y"),
+                timeout,
+            )
+            .await;
+        assert!(
+            matches!(second, Err(LinkError::Closed(ref why)) if why.contains("nothing received")),
+            "{second:?}"
+        );
+        assert!(began.elapsed() < timeout);
+    }
+
+    /// Replies go to the call with their id, whatever their order.
+    #[tokio::test]
+    async fn replies_reach_their_callers_in_any_order() {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let link = Arc::new(Link::start(client, BytesMut::new()));
+        let (mut server_read, mut server_write) = tokio::io::split(server);
+        let echo = tokio::spawn(async move {
+            let mut buf = BytesMut::new();
+            let mut decoder = Decoder::default();
+            let mut got = Vec::new();
+            while got.len() < 3 {
+                match decoder.next(&mut buf).unwrap() {
+                    Some(frame) => got.push(frame),
+                    None => {
+                        server_read.read_buf(&mut buf).await.unwrap();
+                    }
+                }
+            }
+            for frame in got.into_iter().rev() {
+                let reply = Frame::new(Header::new(Kind::Ok, frame.header.id), frame.payload);
+                server_write
+                    .write_all(&reply.header.encode())
+                    .await
+                    .unwrap();
+                server_write.write_all(&reply.payload).await.unwrap();
+            }
+            server_write
+        });
+        let calls: Vec<_> = [b"a", b"b", b"c"]
+            .into_iter()
+            .map(|payload| {
+                let link = Arc::clone(&link);
+                tokio::spawn(async move {
+                    let reply = link
+                        .call(
+                            Header::new(Kind::Write, 0),
+                            Bytes::from_static(payload),
+                            Duration::from_secs(5),
+                        )
+                        .await
+                        .unwrap();
+                    (payload, reply.payload)
+                })
+            })
+            .collect();
+        for call in calls {
+            let (sent, answered) = call.await.unwrap();
+            assert_eq!(&answered[..], &sent[..]);
+        }
+        drop(echo.await.unwrap());
+    }
 
     #[tokio::test]
     async fn a_batch_arrives_whole_and_in_order() {

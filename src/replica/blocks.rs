@@ -15,9 +15,12 @@
 //! - A frame that does not decode (bad checksum, unknown kind, oversized)
 //!   closes the connection; nothing from it reaches the store.
 //!
-//! Requests run concurrently, at most [`IN_FLIGHT`] per connection (the
-//! reader stops reading past that); replies go back in completion order
-//! through the batching writer of [`crate::net::link`].
+//! Requests run concurrently, at most [`IN_FLIGHT`] per connection and at
+//! most 64 MiB of payload and read data (the reader stops reading past
+//! either); replies go back in completion order through the batching
+//! writer of [`crate::net::link`]. A node serves at most
+//! [`MAX_CONNECTIONS`] block connections; nothing is read from one the
+//! guard does not admit, and at most 1 KiB before its `Hello`.
 //!
 //! Errors map to refusals in one place, [`refusal_of`], and back in one
 //! place, [`error_of`]:
@@ -49,6 +52,43 @@ use crate::volume::RangeError;
 
 /// The most requests one connection runs at once.
 pub const IN_FLIGHT: usize = 256;
+
+/// The most payload bytes (KiB) one connection's requests and their read
+/// replies hold at once: 64 MiB. The reader stops reading past it.
+const BUDGET_KIB: u32 = 64 * 1024;
+
+/// The most block-channel connections a node serves at once.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// The largest `Hello` payload (a cluster id and a volume name).
+const HELLO_MAX: u32 = 1024;
+
+/// How long a stopping server, or a connection's last replies, may take.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A request's share of its connection's budget, in KiB: its payload and
+/// the data a read will send back.
+fn cost(header: &Header) -> u32 {
+    let reply = match header.kind {
+        Kind::Read => header.length.min(crate::volume::MAX_REQUEST),
+        _ => 0,
+    };
+    let kib = (u64::from(header.payload_len) + reply) / 1024 + 1;
+    u32::try_from(kib).unwrap_or(BUDGET_KIB).min(BUDGET_KIB)
+}
+
+/// A reply's payload with the budget it holds, released when the payload
+/// has been written and dropped.
+struct Held {
+    data: Bytes,
+    _bytes: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.data
+    }
+}
 
 /// The refusal frame (a reply to request `id`) for `err`.
 pub fn refusal_of(id: u64, err: &ReplicaError) -> Frame {
@@ -148,28 +188,42 @@ impl BlockServer {
     }
 
     /// Serves every connection that arrives on `connections` (their
-    /// preface already read) until `stop` turns true.
+    /// preface already read) until `stop` turns true; then gives the
+    /// connections [`STOP_GRACE`] to finish what they started.
     pub async fn serve(
         self,
         mut connections: mpsc::Receiver<Accepted>,
         stop: watch::Receiver<bool>,
     ) {
+        let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let mut running = tokio::task::JoinSet::new();
+        let mut stopped = stop.clone();
         loop {
-            let mut stopped = stop.clone();
             let accepted = tokio::select! {
                 accepted = connections.recv() => accepted,
                 _ = stopped.wait_for(|stop| *stop) => None,
+                Some(_) = running.join_next(), if !running.is_empty() => continue,
             };
-            let Some(accepted) = accepted else { return };
+            let Some(accepted) = accepted else { break };
+            let remote = accepted.peer().remote;
+            let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                tracing::warn!(node = %self.node, ?remote, "block channel: too many connections; refused one");
+                continue;
+            };
             let server = self.clone();
             let stop = stop.clone();
-            tokio::spawn(async move {
-                let remote = accepted.peer().remote;
+            running.spawn(async move {
                 if let Err(why) = server.serve_connection(accepted, stop).await {
                     tracing::info!(node = %server.node, ?remote, %why, "block channel closed");
                 }
+                drop(slot);
             });
         }
+        let _ = tokio::time::timeout(STOP_GRACE, async {
+            while running.join_next().await.is_some() {}
+        })
+        .await;
+        running.abort_all();
     }
 
     /// Serves one connection until it closes, fails or `stop` turns true.
@@ -181,76 +235,107 @@ impl BlockServer {
         let peer = accepted.peer().clone();
         let (mut reader, writer) = tokio::io::split(accepted);
         let (replies, outgoing) = mpsc::channel::<Frame>(IN_FLIGHT);
-        let sending = tokio::spawn(crate::net::link::send_frames(writer, outgoing));
+        let mut sending = tokio::spawn(crate::net::link::send_frames(writer, outgoing));
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
-        let mut buf = BytesMut::with_capacity(256 * 1024);
+        let budget = Arc::new(Semaphore::new(BUDGET_KIB as usize));
+        let mut buf = BytesMut::with_capacity(64 * 1024);
         let mut decoder = Decoder::default();
+        // Nothing is read from a connection the guard would not admit, and
+        // little before its Hello.
+        decoder.limit(Some(HELLO_MAX));
         let mut hello = false;
-        let outcome = loop {
-            let frame = match decoder.next(&mut buf) {
-                Ok(Some(frame)) => frame,
-                Ok(None) => {
-                    if buf.capacity() - buf.len() < 64 * 1024 {
-                        buf.reserve(256 * 1024);
+        let outcome = match self.guard.admit(Some(&peer)) {
+            Err(status) => {
+                let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
+                let _ = replies.send(refusal_of(0, &refusal)).await;
+                Err(format!("not admitted: {}", status.message()))
+            }
+            Ok(_) => loop {
+                if *stop.borrow() {
+                    break Ok(());
+                }
+                let frame = match decoder.next(&mut buf) {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => {
+                        if buf.capacity() - buf.len() < 16 * 1024 {
+                            buf.reserve(256 * 1024);
+                        }
+                        let read = tokio::select! {
+                            read = reader.read_buf(&mut buf) => read,
+                            _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                        };
+                        match read {
+                            Ok(0) => break Ok(()),
+                            Ok(_) => continue,
+                            Err(err) => break Err(format!("receiving: {err}")),
+                        }
                     }
-                    let read = tokio::select! {
-                        read = reader.read_buf(&mut buf) => read,
-                        _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                    Err(err) => break Err(err.to_string()),
+                };
+                let id = frame.header.id;
+                // The member list can change while a connection lives.
+                if let Err(status) = self.guard.admit(Some(&peer)) {
+                    let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
+                    let _ = replies.send(refusal_of(id, &refusal)).await;
+                    break Err(format!("not admitted: {}", status.message()));
+                }
+                if !hello {
+                    match self.hello(&frame) {
+                        Ok(()) => {
+                            hello = true;
+                            decoder.limit(None);
+                            let ok = Frame::new(Header::new(Kind::Ok, id), Bytes::new());
+                            let _ = replies.send(ok).await;
+                            continue;
+                        }
+                        Err(err) => {
+                            let _ = replies.send(refusal_of(id, &err)).await;
+                            break Err(err.to_string());
+                        }
+                    }
+                }
+                if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
+                    break Err(format!(
+                        "a {:?} frame where a request belongs",
+                        frame.header.kind
+                    ));
+                }
+                let (Ok(slot), Ok(bytes)) = (
+                    Arc::clone(&in_flight).acquire_owned().await,
+                    Arc::clone(&budget)
+                        .acquire_many_owned(cost(&frame.header))
+                        .await,
+                ) else {
+                    break Ok(());
+                };
+                let server = self.clone();
+                let replies = replies.clone();
+                tokio::spawn(async move {
+                    let reply = server.handle(frame).await;
+                    // A read's data keeps its share of the budget until it
+                    // has been sent.
+                    let reply = Frame {
+                        payload: Bytes::from_owner(Held {
+                            data: reply.payload,
+                            _bytes: bytes,
+                        }),
+                        header: reply.header,
                     };
-                    match read {
-                        Ok(0) => break Ok(()),
-                        Ok(_) => continue,
-                        Err(err) => break Err(format!("receiving: {err}")),
-                    }
-                }
-                Err(err) => break Err(err.to_string()),
-            };
-            let id = frame.header.id;
-            if let Err(status) = self.guard.admit(Some(&peer)) {
-                let _ = replies
-                    .send(refusal_of(
-                        id,
-                        &ReplicaError::IdentityMismatch(status.message().to_string()),
-                    ))
-                    .await;
-                break Err(format!("not admitted: {}", status.message()));
-            }
-            if !hello {
-                match self.hello(&frame) {
-                    Ok(()) => {
-                        hello = true;
-                        let _ = replies
-                            .send(Frame::new(Header::new(Kind::Ok, id), Bytes::new()))
-                            .await;
-                        continue;
-                    }
-                    Err(err) => {
-                        let _ = replies.send(refusal_of(id, &err)).await;
-                        break Err(err.to_string());
-                    }
-                }
-            }
-            if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
-                break Err(format!(
-                    "a {:?} frame where a request belongs",
-                    frame.header.kind
-                ));
-            }
-            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
-                break Ok(());
-            };
-            let server = self.clone();
-            let replies = replies.clone();
-            tokio::spawn(async move {
-                let reply = server.handle(frame).await;
-                let _ = replies.send(reply).await;
-                drop(permit);
-            });
+                    let _ = replies.send(reply).await;
+                    drop(slot);
+                });
+            },
         };
         drop(replies);
         // Replies of requests still running are sent as they finish; the
-        // writer ends once the last one is out.
-        let _ = sending.await;
+        // writer ends once the last one is out, or gives up on a client
+        // that does not read.
+        if tokio::time::timeout(STOP_GRACE, &mut sending)
+            .await
+            .is_err()
+        {
+            sending.abort();
+        }
         outcome
     }
 

@@ -134,7 +134,11 @@ impl RemoteReplica {
                 self.timeout,
             )
             .await
-            .map_err(|err| self.lost(&err))?;
+            .map_err(|err| match err {
+                // The peer answered: not a transport failure.
+                LinkError::Refused(refusal) => blocks::error_of(&refusal, Term::ZERO),
+                err => self.lost(&err),
+            })?;
         let link = Arc::new(link);
         *slot = Some(Arc::clone(&link));
         Ok(link)

@@ -219,15 +219,22 @@ impl ReplicaService {
         stop: watch::Receiver<bool>,
     ) -> Result<(), tonic::transport::Error> {
         let (grpc, blocks) = route(transport.incoming(listener), PREFACE);
-        tokio::spawn(self.block_server(transport).serve(blocks, stop.clone()));
+        let block_server = tokio::spawn(self.block_server(transport).serve(blocks, stop.clone()));
         let mut stopped = stop;
-        transport
+        let served = transport
             .server()
             .add_service(transport.serve(Audience::Members, self.into_server()))
             .serve_with_incoming_shutdown(grpc, async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             })
-            .await
+            .await;
+        // The block server stops on the same signal, within its grace; if
+        // the gRPC server failed instead, it is stopped with it.
+        if served.is_err() {
+            block_server.abort();
+        }
+        let _ = block_server.await;
+        served
     }
 
     fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {

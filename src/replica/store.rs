@@ -463,7 +463,10 @@ impl ReplicaStore {
     ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
         crate::volume::check_span(offset, len, self.size())?;
         let file = Arc::clone(&self.file);
-        run_io(false, move || Ok(allocation_of(&file, offset, offset + len))).await
+        run_io(false, move || {
+            Ok(allocation_of(&file, offset, offset + len))
+        })
+        .await
     }
 
     /// Makes every write that finished before this call durable, on behalf
@@ -559,7 +562,10 @@ impl ReplicaStore {
         extents.truncate(MAX_PREDIGEST_EXTENTS);
         let count = extents.len();
         let hash = self.hasher(extents.clone(), self.size());
-        let digests = run_io(false, move || Ok(extents.into_iter().zip(hash()?).collect())).await?;
+        let digests = run_io(false, move || {
+            Ok(extents.into_iter().zip(hash()?).collect())
+        })
+        .await?;
         if self.predigests.keep(epoch, digests) {
             Ok(count)
         } else {
