@@ -1322,6 +1322,103 @@ async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
     assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
 }
 
+/// #21, resume: a full rebuild interrupted by a writer change goes on
+/// from where it had verified, not from the first extent. What it had
+/// verified stays covered: a write there afterwards (here one that fails
+/// on the target, so the first writer abandons the rebuild) is in the map,
+/// and the next writer compares it again.
+#[tokio::test]
+async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let mib = rig.engine.extent_size();
+    let extents = SIZE / mib;
+    // No map of n3 anywhere: its rebuild is a full one.
+    for i in 0..2 {
+        let stamp = replica_ha::replica::Stamp {
+            term: Term(5),
+            generation: 1,
+        };
+        rig.replicas[i]
+            .store()
+            .close_missed(stamp, NodeId(3))
+            .await
+            .unwrap();
+    }
+    for extent in [1, 9, extents - 2] {
+        rig.engine
+            .write_at(extent * mib, block(9), false)
+            .await
+            .unwrap();
+    }
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    assert_eq!(rig.engine.missed_plan(NodeId(3)).await.unwrap(), None);
+    rig.engine.begin_full_rebuild(NodeId(3)).await.unwrap();
+    let verified = 8;
+    for extent in 0..verified {
+        rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
+    }
+    rig.engine
+        .verified_below(NodeId(3), verified)
+        .await
+        .unwrap();
+    for i in 0..2 {
+        let map = rig.replicas[i].store().missed(NodeId(3), 0).unwrap();
+        assert_eq!(map.unwrap().unverified_from, Some(verified), "n{}", i + 1);
+    }
+    // A write to a verified extent that fails on the target: the rebuild
+    // is abandoned, the write acknowledged by n1 and n2, and recorded.
+    rig.replicas[2].set(Fault::Fail);
+    rig.engine
+        .write_at(2 * mib, block(0x22), false)
+        .await
+        .unwrap();
+    rig.replicas[2].set(Fault::None);
+
+    // The writer changes.
+    let next = Arc::new(
+        Engine::new(
+            EngineConfig {
+                local_id: NodeId(2),
+                replica_timeout: SHORT,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
+            },
+            rig.replicas
+                .iter()
+                .map(|r| Arc::clone(r) as Arc<dyn Replica>)
+                .collect(),
+            Arc::clone(&rig.tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    next.activate(Term(6)).await.unwrap();
+    next.begin_rebuild(NodeId(3)).await.unwrap();
+    let plan = next.missed_plan(NodeId(3)).await.unwrap().unwrap();
+    assert_eq!(plan.unverified_from, Some(verified));
+    assert!(plan.extents.contains(&2), "{plan:?}");
+    assert!(plan.extents.iter().all(|e| *e < verified), "{plan:?}");
+    next.abort_rebuild(NodeId(3));
+    let resync = Resyncer::new(Arc::clone(&next), ResyncConfig::default());
+    let target = Arc::clone(&rig.replicas[2]) as Arc<dyn Replica>;
+    resync.rebuild(&target).await.unwrap();
+    let progress = resync.progress()[&NodeId(3)];
+    assert!(progress.full);
+    // The rest of the pass and what the map named: less than a whole pass.
+    assert_eq!(
+        progress.total,
+        plan.extents.len() as u64 * mib + (extents - verified) * mib
+    );
+    assert!(progress.total < SIZE);
+    assert!(rig.committed().await.contains(&NodeId(3)));
+    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
+    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+    assert_eq!(whole(2).await.unwrap(), whole(1).await.unwrap());
+    for i in 0..3 {
+        assert_eq!(rig.replicas[i].store().missed(NodeId(3), 0).unwrap(), None);
+    }
+}
+
 /// Invariant M: a replica being rebuilt keeps its older terms' marks until
 /// its rebuild has compared them. Here a dead writer's write reached only
 /// n3 (marked there), and a scrub repair of that extent on n2 makes the
@@ -1356,6 +1453,8 @@ async fn a_rebuilding_replica_keeps_its_older_marks_until_its_rebuild_compared_t
     // The repair spoiled the running rebuild; the next attempt begins.
     rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     let plan = rig.engine.missed_plan(NodeId(3)).await.unwrap().unwrap();
+    assert_eq!(plan.unverified_from, None);
+    let plan = plan.extents;
     assert!(
         plan.contains(&extent),
         "n3's own mark is in the plan: {plan:?}"
@@ -1384,7 +1483,14 @@ async fn a_rebuild_closes_the_stale_maps_its_target_kept() {
     assert!(!rig.committed().await.contains(&NodeId(2)));
     rig.replicas[1].set(Fault::None);
     rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
-    for extent in rig.engine.missed_plan(NodeId(3)).await.unwrap().unwrap() {
+    for extent in rig
+        .engine
+        .missed_plan(NodeId(3))
+        .await
+        .unwrap()
+        .unwrap()
+        .extents
+    {
         rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
     }
     rig.engine.finish_rebuild(NodeId(3)).await.unwrap();

@@ -447,6 +447,75 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
     verify_identical_up_to(&cluster, follower, survivor, GIB).await;
 }
 
+/// #21, resume: a full rebuild cut off by the writer's death goes on, on
+/// the next writer, from where it had verified. The bytes compared by both
+/// writers together stay within one pass over the volume plus what the
+/// first compared after it last recorded its progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_rebuild_cut_off_by_the_writers_death_resumes_where_it_verified() {
+    let _one = one_cluster_at_a_time().await;
+    const GIB: u64 = 1 << 30;
+    let mut cluster = Cluster::start_with(3, &["--size", "1GiB", "--resync-rate", "4MiB"]).await;
+    let (first, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = *cluster.ids.iter().find(|id| **id != first).unwrap();
+    cluster.kill(follower);
+    write_spread(&cluster, first, 32, GIB, 0x30).await;
+    cluster.wait_in_sync(first, follower, false, WAIT).await;
+    let id = follower.to_string();
+    let (ok, out, err) = cluster.cli(first, &["resync", "--full", "--id", &id]).await;
+    assert!(ok, "{out}{err}");
+    cluster.spawn(follower);
+    // Cut the pass off once it has compared a good part of the volume.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let before = loop {
+        let replica = replica_status(&cluster, first, follower).await;
+        if replica.resync_running && replica.resync_full && replica.resync_done_bytes >= 384 * MIB {
+            break replica.resync_done_bytes;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the full rebuild did not get far"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    cluster.kill(first);
+    let others: Vec<u64> = cluster
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| *id != first)
+        .collect();
+    let (second, _) = cluster
+        .wait_for_writer(&others, Duration::from_secs(30))
+        .await;
+    let survivor = *others.iter().find(|id| **id != follower).unwrap();
+    cluster
+        .wait_in_sync(second, follower, true, Duration::from_secs(90))
+        .await;
+    let replica = replica_status(&cluster, second, follower).await;
+    eprintln!(
+        "cut off after {} MiB compared; the next writer compared {} of {} MiB and copied {} MiB (full = {})",
+        before >> 20,
+        replica.resync_done_bytes >> 20,
+        replica.resync_total_bytes >> 20,
+        replica.resync_copied_bytes >> 20,
+        replica.resync_full
+    );
+    assert!(replica.resync_full, "the rest of a full rebuild");
+    assert!(
+        replica.resync_total_bytes <= GIB - 256 * MIB,
+        "the next writer started over: {} bytes to compare",
+        replica.resync_total_bytes
+    );
+    assert!(
+        before + replica.resync_total_bytes <= GIB + 128 * MIB,
+        "{} + {} bytes compared for a {GIB}-byte volume",
+        before,
+        replica.resync_total_bytes
+    );
+    verify_identical_up_to(&cluster, follower, survivor, GIB).await;
+}
+
 /// `replica-ha resync --full --id N`: the next rebuild of an out-of-sync
 /// replica compares every extent instead of its missed-write map; a
 /// replica in sync, an unknown one, or a request without `--full` is

@@ -189,7 +189,7 @@ impl BlockServer {
 
     /// Serves every connection that arrives on `connections` (their
     /// preface already read) until `stop` turns true; then gives the
-    /// connections [`STOP_GRACE`] to finish what they started.
+    /// connections `STOP_GRACE` to finish what they started.
     pub async fn serve(
         self,
         mut connections: mpsc::Receiver<Accepted>,

@@ -84,7 +84,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::missed::{self, MissedMap};
+use super::missed::{self, MissedMap, Unverified};
 use super::order::WriteOrder;
 use super::quorum::{self, Verdict};
 use super::set::{ReplicaSet, SetError};
@@ -131,6 +131,16 @@ pub enum MembershipError {
     /// The in-sync set could not be read or changed.
     #[error(transparent)]
     Commit(#[from] InSyncError),
+}
+
+/// What a rebuild compares, from the missed-write map ([`Engine::missed_plan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebuildPlan {
+    /// Extents the target may differ in, below the unverified range.
+    pub extents: Vec<u64>,
+    /// Where a full rebuild left off: every extent from here on is
+    /// compared too. `None`: no full rebuild is pending.
+    pub unverified_from: Option<u64>,
 }
 
 /// Why a step of a rebuild failed; the rebuild is abandoned and starts
@@ -1048,6 +1058,13 @@ impl Engine {
                 .await
                 .map_err(|e| RebuildError::replica("giving the missed-write maps to", id, e))?;
             }
+            if let Some(from) = map.unverified_from {
+                self.stamped(term, &target, |stamp| {
+                    target.set_unverified(stamp, node, map.incarnation, Unverified::Lower(from))
+                })
+                .await
+                .map_err(|e| RebuildError::replica("giving the missed-write maps to", id, e))?;
+            }
         }
         Ok(())
     }
@@ -1081,6 +1098,11 @@ impl Engine {
                     continue 'attempt;
                 }
                 whole.extents.extend_from_slice(&page.extents);
+                // A range that changed between pages: the larger one.
+                whole.unverified_from = match (whole.unverified_from, page.unverified_from) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 match (page.more, page.extents.last()) {
                     (true, Some(last)) if *last < u64::MAX => from = last + 1,
                     _ => return Ok(Some(std::mem::take(whole))),
@@ -1093,9 +1115,12 @@ impl Engine {
     /// What rebuild target `id` may differ in from the in-sync copies: the
     /// extents of the source's missed-write map of it, and those the
     /// target itself holds marks for (writes that reached it and perhaps
-    /// no other). `None` when it needs a full rebuild: the source keeps no
-    /// map of it, or one of another incarnation (a replaced disk, S8).
-    pub async fn missed_plan(&self, id: NodeId) -> Result<Option<Vec<u64>>, RebuildError> {
+    /// no other), and, while a full rebuild of it has not verified every
+    /// extent, every extent from the map's unverified range on. `None`
+    /// when it needs a full rebuild from the first extent: the source
+    /// keeps no map of it, or one of another incarnation (a replaced disk,
+    /// S8).
+    pub async fn missed_plan(&self, id: NodeId) -> Result<Option<RebuildPlan>, RebuildError> {
         let term = self.term().ok_or(RebuildError::Inactive)?;
         let source = self
             .read_order()
@@ -1117,9 +1142,81 @@ impl Engine {
             .map_err(|e| RebuildError::replica("reading the marks of", id, e))?;
         let mut extents: BTreeSet<u64> = map.extents.into_iter().collect();
         extents.extend(marks.dirty.iter().map(|m| m.extent));
-        // Only extents of the volume: the answers come from the network.
+        // Only extents of the volume (the answers come from the network),
+        // and below the unverified range, which the plan covers whole.
         let count = self.current_size().div_ceil(self.extent_size);
-        Ok(Some(extents.into_iter().filter(|e| *e < count).collect()))
+        let below = map.unverified_from.unwrap_or(count).min(count);
+        Ok(Some(RebuildPlan {
+            extents: extents.into_iter().filter(|e| *e < below).collect(),
+            unverified_from: map.unverified_from.map(|from| from.min(count)),
+        }))
+    }
+
+    /// Starts a full rebuild of `id` that a later writer can resume: opens
+    /// its missed-write map on every in-sync replica with an unverified
+    /// range from extent 0 (replacing a map of another incarnation). From
+    /// then on the map records every change, and the range shrinks as the
+    /// rebuild verifies ([`Engine::verified_below`]). Fails unless every
+    /// in-sync replica took it: one that did not may keep a map that
+    /// claims less than the target may lack.
+    pub async fn begin_full_rebuild(&self, id: NodeId) -> Result<(), RebuildError> {
+        self.change_unverified(id, Unverified::Lower(0), true).await
+    }
+
+    /// A full rebuild of `id` compared (and copied where they differed)
+    /// every extent below `extent`: the target flushes them, and then every
+    /// in-sync replica raises the map's unverified range to `extent`. A
+    /// replica that misses the raise keeps a larger range, which only costs
+    /// comparisons.
+    pub async fn verified_below(&self, id: NodeId, extent: u64) -> Result<(), RebuildError> {
+        let term = self.term().ok_or(RebuildError::Inactive)?;
+        let target = self.target(id)?;
+        self.stamped(term, &target, |stamp| target.flush(stamp))
+            .await
+            .map_err(|e| RebuildError::replica("flushing", id, e))?;
+        self.change_unverified(id, Unverified::Raise(extent), false)
+            .await
+    }
+
+    /// Sends `change` of `id`'s unverified range to every in-sync replica;
+    /// with `all`, fails if one did not take it.
+    async fn change_unverified(
+        &self,
+        id: NodeId,
+        change: Unverified,
+        all: bool,
+    ) -> Result<(), RebuildError> {
+        let term = self.term().ok_or(RebuildError::Inactive)?;
+        let incarnation = self.replicas.incarnation(id);
+        let in_sync = self.in_sync();
+        let keepers: Vec<Arc<dyn Replica>> = self
+            .replicas
+            .members()
+            .iter()
+            .filter(|r| in_sync.contains(&r.id()))
+            .cloned()
+            .collect();
+        let changes = keepers.iter().map(|replica| {
+            self.stamped(term, replica, |stamp| {
+                replica.set_unverified(stamp, id, incarnation, change)
+            })
+        });
+        for (replica, outcome) in keepers.iter().zip(join_all(changes).await) {
+            match outcome {
+                Ok(()) => {}
+                Err(e) if all => {
+                    return Err(RebuildError::replica(
+                        "opening the missed-write map on",
+                        replica.id(),
+                        e,
+                    ));
+                }
+                Err(e) => {
+                    tracing::warn!(replica = %replica.id(), of = %id, %e, "a missed-write map kept a larger unverified range");
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Compares extent `extent` on every in-sync replica under the

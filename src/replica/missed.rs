@@ -13,8 +13,9 @@
 //!
 //! **Invariant M.** If an in-sync replica A holds an open map for member X
 //! of incarnation I, every extent where X's copy (of incarnation I) may
-//! differ from A's is in A's map, apart from the extents X itself holds
-//! marks for, which its rebuild adds. How it is kept:
+//! differ from A's is in A's map or at or past the map's *unverified
+//! range*, apart from the extents X itself holds marks for, which its
+//! rebuild adds. How it is kept:
 //! - *When X leaves.* Before the writer commits X's removal from the
 //!   in-sync set, it opens X's map on every replica that stays (in sync or
 //!   being rebuilt), and then notes there the extents of every write still
@@ -33,6 +34,18 @@
 //! - *When X returns.* Once its return is committed, the writer closes its
 //!   map everywhere. A map left open by a close that failed is a superset,
 //!   and a superset only costs copies.
+//!
+//! **The unverified range** makes a full rebuild resumable. Before one
+//! compares anything, the writer lowers the range of X's map to extent 0
+//! on every in-sync replica (opening the map): X may differ anywhere, and
+//! every change from then on is recorded. As the rebuild goes, X flushes
+//! what it copied and the range is raised to the first extent not yet
+//! compared. A rebuild by a later writer compares the listed extents below
+//! the range and every extent from it on. Raising is the only way the
+//! range shrinks, and only past extents compared while the map recorded
+//! every change, so an extent changed after its comparison is listed. A
+//! map given to a replica that returns keeps its range (lowered there, if
+//! it had a map without one).
 //!
 //! A replica with no shared history gets a full rebuild: one whose
 //! incarnation is not the map's (a replaced disk, S8), or a source without
@@ -72,6 +85,62 @@ pub struct MissedMap {
     pub extents: Vec<u64>,
     /// Whether more extents follow (ask again from the last one plus one).
     pub more: bool,
+    /// Where the member's unverified range begins, while a full rebuild
+    /// of it has not compared every extent: it may differ in every extent
+    /// from this one on, besides those listed.
+    pub unverified_from: Option<u64>,
+}
+
+/// A change to a map's unverified range (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unverified {
+    /// The member may differ from extent `.0` on: the range begins there
+    /// or earlier. Opens the map if it is not open (and replaces one of
+    /// another incarnation).
+    Lower(u64),
+    /// A full rebuild compared and copied every extent below `.0`, and the
+    /// member flushed them: the range begins there or later. Nothing
+    /// happens unless the map is open, about this incarnation, with a
+    /// range.
+    Raise(u64),
+}
+
+impl Unverified {
+    /// The range after this change, from `current` (the range of a map
+    /// open about the same incarnation; `None` for none, or no such map),
+    /// or `None` when the change does nothing.
+    pub fn apply(self, open: bool, current: Option<u64>) -> Option<Option<u64>> {
+        match (self, open, current) {
+            (Unverified::Lower(from), _, None) => Some(Some(from)),
+            (Unverified::Lower(from), _, Some(now)) if from < now => Some(Some(from)),
+            (Unverified::Raise(to), true, Some(now)) if to > now => Some(Some(to)),
+            _ => None,
+        }
+    }
+}
+
+/// The value of an open record: the incarnation and, with a range, where
+/// it begins.
+pub fn open_value(incarnation: Incarnation, unverified_from: Option<u64>) -> Vec<u8> {
+    let mut value = incarnation.0.to_be_bytes().to_vec();
+    if let Some(from) = unverified_from {
+        value.extend_from_slice(&from.to_be_bytes());
+    }
+    value
+}
+
+/// An open record's incarnation and range.
+fn decode_open(value: &[u8]) -> Result<(Incarnation, Option<u64>), ReplicaError> {
+    match value.len() {
+        8 => Ok((Incarnation(decode_u64(value)?), None)),
+        16 => Ok((
+            Incarnation(decode_u64(&value[..8])?),
+            Some(decode_u64(&value[8..])?),
+        )),
+        _ => Err(ReplicaError::Io(format!(
+            "corrupt missed-write map record {value:?}"
+        ))),
+    }
 }
 
 /// `extents` in pieces a note may carry; one empty piece when there are
@@ -135,6 +204,8 @@ pub struct MissedMaps {
 #[derive(Debug, Default)]
 struct State {
     open: BTreeMap<NodeId, Incarnation>,
+    /// Where each open map's unverified range begins, if it has one.
+    unverified: BTreeMap<NodeId, u64>,
     noted: HashSet<(NodeId, u64)>,
     version: u64,
 }
@@ -155,7 +226,11 @@ impl MissedMaps {
         for item in tree.scan_prefix([OPEN]) {
             let (key, value) = item?;
             let node = NodeId(decode_u64(&key[1..])?);
-            state.open.insert(node, Incarnation(decode_u64(&value)?));
+            let (incarnation, unverified) = decode_open(&value)?;
+            state.open.insert(node, incarnation);
+            if let Some(from) = unverified {
+                state.unverified.insert(node, from);
+            }
         }
         let mut orphans = Vec::new();
         for key in tree.scan_prefix([ENTRY]).keys() {
@@ -205,6 +280,20 @@ impl MissedMaps {
         self.lock().open.get(&node).copied()
     }
 
+    /// Where `node`'s open map's unverified range begins, if it has one.
+    pub fn unverified_of(&self, node: NodeId) -> Option<u64> {
+        self.lock().unverified.get(&node).copied()
+    }
+
+    /// `node`'s open map's unverified range is durably `from` now.
+    pub fn set_unverified(&self, node: NodeId, from: Option<u64>) {
+        let mut state = self.lock();
+        match from {
+            Some(from) => state.unverified.insert(node, from),
+            None => state.unverified.remove(&node),
+        };
+    }
+
     /// Every member with an open map.
     pub fn open(&self) -> BTreeMap<NodeId, Incarnation> {
         self.lock().open.clone()
@@ -217,6 +306,7 @@ impl MissedMaps {
         state.version += 1;
         if replaced {
             state.noted.retain(|(n, _)| *n != node);
+            state.unverified.remove(&node);
         }
         state.open.insert(node, incarnation);
         state
@@ -238,6 +328,7 @@ impl MissedMaps {
         let mut state = self.lock();
         state.version += 1;
         state.open.remove(&node);
+        state.unverified.remove(&node);
         state.noted.retain(|(n, _)| *n != node);
     }
 }
@@ -271,6 +362,31 @@ mod tests {
             maps.needed(0, 2).entries,
             vec![(NodeId(3), 0), (NodeId(3), 1), (NodeId(3), 2)]
         );
+    }
+
+    #[test]
+    fn the_unverified_range_only_shrinks_by_a_raise_and_only_grows_by_a_lower() {
+        use Unverified::*;
+        // No range yet: a lower makes one (and opens the map), a raise
+        // does nothing.
+        assert_eq!(Lower(0).apply(false, None), Some(Some(0)));
+        assert_eq!(Lower(5).apply(true, None), Some(Some(5)));
+        assert_eq!(Raise(9).apply(true, None), None);
+        assert_eq!(Raise(9).apply(false, None), None);
+        // A range: lowered further, raised further, never the other way.
+        assert_eq!(Lower(3).apply(true, Some(5)), Some(Some(3)));
+        assert_eq!(Lower(7).apply(true, Some(5)), None);
+        assert_eq!(Raise(9).apply(true, Some(5)), Some(Some(9)));
+        assert_eq!(Raise(2).apply(true, Some(5)), None);
+    }
+
+    #[test]
+    fn open_records_round_trip_with_and_without_a_range() {
+        for range in [None, Some(0), Some(1 << 40)] {
+            let value = open_value(Incarnation(7), range);
+            assert_eq!(decode_open(&value).unwrap(), (Incarnation(7), range));
+        }
+        assert!(decode_open(&[1, 2, 3]).is_err());
     }
 
     #[test]

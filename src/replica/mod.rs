@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{Engine, EngineConfig, MembershipError, RebuildError, ResizeError};
+pub use engine::{Engine, EngineConfig, MembershipError, RebuildError, RebuildPlan, ResizeError};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
@@ -307,6 +307,15 @@ pub trait Replica: Send + Sync {
     /// Closes member `node`'s missed-write map, on behalf of the writer of
     /// `stamp`.
     async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError>;
+    /// Changes the unverified range of member `node`'s missed-write map
+    /// (about `incarnation`), on behalf of the writer of `stamp`.
+    async fn set_unverified(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        change: missed::Unverified,
+    ) -> Result<(), ReplicaError>;
 }
 
 /// A replica in this process: the store without a network hop.
@@ -406,6 +415,17 @@ impl Replica for LocalReplica {
     }
     async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
         self.store.close_missed(stamp, node).await
+    }
+    async fn set_unverified(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        change: missed::Unverified,
+    ) -> Result<(), ReplicaError> {
+        self.store
+            .set_unverified(stamp, node, incarnation, change)
+            .await
     }
 }
 

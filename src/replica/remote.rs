@@ -24,7 +24,7 @@ use tonic::transport::Channel;
 
 use super::blocks;
 use super::channels::Channels;
-use super::missed::MissedMap;
+use super::missed::{MissedMap, Unverified};
 use super::service::error_of;
 use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
@@ -396,6 +396,7 @@ impl Replica for RemoteReplica {
             incarnation: Incarnation(reply.incarnation),
             extents: reply.extents,
             more: reply.more,
+            unverified_from: reply.has_unverified.then_some(reply.unverified_from),
         }))
     }
 
@@ -427,6 +428,34 @@ impl Replica for RemoteReplica {
         self.client()
             .await?
             .close_missed(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| self.failed(&status, stamp))
+    }
+
+    async fn set_unverified(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: Incarnation,
+        change: Unverified,
+    ) -> Result<(), ReplicaError> {
+        let (raise, extent) = match change {
+            Unverified::Lower(extent) => (false, extent),
+            Unverified::Raise(extent) => (true, extent),
+        };
+        let request = self.request(pb::SetUnverifiedRequest {
+            volume: self.volume(),
+            term: stamp.term.0,
+            generation: stamp.generation,
+            node: node.0,
+            incarnation: incarnation.0,
+            raise,
+            extent,
+        });
+        self.client()
+            .await?
+            .set_unverified(request)
             .await
             .map(|_| ())
             .map_err(|status| self.failed(&status, stamp))

@@ -19,13 +19,17 @@
 //! 3. `finish_rebuild`: the return is committed through Raft, conditional on
 //!    this writer's term.
 //!
-//! Interruptions need no bookkeeping: a failed write to the target, a new
-//! term, or an error aborts the rebuild, the replica stays out, and the next
-//! attempt (by this writer or the next) compares digests again, so extents
-//! already copied are not copied twice. The map stays open until the
-//! return commits, so the next attempt compares what it names again — all
-//! of it, plus what was written since, which is the resumption a map
-//! rebuild needs; a full pass starts again from the first extent.
+//! Interruptions: a failed write to the target, a new term, or an error
+//! aborts the rebuild, the replica stays out, and the next attempt (by this
+//! writer or the next) compares digests again, so extents already copied
+//! are not copied twice. The map stays open until the return commits, so
+//! the next attempt compares what it names again — all of it, plus what
+//! was written since. A full rebuild keeps its place in the map: it opens
+//! the map with an unverified range from the first extent, and every
+//! `RAISE_EVERY` has the target flush and the in-sync replicas raise the
+//! range past what it compared; the next attempt compares the map's
+//! extents below the range and the range, so a writer change costs at
+//! most that interval's progress again (see [`super::missed`]).
 //!
 //! The copy rate is limited by `rate` (bytes per second of copied data) so
 //! a rebuild cannot starve client I/O.
@@ -37,7 +41,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use super::engine::RebuildError;
+use super::engine::{RebuildError, RebuildPlan};
 use super::{Engine, Replica};
 use crate::ids::{NodeId, Term};
 use crate::volume::Device;
@@ -46,6 +50,25 @@ use crate::volume::Device;
 const EXTENTS_PER_PASS: u64 = 64;
 /// How many extent copies run at once.
 const COPIES_IN_FLIGHT: usize = 4;
+/// How often a full rebuild records how far it verified (see
+/// [`Engine::verified_below`]): what a writer change can cost it again.
+const RAISE_EVERY: Duration = Duration::from_millis(500);
+
+/// One rebuild's state, as it is reported.
+struct Pass {
+    id: NodeId,
+    term: Term,
+    started: Instant,
+    /// Bytes this rebuild compares.
+    total: u64,
+    /// Bytes compared so far.
+    done: u64,
+    /// Bytes copied so far.
+    copied: u64,
+    /// Whether it compares an unverified range (a full rebuild, or the
+    /// rest of one).
+    full: bool,
+}
 
 /// How a resyncer runs.
 #[derive(Debug, Clone, Copy)]
@@ -68,9 +91,11 @@ impl Default for ResyncConfig {
 /// One rebuild's progress.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Progress {
-    /// Bytes of the volume compared so far.
+    /// Bytes compared so far.
     pub done: u64,
-    /// The volume size.
+    /// Bytes this rebuild compares: the extents the missed-write map
+    /// names, and for a full rebuild every extent from where it begins
+    /// (the first, unless it resumes one a former writer began).
     pub total: u64,
     /// Bytes copied so far.
     pub copied: u64,
@@ -81,8 +106,9 @@ pub struct Progress {
     /// Whether the rebuild is running (false: the last one, finished or
     /// abandoned).
     pub running: bool,
-    /// A full rebuild (every extent compared) rather than one of the
-    /// extents the missed-write map names.
+    /// A full rebuild (every extent compared, or every one a former
+    /// writer's full rebuild had not verified yet) rather than one of only
+    /// the extents the missed-write map names.
     pub full: bool,
 }
 
@@ -161,40 +187,7 @@ impl Resyncer {
     pub async fn rebuild(&self, target: &Arc<dyn Replica>) -> Result<u64, RebuildError> {
         let id = target.id();
         let term = self.engine.begin_rebuild(id).await?;
-        let forced = self
-            .full
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&id);
-        let plan = if forced {
-            Ok(None)
-        } else {
-            self.engine.missed_plan(id).await
-        };
-        let outcome = match plan {
-            Ok(Some(extents)) => {
-                tracing::info!(%term, replica = %id, extents = extents.len(), "resync started from the missed-write map");
-                self.copy_listed(id, term, &extents).await
-            }
-            Ok(None) => {
-                let why = if forced {
-                    "asked for"
-                } else {
-                    "no missed-write map of this copy"
-                };
-                tracing::info!(%term, replica = %id, why, "full resync started");
-                let copied = self.copy_differences(id, term).await;
-                if copied.is_ok() {
-                    self.full
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&id);
-                }
-                copied
-            }
-            Err(err) => Err(err),
-        };
-        let outcome = match outcome {
+        let outcome = match self.compare_and_copy(id, term).await {
             Ok(copied) => self.engine.finish_rebuild(id).await.map(|()| copied),
             Err(err) => {
                 self.engine.abort_rebuild(id);
@@ -207,26 +200,91 @@ impl Resyncer {
         outcome
     }
 
-    /// The digest pass: compares every extent and copies those that differ.
-    async fn copy_differences(&self, id: NodeId, term: Term) -> Result<u64, RebuildError> {
-        let mut total = self.engine.size();
+    /// The comparison of a begun rebuild: what the missed-write map names
+    /// and, for a full rebuild, every extent from where the last one left
+    /// off (from the first, for a new one). Returns the bytes copied.
+    async fn compare_and_copy(&self, id: NodeId, term: Term) -> Result<u64, RebuildError> {
+        let forced = self
+            .full
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&id);
+        let plan = if forced {
+            None
+        } else {
+            self.engine.missed_plan(id).await?
+        };
+        let plan = match plan {
+            Some(plan) => {
+                tracing::info!(%term, replica = %id, extents = plan.extents.len(), unverified_from = ?plan.unverified_from, "resync started from the missed-write map");
+                plan
+            }
+            None => {
+                let why = if forced {
+                    "asked for"
+                } else {
+                    "no missed-write map of this copy"
+                };
+                tracing::info!(%term, replica = %id, why, "full resync started");
+                self.engine.begin_full_rebuild(id).await?;
+                RebuildPlan {
+                    extents: Vec::new(),
+                    unverified_from: Some(0),
+                }
+            }
+        };
         let extent = self.engine.extent_size();
-        let started = Instant::now();
-        let mut copied = 0u64;
-        let mut offset = 0u64;
-        self.report(id, 0, total, 0, started);
+        let listed = plan.extents.len() as u64 * extent;
+        let unverified = plan
+            .unverified_from
+            .map_or(0, |from| self.engine.size().saturating_sub(from * extent));
+        let mut pass = Pass {
+            id,
+            term,
+            started: Instant::now(),
+            total: listed + unverified,
+            done: 0,
+            copied: 0,
+            full: plan.unverified_from.is_some(),
+        };
+        self.report(&pass);
+        self.copy_listed(&mut pass, &plan.extents).await?;
+        if let Some(from) = plan.unverified_from {
+            self.copy_differences(&mut pass, from).await?;
+        }
+        if forced {
+            self.full
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+        }
+        Ok(pass.copied)
+    }
+
+    /// The digest pass from extent `from` to the end: compares every
+    /// extent and copies those that differ; every `RAISE_EVERY` it has
+    /// the target flush and the in-sync replicas raise the map's
+    /// unverified range, so a writer that takes over resumes from there.
+    async fn copy_differences(&self, pass: &mut Pass, from: u64) -> Result<(), RebuildError> {
+        let (id, term) = (pass.id, pass.term);
+        let extent = self.engine.extent_size();
+        let mut size = self.engine.size();
+        let mut offset = from.saturating_mul(extent);
+        let mut raised = Instant::now();
         let target = self.replica(id)?;
-        while offset < total {
+        while offset < size {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
-            if self.engine.size() > total {
+            if self.engine.size() > size {
                 // Resized meanwhile: the target grows too, and the pass
                 // goes on to the new end.
                 self.engine.grow_target(id).await?;
-                total = self.engine.size();
+                let grown = self.engine.size();
+                pass.total += grown - size;
+                size = grown;
             }
-            let len = (EXTENTS_PER_PASS * extent).min(total - offset);
+            let len = (EXTENTS_PER_PASS * extent).min(size - offset);
             let source = self.source()?;
             let (ours, theirs) =
                 futures::join!(source.digests(offset, len), target.digests(offset, len));
@@ -245,92 +303,78 @@ impl Resyncer {
                 .map(|extent| self.engine.copy_extent(id, extent))
                 .buffer_unordered(COPIES_IN_FLIGHT);
             while let Some(bytes) = copies.next().await {
-                copied += bytes?;
+                pass.copied += bytes?;
                 // Progress as it copies, not only per digest request: a
                 // request's extents can take long to copy at a capped rate.
-                self.report(id, offset, total, copied, started);
-                self.throttle(copied, started).await;
+                self.report(pass);
+                self.throttle(pass).await;
             }
             offset += len;
-            self.report(id, offset, total, copied, started);
+            pass.done += len;
+            self.report(pass);
+            if raised.elapsed() >= RAISE_EVERY && offset < size {
+                self.engine.verified_below(id, offset / extent).await?;
+                raised = Instant::now();
+            }
         }
-        Ok(copied)
+        Ok(())
     }
 
     /// The map's pass: compares and copies only `extents`, the ones the
     /// target may differ in (see [`Engine::missed_plan`]), a few at once.
-    async fn copy_listed(
-        &self,
-        id: NodeId,
-        term: Term,
-        extents: &[u64],
-    ) -> Result<u64, RebuildError> {
+    async fn copy_listed(&self, pass: &mut Pass, extents: &[u64]) -> Result<(), RebuildError> {
+        let (id, term) = (pass.id, pass.term);
         let extent = self.engine.extent_size();
-        let total = extents.len() as u64 * extent;
-        let started = Instant::now();
-        let mut copied = 0u64;
-        self.report_pass(id, 0, total, 0, started, false);
-        for (done, batch) in extents.chunks(EXTENTS_PER_PASS as usize).enumerate() {
+        for batch in extents.chunks(EXTENTS_PER_PASS as usize) {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
             let mut copies = futures::stream::iter(batch.iter().copied())
                 .map(|extent| self.engine.copy_extent(id, extent))
                 .buffer_unordered(COPIES_IN_FLIGHT);
-            let at = done as u64 * EXTENTS_PER_PASS * extent;
             while let Some(bytes) = copies.next().await {
-                copied += bytes?;
-                self.report_pass(id, at, total, copied, started, false);
-                self.throttle(copied, started).await;
+                pass.copied += bytes?;
+                self.report(pass);
+                self.throttle(pass).await;
             }
-            let at = (at + batch.len() as u64 * extent).min(total);
-            self.report_pass(id, at, total, copied, started, false);
+            pass.done += batch.len() as u64 * extent;
+            self.report(pass);
         }
-        Ok(copied)
+        Ok(())
     }
 
-    /// Sleeps as long as needed to keep `copied` within the rate limit.
-    async fn throttle(&self, copied: u64, started: Instant) {
+    /// Sleeps as long as needed to keep the pass's copies within the rate
+    /// limit.
+    async fn throttle(&self, pass: &Pass) {
         if self.config.rate == 0 {
             return;
         }
-        let due = Duration::from_secs_f64(copied as f64 / self.config.rate as f64);
-        let elapsed = started.elapsed();
+        let due = Duration::from_secs_f64(pass.copied as f64 / self.config.rate as f64);
+        let elapsed = pass.started.elapsed();
         if due > elapsed {
             tokio::time::sleep(due - elapsed).await;
         }
     }
 
-    fn report(&self, id: NodeId, done: u64, total: u64, copied: u64, started: Instant) {
-        self.report_pass(id, done, total, copied, started, true);
-    }
-
-    fn report_pass(
-        &self,
-        id: NodeId,
-        done: u64,
-        total: u64,
-        copied: u64,
-        started: Instant,
-        full: bool,
-    ) {
-        let seconds = started.elapsed().as_secs_f64().max(1e-3);
+    fn report(&self, pass: &Pass) {
+        let seconds = pass.started.elapsed().as_secs_f64().max(1e-3);
+        let done = pass.done.min(pass.total);
         let rate = done as f64 / seconds;
         let eta = if rate > 0.0 {
-            (total - done) as f64 / rate
+            (pass.total - done) as f64 / rate
         } else {
             0.0
         };
         self.lock().insert(
-            id,
+            pass.id,
             Progress {
                 done,
-                total,
-                copied,
+                total: pass.total,
+                copied: pass.copied,
                 rate,
                 eta,
                 running: true,
-                full,
+                full: pass.full,
             },
         );
     }

@@ -33,6 +33,7 @@ use tonic::{Code, Request, Response, Status};
 use tokio::sync::watch;
 
 use super::blocks::BlockServer;
+use super::missed::Unverified;
 use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::net::conn::route;
@@ -485,6 +486,8 @@ impl ReplicaRpc for ReplicaService {
                 incarnation: map.incarnation.0,
                 extents: map.extents,
                 more: map.more,
+                has_unverified: map.unverified_from.is_some(),
+                unverified_from: map.unverified_from.unwrap_or(0),
             },
             None => pb::MissedReply::default(),
         }))
@@ -506,6 +509,30 @@ impl ReplicaRpc for ReplicaService {
             })
             .collect();
         Ok(Response::new(pb::MissedMapsReply { maps }))
+    }
+
+    #[tracing::instrument(level = "debug", name = "replica.set_unverified", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    async fn set_unverified(
+        &self,
+        request: Request<pb::SetUnverifiedRequest>,
+    ) -> Result<Response<pb::SetUnverifiedReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let change = if r.raise {
+            Unverified::Raise(r.extent)
+        } else {
+            Unverified::Lower(r.extent)
+        };
+        self.store
+            .set_unverified(
+                stamp(r.term, r.generation),
+                NodeId(r.node),
+                Incarnation(r.incarnation),
+                change,
+            )
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::SetUnverifiedReply {}))
     }
 
     #[tracing::instrument(level = "debug", name = "replica.close_missed", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]

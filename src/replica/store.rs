@@ -49,7 +49,7 @@
 //!   through `replica-ha resize`).
 
 use super::meta::{Meta, MetaSlot};
-use super::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps};
+use super::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps, Unverified};
 use crate::ids::{Incarnation, NodeId};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
@@ -658,8 +658,14 @@ impl ReplicaStore {
         let _one_at_a_time = self.missed_edit.lock().await;
         let current = self.missed.open_of(node);
         let replaced = current.is_some_and(|open| open != incarnation);
+        // A note keeps the map's unverified range; a replacement has none.
+        let unverified = if current == Some(incarnation) {
+            self.missed.unverified_of(node)
+        } else {
+            None
+        };
         let written = self
-            .write_missed(node, incarnation, extents, replaced)
+            .write_missed(node, incarnation, extents, replaced, unverified)
             .await;
         if let Err(err) = written {
             self.missed.forget(node);
@@ -679,6 +685,7 @@ impl ReplicaStore {
         incarnation: Incarnation,
         extents: &[u64],
         replaced: bool,
+        unverified: Option<u64>,
     ) -> Result<(), ReplicaError> {
         let meta = self.meta.get()?;
         if replaced {
@@ -701,9 +708,52 @@ impl ReplicaStore {
             .map(|extent| (missed::entry_key(node, *extent), empty));
         crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
         meta.missed
-            .insert(missed::open_key(node), &incarnation.0.to_be_bytes())
+            .insert(
+                missed::open_key(node),
+                missed::open_value(incarnation, unverified),
+            )
             .map_err(|e| self.meta.failed(e))?;
         meta.flusher.flush().await.map_err(|e| self.meta.failed(e))
+    }
+
+    /// Changes the unverified range of `node`'s missed-write map (about
+    /// `incarnation`), durably, on behalf of the writer of `stamp`
+    /// (admitted like a write): a full rebuild of `node` begins by
+    /// lowering it to 0 and raises it as it verifies (see
+    /// [`super::missed`]). Lowering opens the map if need be.
+    pub async fn set_unverified(
+        &self,
+        stamp: impl Into<Stamp>,
+        node: NodeId,
+        incarnation: Incarnation,
+        change: Unverified,
+    ) -> Result<(), ReplicaError> {
+        let stamp = stamp.into();
+        check_term(stamp.term)?;
+        let _admitted = self.admit(stamp).await?;
+        let _one_at_a_time = self.missed_edit.lock().await;
+        let current = self.missed.open_of(node);
+        let same = current == Some(incarnation);
+        let now = if same {
+            self.missed.unverified_of(node)
+        } else {
+            None
+        };
+        let Some(next) = change.apply(same, now) else {
+            return Ok(());
+        };
+        let replaced = current.is_some_and(|open| open != incarnation);
+        let written = self
+            .write_missed(node, incarnation, &[], replaced, next)
+            .await;
+        if let Err(err) = written {
+            self.missed.forget(node);
+            return Err(err);
+        }
+        self.missed.opened(node, incarnation, &[], replaced);
+        self.missed.set_unverified(node, next);
+        tracing::debug!(replica = %node, %incarnation, ?next, "missed-write map's unverified range");
+        Ok(())
     }
 
     /// One page of `node`'s missed-write map: the extents from `from` on,
@@ -719,6 +769,7 @@ impl ReplicaStore {
         let end = missed::entry_key(node, u64::MAX);
         let mut map = MissedMap {
             incarnation,
+            unverified_from: self.missed.unverified_of(node),
             ..MissedMap::default()
         };
         for key in meta.missed.range(start..=end).keys() {

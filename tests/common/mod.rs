@@ -264,6 +264,18 @@ impl Replica for FaultyReplica {
         self.gate(None).await?;
         self.inner.close_missed(stamp, node).await
     }
+    async fn set_unverified(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: replica_ha::ids::Incarnation,
+        change: replica_ha::replica::missed::Unverified,
+    ) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner
+            .set_unverified(stamp, node, incarnation, change)
+            .await
+    }
 }
 
 /// An in-memory tracker that appends "remove:<ids>" to a shared event log

@@ -201,4 +201,15 @@ impl Replica for PowerCutReplica {
     async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
         self.inner.close_missed(stamp, node).await
     }
+    async fn set_unverified(
+        &self,
+        stamp: Stamp,
+        node: NodeId,
+        incarnation: replica_ha::ids::Incarnation,
+        change: replica_ha::replica::missed::Unverified,
+    ) -> Result<(), ReplicaError> {
+        self.inner
+            .set_unverified(stamp, node, incarnation, change)
+            .await
+    }
 }
