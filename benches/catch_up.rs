@@ -13,8 +13,15 @@
 //! must read it: the case the missed-write map is for. Without it the
 //! volume is sparse, and a full pass costs little (holes are not read).
 //!
+//! With `FULL=1` the follower's copy is lost while it is down (its file
+//! emptied to a sparse one of the same size) and a full rebuild is asked
+//! for (`replica-ha resync --full`): with `WRITTEN=1` every extent is then
+//! copied, and each run also times `dd` of the writer's volume file to a
+//! new file (1 MiB blocks, `conv=fsync`) on the same disk and prints the
+//! rebuild's throughput as a fraction of dd's.
+//!
 //! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`,
-//! `WRITTEN=0`, `MISS_MIB=4`).
+//! `WRITTEN=0`, `MISS_MIB=4`, `FULL=0`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -49,8 +56,25 @@ fn fill(path: &Path, gib: u64) {
     file.flush().expect("flush");
 }
 
-/// One catch-up on a fresh cluster of `bin` with a `gib` GiB volume.
-async fn catch_up(bin: &Path, gib: u64, written: bool) -> Duration {
+/// The time `dd` takes to copy `from` to a new file beside it.
+fn dd(from: &Path) -> Duration {
+    let to = from.with_extension("dd-copy");
+    let started = std::time::Instant::now();
+    let status = std::process::Command::new("dd")
+        .arg(format!("if={}", from.display()))
+        .arg(format!("of={}", to.display()))
+        .args(["bs=1M", "conv=fsync", "status=none"])
+        .status()
+        .expect("run dd");
+    let took = started.elapsed();
+    assert!(status.success(), "dd failed");
+    let _ = std::fs::remove_file(&to);
+    took
+}
+
+/// One catch-up on a fresh cluster of `bin` with a `gib` GiB volume; with
+/// `full`, also the time of `dd` of the writer's volume file.
+async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> (Duration, Option<Duration>) {
     let mut cluster = Cluster::new(3);
     if written {
         for id in cluster.ids.clone() {
@@ -88,6 +112,24 @@ async fn catch_up(bin: &Path, gib: u64, written: bool) -> Duration {
     cluster
         .wait_in_sync(writer, follower, false, Duration::from_secs(30))
         .await;
+    let mut dd_took = None;
+    if full {
+        let image = |id: u64| cluster.data_dir(id).join("replica").join("volume.img");
+        // The follower's copy is lost: a sparse file of the same size.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(image(follower))
+            .expect("open the follower's copy");
+        file.set_len(0).expect("empty it");
+        file.set_len(gib * GIB).expect("size it");
+        drop(file);
+        let id = follower.to_string();
+        let (ok, out, err) = cluster
+            .cli(writer, &["resync", "--full", "--id", &id])
+            .await;
+        assert!(ok, "resync --full: {out}{err}");
+        dd_took = Some(dd(&image(writer)));
+    }
     let started = Instant::now();
     cluster.spawn(follower);
     cluster
@@ -97,7 +139,7 @@ async fn catch_up(bin: &Path, gib: u64, written: bool) -> Duration {
     for id in cluster.ids.clone() {
         cluster.kill(id);
     }
-    took
+    (took, dd_took)
 }
 
 fn median(mut values: Vec<Duration>) -> Duration {
@@ -112,29 +154,51 @@ async fn main() {
     let current = PathBuf::from(BIN);
     let baseline = std::env::var_os("BASELINE_BIN").map(PathBuf::from);
     let written = common::env_u64("WRITTEN", 0) == 1;
+    let full = common::env_u64("FULL", 0) == 1;
     let kind = if written { "written" } else { "sparse" };
     let missed = common::env_u64("MISS_MIB", 4);
-    println!("catch-up after a {missed} MiB miss, {kind} volume, {runs} runs per size");
+    if full {
+        println!("full rebuild of a lost copy, {kind} volume, {runs} runs per size");
+    } else {
+        println!("catch-up after a {missed} MiB miss, {kind} volume, {runs} runs per size");
+    }
     for gib in sizes {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let (mut ours, mut theirs, mut dds) = (Vec::new(), Vec::new(), Vec::new());
         for run in 0..runs {
             if let Some(baseline) = &baseline {
-                let t = catch_up(baseline, gib, written).await;
+                let (t, _) = catch_up(baseline, gib, written, full).await;
                 println!(
                     "{gib:>3} GiB run {run} baseline: {:>8.2} s",
                     t.as_secs_f64()
                 );
                 theirs.push(t);
             }
-            let t = catch_up(&current, gib, written).await;
-            println!(
+            let (t, dd_took) = catch_up(&current, gib, written, full).await;
+            print!(
                 "{gib:>3} GiB run {run} current:  {:>8.2} s",
                 t.as_secs_f64()
             );
+            if let Some(dd_took) = dd_took {
+                print!(
+                    " (dd {:.2} s; rebuild/dd throughput {:.2}x)",
+                    dd_took.as_secs_f64(),
+                    dd_took.as_secs_f64() / t.as_secs_f64()
+                );
+                dds.push(dd_took);
+            }
+            println!();
             ours.push(t);
         }
         let ours = median(ours);
         print!("{gib:>3} GiB median current {:.2} s", ours.as_secs_f64());
+        if !dds.is_empty() {
+            let dd_median = median(dds);
+            print!(
+                ", dd {:.2} s, rebuild/dd throughput {:.2}x",
+                dd_median.as_secs_f64(),
+                dd_median.as_secs_f64() / ours.as_secs_f64()
+            );
+        }
         if !theirs.is_empty() {
             let theirs = median(theirs);
             print!(

@@ -1354,13 +1354,16 @@ async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
     }
     rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
     assert_eq!(rig.engine.missed_plan(NodeId(3)).await.unwrap(), None);
-    rig.engine.begin_full_rebuild(NodeId(3)).await.unwrap();
+    rig.engine
+        .begin_full_rebuild(NodeId(3), Term(5))
+        .await
+        .unwrap();
     let verified = 8;
     for extent in 0..verified {
         rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
     }
     rig.engine
-        .verified_below(NodeId(3), verified)
+        .verified_below(NodeId(3), Term(5), verified)
         .await
         .unwrap();
     for i in 0..2 {

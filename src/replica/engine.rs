@@ -1159,8 +1159,16 @@ impl Engine {
     /// rebuild verifies ([`Engine::verified_below`]). Fails unless every
     /// in-sync replica took it: one that did not may keep a map that
     /// claims less than the target may lack.
-    pub async fn begin_full_rebuild(&self, id: NodeId) -> Result<(), RebuildError> {
-        self.change_unverified(id, Unverified::Lower(0), true).await
+    ///
+    /// A write that began before the map was open on some replica is not
+    /// recorded there; this waits for every such write to finish before it
+    /// returns, so the comparison sees its outcome, or the write failed on
+    /// the target and the rebuild is abandoned (and no range is raised).
+    pub async fn begin_full_rebuild(&self, id: NodeId, term: Term) -> Result<(), RebuildError> {
+        self.change_unverified(id, term, Unverified::Lower(0), true)
+            .await?;
+        self.barrier().await;
+        Ok(())
     }
 
     /// A full rebuild of `id` compared (and copied where they differed)
@@ -1168,13 +1176,23 @@ impl Engine {
     /// in-sync replica raises the map's unverified range to `extent`. A
     /// replica that misses the raise keeps a larger range, which only costs
     /// comparisons.
-    pub async fn verified_below(&self, id: NodeId, extent: u64) -> Result<(), RebuildError> {
-        let term = self.term().ok_or(RebuildError::Inactive)?;
+    ///
+    /// Only for the rebuild of `term` that is still running: a raise from
+    /// a rebuild that failed (a write to the target failed; the extent may
+    /// differ) or from an older term (a later full rebuild lowered the
+    /// range again) would cover extents nobody compared. The replicas
+    /// refuse one stamped with an older term.
+    pub async fn verified_below(
+        &self,
+        id: NodeId,
+        term: Term,
+        extent: u64,
+    ) -> Result<(), RebuildError> {
         let target = self.target(id)?;
         self.stamped(term, &target, |stamp| target.flush(stamp))
             .await
             .map_err(|e| RebuildError::replica("flushing", id, e))?;
-        self.change_unverified(id, Unverified::Raise(extent), false)
+        self.change_unverified(id, term, Unverified::Raise(extent), false)
             .await
     }
 
@@ -1183,10 +1201,13 @@ impl Engine {
     async fn change_unverified(
         &self,
         id: NodeId,
+        term: Term,
         change: Unverified,
         all: bool,
     ) -> Result<(), RebuildError> {
-        let term = self.term().ok_or(RebuildError::Inactive)?;
+        if self.term() != Some(term) || self.rebuild_failed(id) {
+            return Err(RebuildError::Abandoned(id));
+        }
         let incarnation = self.replicas.incarnation(id);
         let in_sync = self.in_sync();
         let keepers: Vec<Arc<dyn Replica>> = self
@@ -1341,6 +1362,28 @@ impl Engine {
     /// under the extent's stripe, and copies it to `id` when they differ.
     /// Returns the bytes copied.
     pub async fn copy_extent(&self, id: NodeId, extent: u64) -> Result<u64, RebuildError> {
+        self.copy_extent_if(id, extent, true).await
+    }
+
+    /// Copies extent `extent` of the first in-sync replica to `id` under
+    /// the extent's stripe, without comparing first: for an extent a digest
+    /// pass just found different. (A write between that comparison and
+    /// this copy changes nothing: the copy is taken under the stripe, so it
+    /// is the source's extent as it is then.) Returns the bytes copied.
+    pub async fn copy_differing_extent(
+        &self,
+        id: NodeId,
+        extent: u64,
+    ) -> Result<u64, RebuildError> {
+        self.copy_extent_if(id, extent, false).await
+    }
+
+    async fn copy_extent_if(
+        &self,
+        id: NodeId,
+        extent: u64,
+        compare: bool,
+    ) -> Result<u64, RebuildError> {
         let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
         let term = self.term().ok_or(RebuildError::Inactive)?;
         if self.rebuild_failed(id) {
@@ -1358,11 +1401,13 @@ impl Engine {
             return Ok(0);
         }
         let len = self.extent_size.min(size - offset);
-        let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
-        let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
-        let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
-        if a == b {
-            return Ok(0);
+        if compare {
+            let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
+            let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
+            let b = b.map_err(|e| RebuildError::replica("digesting", id, e))?;
+            if a == b {
+                return Ok(0);
+            }
         }
         let data = source
             .read(offset, len)

@@ -49,7 +49,7 @@ use crate::volume::Device;
 /// How many extents one digest request covers.
 const EXTENTS_PER_PASS: u64 = 64;
 /// How many extent copies run at once.
-const COPIES_IN_FLIGHT: usize = 4;
+const COPIES_IN_FLIGHT: usize = 8;
 /// How often a full rebuild records how far it verified (see
 /// [`Engine::verified_below`]): what a writer change can cost it again.
 const RAISE_EVERY: Duration = Duration::from_millis(500);
@@ -226,7 +226,7 @@ impl Resyncer {
                     "no missed-write map of this copy"
                 };
                 tracing::info!(%term, replica = %id, why, "full resync started");
-                self.engine.begin_full_rebuild(id).await?;
+                self.engine.begin_full_rebuild(id, term).await?;
                 RebuildPlan {
                     extents: Vec::new(),
                     unverified_from: Some(0),
@@ -300,7 +300,7 @@ impl Resyncer {
             // A few extents at once: each copy holds only its own stripe,
             // and one pass's extents fall on distinct stripes.
             let mut copies = futures::stream::iter(differing)
-                .map(|extent| self.engine.copy_extent(id, extent))
+                .map(|extent| self.engine.copy_differing_extent(id, extent))
                 .buffer_unordered(COPIES_IN_FLIGHT);
             while let Some(bytes) = copies.next().await {
                 pass.copied += bytes?;
@@ -313,7 +313,9 @@ impl Resyncer {
             pass.done += len;
             self.report(pass);
             if raised.elapsed() >= RAISE_EVERY && offset < size {
-                self.engine.verified_below(id, offset / extent).await?;
+                self.engine
+                    .verified_below(id, term, offset / extent)
+                    .await?;
                 raised = Instant::now();
             }
         }
