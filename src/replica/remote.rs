@@ -196,6 +196,42 @@ impl Replica for RemoteReplica {
         self.id
     }
 
+    async fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
+        let request = self.request(pb::AllocationRequest {
+            volume: self.volume(),
+            offset,
+            length: len,
+        });
+        let reply = self
+            .client()
+            .await?
+            .allocation(request)
+            .await
+            .map_err(|status| self.failed(&status, Term::ZERO))?
+            .into_inner();
+        // The answer comes from the network: runs that do not add up to
+        // the span asked for are no answer.
+        let total = reply
+            .lengths
+            .iter()
+            .try_fold(0u64, |sum, run| sum.checked_add(*run));
+        if reply.lengths.len() != reply.holes.len() || total != Some(len) {
+            return Err(ReplicaError::Unavailable(format!(
+                "allocation of {len} bytes answered with runs of {total:?} bytes"
+            )));
+        }
+        Ok(reply
+            .lengths
+            .into_iter()
+            .zip(reply.holes)
+            .map(|(len, hole)| crate::volume::Extent { len, hole })
+            .collect())
+    }
+
     async fn write(
         &self,
         stamp: Stamp,

@@ -54,6 +54,30 @@ const COPIES_IN_FLIGHT: usize = 8;
 /// [`Engine::verified_below`]): what a writer change can cost it again.
 const RAISE_EVERY: Duration = Duration::from_millis(500);
 
+/// Which extents of `extent` bytes, from the start of a span of `len`
+/// bytes whose allocation is `runs`, hold data (any byte not in a hole).
+/// Runs that fall short of the span leave the rest as data.
+fn with_data(runs: &[crate::volume::Extent], extent: u64, len: u64) -> Vec<bool> {
+    let count = len.div_ceil(extent);
+    let mut data = vec![false; count as usize];
+    let mut at = 0u64;
+    for run in runs {
+        let end = at.saturating_add(run.len).min(len);
+        if !run.hole && end > at {
+            for i in at / extent..=(end - 1) / extent {
+                data[i as usize] = true;
+            }
+        }
+        at = end;
+    }
+    if at < len {
+        for slot in &mut data[(at / extent) as usize..] {
+            *slot = true;
+        }
+    }
+    data
+}
+
 /// One rebuild's state, as it is reported.
 struct Pass {
     id: NodeId,
@@ -286,17 +310,7 @@ impl Resyncer {
             }
             let len = (EXTENTS_PER_PASS * extent).min(size - offset);
             let source = self.source()?;
-            let (ours, theirs) =
-                futures::join!(source.digests(offset, len), target.digests(offset, len));
-            let (first, ours) =
-                ours.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
-            let (_, theirs) = theirs.map_err(|e| RebuildError::replica("digesting", id, e))?;
-            let differing: Vec<u64> = ours
-                .iter()
-                .enumerate()
-                .filter(|(i, digest)| theirs.get(*i) != Some(*digest))
-                .map(|(i, _)| first + i as u64)
-                .collect();
+            let differing = self.differing(&source, &target, offset, len).await?;
             // A few extents at once: each copy holds only its own stripe,
             // and one pass's extents fall on distinct stripes.
             let mut copies = futures::stream::iter(differing)
@@ -320,6 +334,61 @@ impl Resyncer {
             }
         }
         Ok(())
+    }
+
+    /// The extents of `[offset, offset + len)` (whole extents from
+    /// `offset`, which is one's start) where `target` differs from
+    /// `source`, by allocation first: a hole on both sides is equal without
+    /// a look, data over a hole differs without one; only extents with
+    /// data on both sides (or a copy that cannot say) are compared by
+    /// digest.
+    async fn differing(
+        &self,
+        source: &Arc<dyn Replica>,
+        target: &Arc<dyn Replica>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, RebuildError> {
+        let extent = self.engine.extent_size();
+        let count = len.div_ceil(extent) as usize;
+        let mut differing = Vec::new();
+        let mut unsure: Vec<usize> = (0..count).collect();
+        if offset % extent == 0 {
+            let (ours, theirs) = futures::join!(
+                source.allocation(offset, len),
+                target.allocation(offset, len)
+            );
+            // A copy that cannot say is all data: compared by digest.
+            if let (Ok(ours), Ok(theirs)) = (ours, theirs) {
+                let (ours, theirs) = (
+                    with_data(&ours, extent, len),
+                    with_data(&theirs, extent, len),
+                );
+                unsure.clear();
+                for i in 0..count {
+                    match (ours[i], theirs[i]) {
+                        (false, false) => {}
+                        (true, false) => differing.push(offset / extent + i as u64),
+                        _ => unsure.push(i),
+                    }
+                }
+            }
+        }
+        if !unsure.is_empty() {
+            let (ours, theirs) =
+                futures::join!(source.digests(offset, len), target.digests(offset, len));
+            let (first, ours) =
+                ours.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
+            let (_, theirs) =
+                theirs.map_err(|e| RebuildError::replica("digesting", target.id(), e))?;
+            for i in unsure {
+                if ours.get(i).is_none() || ours.get(i) != theirs.get(i) {
+                    differing.push(first + i as u64);
+                }
+            }
+        }
+        differing.sort_unstable();
+        Ok(differing)
     }
 
     /// The map's pass: compares and copies only `extents`, the ones the
@@ -398,5 +467,51 @@ impl Resyncer {
             .find(|r| in_sync.contains(&r.id()))
             .cloned()
             .ok_or(RebuildError::NoSource)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_data;
+    use crate::volume::Extent;
+
+    fn run(len: u64, hole: bool) -> Extent {
+        Extent { len, hole }
+    }
+
+    #[test]
+    fn an_extent_holds_data_if_any_of_its_bytes_does() {
+        let runs = [
+            run(1024, true),
+            run(10, false),
+            run(4096 - 1034, true),
+            run(4096, true),
+        ];
+        assert_eq!(
+            with_data(&runs, 1024, 8192),
+            vec![false, true, false, false, false, false, false, false]
+        );
+        // A run of data across an extent boundary marks both.
+        let runs = [run(1000, true), run(100, false), run(948, true)];
+        assert_eq!(with_data(&runs, 1024, 2048), vec![true, true]);
+        // A partial last extent.
+        assert_eq!(
+            with_data(&[run(1500, true)], 1024, 1500),
+            vec![false, false]
+        );
+    }
+
+    #[test]
+    fn runs_short_of_the_span_leave_the_rest_as_data() {
+        assert_eq!(
+            with_data(&[run(1024, true)], 1024, 3072),
+            vec![false, true, true]
+        );
+        assert_eq!(with_data(&[], 1024, 2048), vec![true, true]);
+        // Runs past the span are cut at its end.
+        assert_eq!(
+            with_data(&[run(1 << 40, true)], 1024, 2048),
+            vec![false, false]
+        );
     }
 }

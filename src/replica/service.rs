@@ -511,6 +511,24 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::MissedMapsReply { maps }))
     }
 
+    #[tracing::instrument(level = "debug", name = "replica.allocation", skip_all, fields(node = %self.node))]
+    async fn allocation(
+        &self,
+        request: Request<pb::AllocationRequest>,
+    ) -> Result<Response<pb::AllocationReply>, Status> {
+        let r = request.into_inner();
+        self.admit(r.volume.as_ref())?;
+        let runs = self
+            .store
+            .allocation(r.offset, r.length)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::AllocationReply {
+            lengths: runs.iter().map(|run| run.len).collect(),
+            holes: runs.iter().map(|run| run.hole).collect(),
+        }))
+    }
+
     #[tracing::instrument(level = "debug", name = "replica.set_unverified", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
     async fn set_unverified(
         &self,
