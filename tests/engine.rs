@@ -1322,6 +1322,42 @@ async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
     assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
 }
 
+/// A write that reached the replica being rebuilt and one in-sync copy but
+/// not the source is not acknowledged; its repair makes the in-sync copies
+/// agree on the source's bytes. The target still holds the undone write,
+/// and its rebuild may have compared the extent before: it must not
+/// return so, and the next attempt compares the extent again.
+#[tokio::test]
+async fn a_repair_of_an_unacknowledged_write_makes_a_running_rebuild_start_over() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let mib = rig.engine.extent_size();
+    let extent = 4;
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
+    rig.replicas[0].set(Fault::FailWritesAt(extent * mib));
+    let outcome = rig.engine.write_at(extent * mib, block(0x4e), false).await;
+    assert!(outcome.is_err(), "{outcome:?}");
+    rig.replicas[0].set(Fault::None);
+    assert_eq!(rig.on(2, extent * mib, 4096).await, block(0x4e));
+    assert_eq!(rig.engine.repair_unsure().await.unwrap(), 1);
+    assert_eq!(
+        rig.on(1, extent * mib, 4096).await,
+        rig.on(0, extent * mib, 4096).await
+    );
+    assert!(rig.engine.finish_rebuild(NodeId(3)).await.is_err());
+    assert!(!rig.committed().await.contains(&NodeId(3)));
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    let plan = rig.engine.missed_plan(NodeId(3)).await.unwrap().unwrap();
+    assert!(plan.extents.contains(&extent), "{plan:?}");
+    for extent in plan.extents {
+        rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
+    }
+    rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
+    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
+    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+}
+
 /// #21, resume: a full rebuild interrupted by a writer change goes on
 /// from where it had verified, not from the first extent. What it had
 /// verified stays covered: a write there afterwards (here one that fails

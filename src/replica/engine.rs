@@ -1729,7 +1729,8 @@ impl Engine {
     /// then retired like a write's; one that could not be repaired stays
     /// marked for the next pass or the next promotion. Without this, a
     /// rebuild could copy one member's version and the set would disagree
-    /// until the next failover. Returns how many extents were repaired.
+    /// until the next failover. A running rebuild starts over after a
+    /// repair, as after a scrub's. Returns how many extents were repaired.
     pub async fn repair_unsure(&self) -> Result<usize, DeviceError> {
         let (term, unsure) = {
             let state = self.lock();
@@ -1776,6 +1777,13 @@ impl Engine {
             let mut state = self.lock();
             state.activity.unsure.remove(&extent);
             state.activity.done.insert(extent);
+            // A replica being rebuilt may hold the write the repair undid
+            // on the others (it reached the target, not the source), and
+            // may have compared the extent before: as after a scrub repair,
+            // it must compare it again (its mark, or the map, names it).
+            for rebuild in state.rebuilding.values_mut() {
+                rebuild.failed = true;
+            }
             repaired += 1;
         }
         Ok(repaired)
