@@ -296,6 +296,10 @@ pub enum ResizeError {
 /// How many stripes the extents map onto.
 const STRIPES: u64 = 64;
 
+/// The most extents one rebuild copy moves in one write (8 MiB of 1 MiB
+/// extents: within a request's limit, and within the stripes).
+pub const MAX_COPY_RUN: u64 = 8;
+
 /// The generation an activation stamps its requests with first; the fencer
 /// uses generation 0 of the term (see [`Engine::stamp`]).
 const FIRST_GENERATION: u64 = 1;
@@ -1362,29 +1366,45 @@ impl Engine {
     /// under the extent's stripe, and copies it to `id` when they differ.
     /// Returns the bytes copied.
     pub async fn copy_extent(&self, id: NodeId, extent: u64) -> Result<u64, RebuildError> {
-        self.copy_extent_if(id, extent, true).await
+        self.copy_run(id, extent..=extent, true).await
     }
 
-    /// Copies extent `extent` of the first in-sync replica to `id` under
-    /// the extent's stripe, without comparing first: for an extent a digest
-    /// pass just found different. (A write between that comparison and
-    /// this copy changes nothing: the copy is taken under the stripe, so it
-    /// is the source's extent as it is then.) Returns the bytes copied.
-    pub async fn copy_differing_extent(
+    /// Copies extents `run` (consecutive, at most [`MAX_COPY_RUN`]) of the
+    /// first in-sync replica to `id` in one write, under their stripes,
+    /// without comparing first: for extents a digest pass just found
+    /// different. (A write between that comparison and this copy changes
+    /// nothing: the copy is taken under the stripes, so it is the source's
+    /// extents as they are then.) One write also means one S6 mark flush
+    /// on the target for the whole run. Returns the bytes copied.
+    pub async fn copy_differing_run(
         &self,
         id: NodeId,
-        extent: u64,
+        run: std::ops::RangeInclusive<u64>,
     ) -> Result<u64, RebuildError> {
-        self.copy_extent_if(id, extent, false).await
+        self.copy_run(id, run, false).await
     }
 
-    async fn copy_extent_if(
+    async fn copy_run(
         &self,
         id: NodeId,
-        extent: u64,
+        run: std::ops::RangeInclusive<u64>,
         compare: bool,
     ) -> Result<u64, RebuildError> {
-        let _exclusive = self.stripes[(extent % STRIPES) as usize].write().await;
+        let (first, last) = (*run.start(), *run.end());
+        if last < first || last - first >= MAX_COPY_RUN {
+            return Err(RebuildError::replica(
+                "copying to",
+                id,
+                ReplicaError::InvalidRequest(format!("a run of extents {first}..={last}")),
+            ));
+        }
+        let mut stripes: Vec<u64> = (first..=last).map(|e| e % STRIPES).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let mut _exclusive = Vec::with_capacity(stripes.len());
+        for stripe in stripes {
+            _exclusive.push(self.stripes[stripe as usize].write().await);
+        }
         let term = self.term().ok_or(RebuildError::Inactive)?;
         if self.rebuild_failed(id) {
             return Err(RebuildError::Abandoned(id));
@@ -1395,12 +1415,12 @@ impl Engine {
             .next()
             .ok_or(RebuildError::NoSource)?;
         let target = self.target(id)?;
-        let offset = extent * self.extent_size;
+        let offset = first * self.extent_size;
         let size = self.current_size();
         if offset >= size {
             return Ok(0);
         }
-        let len = self.extent_size.min(size - offset);
+        let len = ((last - first + 1) * self.extent_size).min(size - offset);
         if compare {
             let (a, b) = futures::join!(source.digests(offset, len), target.digests(offset, len));
             let a = a.map_err(|e| RebuildError::replica("digesting", source.id(), e))?;
@@ -1420,7 +1440,7 @@ impl Engine {
             .await;
         written.map_err(|e| RebuildError::replica("writing", id, e))?;
         if let Some(rebuild) = self.lock().rebuilding.get_mut(&id) {
-            rebuild.copied.insert(extent);
+            rebuild.copied.extend(first..=last);
         }
         Ok(len)
     }

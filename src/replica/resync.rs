@@ -41,18 +41,34 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use super::engine::{RebuildError, RebuildPlan};
+use super::engine::{MAX_COPY_RUN, RebuildError, RebuildPlan};
 use super::{Engine, Replica};
 use crate::ids::{NodeId, Term};
 use crate::volume::Device;
 
 /// How many extents one digest request covers.
 const EXTENTS_PER_PASS: u64 = 64;
-/// How many extent copies run at once.
-const COPIES_IN_FLIGHT: usize = 8;
+/// How many copies (each a run of up to [`MAX_COPY_RUN`] extents) run at
+/// once.
+const COPIES_IN_FLIGHT: usize = 4;
 /// How often a full rebuild records how far it verified (see
 /// [`Engine::verified_below`]): what a writer change can cost it again.
 const RAISE_EVERY: Duration = Duration::from_millis(500);
+
+/// `extents` (ascending) as runs of consecutive ones, each at most
+/// `longest` long.
+fn runs(extents: &[u64], longest: u64) -> Vec<std::ops::RangeInclusive<u64>> {
+    let mut runs: Vec<std::ops::RangeInclusive<u64>> = Vec::new();
+    for &extent in extents {
+        match runs.last_mut() {
+            Some(run) if *run.end() + 1 == extent && run.end() - run.start() + 1 < longest => {
+                *run = *run.start()..=extent;
+            }
+            _ => runs.push(extent..=extent),
+        }
+    }
+    runs
+}
 
 /// Which extents of `extent` bytes, from the start of a span of `len`
 /// bytes whose allocation is `runs`, hold data (any byte not in a hole).
@@ -311,10 +327,12 @@ impl Resyncer {
             let len = (EXTENTS_PER_PASS * extent).min(size - offset);
             let source = self.source()?;
             let differing = self.differing(&source, &target, offset, len).await?;
-            // A few extents at once: each copy holds only its own stripe,
-            // and one pass's extents fall on distinct stripes.
-            let mut copies = futures::stream::iter(differing)
-                .map(|extent| self.engine.copy_differing_extent(id, extent))
+            // A few runs at once, each one write: a copy holds only its
+            // own extents' stripes, and one pass's extents fall on
+            // distinct stripes.
+            let longest = (crate::volume::MAX_REQUEST / extent).clamp(1, MAX_COPY_RUN);
+            let mut copies = futures::stream::iter(runs(&differing, longest))
+                .map(|run| self.engine.copy_differing_run(id, run))
                 .buffer_unordered(COPIES_IN_FLIGHT);
             while let Some(bytes) = copies.next().await {
                 pass.copied += bytes?;
@@ -499,6 +517,15 @@ mod tests {
             with_data(&[run(1500, true)], 1024, 1500),
             vec![false, false]
         );
+    }
+
+    #[test]
+    fn consecutive_extents_make_runs_no_longer_than_asked() {
+        use super::runs;
+        assert_eq!(runs(&[], 8), vec![]);
+        assert_eq!(runs(&[3, 4, 5, 9, 10, 12], 8), vec![3..=5, 9..=10, 12..=12]);
+        assert_eq!(runs(&[0, 1, 2, 3, 4], 2), vec![0..=1, 2..=3, 4..=4]);
+        assert_eq!(runs(&[7], 1), vec![7..=7]);
     }
 
     #[test]
