@@ -397,6 +397,9 @@ struct NodeArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
+        // The data plane yields the CPU to Raft's threads (see
+        // `raft::runtime`).
+        .on_thread_start(replica_ha::raft::runtime::data_plane_thread)
         .enable_all()
         .build()
     {

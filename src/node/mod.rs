@@ -603,22 +603,36 @@ fn serve_grpc(
     let until_stopped = |mut stopped: watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|stop| *stop).await;
     };
-    let control = tokio::spawn(
-        transport
-            .server()
-            .add_service(transport.serve(
-                Audience::Members,
-                RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
-            ))
-            .add_service(transport.serve(Audience::Nodes, hello.into_server()))
-            .add_service(transport.serve(Audience::Operators, admin.into_server()))
-            .add_service(health_service)
-            .add_service(reflection)
-            .serve_with_incoming_shutdown(
-                transport.incoming(listener),
-                until_stopped(stopped.clone()),
-            ),
-    );
+    // The gRPC listener is served from Raft's runtime, accept loop and
+    // connection I/O included (see `raft::runtime`): a follower's reading
+    // of a heartbeat never queues behind block data on the main runtime.
+    // The listener moves to that runtime's I/O driver.
+    let listener = {
+        let _raft_runtime = raft.runtime.handle().enter();
+        let std = listener
+            .into_std()
+            .map_err(|e| failed(format!("moving the gRPC listener: {e}")))?;
+        tokio::net::TcpListener::from_std(std)
+            .map_err(|e| failed(format!("moving the gRPC listener: {e}")))?
+    };
+    let server = transport
+        .server()
+        .add_service(transport.serve(
+            Audience::Members,
+            RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
+        ))
+        .add_service(transport.serve(Audience::Nodes, hello.into_server()))
+        .add_service(transport.serve(Audience::Operators, admin.into_server()))
+        .add_service(health_service)
+        .add_service(reflection);
+    let control = raft.runtime.handle().spawn({
+        let (transport, stopped) = (transport.clone(), stopped.clone());
+        async move {
+            server
+                .serve_with_incoming_shutdown(transport.incoming(listener), until_stopped(stopped))
+                .await
+        }
+    });
     let data = tokio::spawn({
         let transport = transport.clone();
         async move { replica_service.serve(&transport, data, stopped).await }

@@ -40,6 +40,15 @@
 //! but it would change every node's configuration and the peer address
 //! format, for a step that measured small (see the commit that added this).
 //!
+//! **Priority.** Under a client that saturates both cores, the scheduler
+//! shares the CPU among all threads alike, and Raft's few threads got too
+//! little of it: a debug-build node lost its lease under nbdcopy's default
+//! flood once block data moved to the faster channel. The main runtime's
+//! threads (the data plane) therefore run at nice [`DATA_PLANE_NICE`];
+//! Raft's stay at 0 (the binary sets this up; see `data_plane_thread`).
+//! The gRPC listener (Raft, `Node`, admin) is served from this runtime too,
+//! so a follower reads a heartbeat off the socket on these threads.
+//!
 //! **Shutdown.** [`RaftRuntime::shutdown`] ends the runtime on its own
 //! thread (dropping a runtime is not allowed inside async code) and waits
 //! for that thread, so no Raft thread outlives the node.
@@ -49,6 +58,26 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
+
+/// The nice value of the data plane's threads: below Raft's (0), so that
+/// when clients saturate the CPU the scheduler still gives Raft's threads
+/// their turn (a CFS weight of 335 against 1024).
+pub const DATA_PLANE_NICE: i32 = 5;
+
+/// Lowers the calling thread's priority to [`DATA_PLANE_NICE`]: for the
+/// main runtime's threads (NBD, block data, their I/O). Best effort.
+pub fn data_plane_thread() {
+    set_nice(DATA_PLANE_NICE);
+}
+
+/// Sets the calling thread's nice value (Linux: per thread). Raising it
+/// back to 0 needs privilege; a failure is only logged.
+fn set_nice(nice: i32) {
+    let tid = rustix::thread::gettid();
+    if let Err(err) = rustix::process::setpriority_process(Some(tid), nice) {
+        tracing::debug!(%err, nice, "cannot set the thread's priority");
+    }
+}
 
 /// How many worker threads Raft gets: enough that one busy task (a log
 /// append's sled insert) does not hold up a heartbeat.
@@ -71,6 +100,9 @@ impl RaftRuntime {
             .worker_threads(WORKERS)
             .max_blocking_threads(8)
             .thread_name("raft-worker")
+            // A thread inherits its creator's priority: one made from a
+            // data-plane thread starts lowered.
+            .on_thread_start(|| set_nice(0))
             .enable_all()
             .build()?;
         let handle = runtime.handle().clone();
