@@ -25,20 +25,17 @@
 //! - the Raft gRPC clients: every channel to a peer's Raft service is built
 //!   inside it ([`super::network::Peers`]), so its connection task and I/O
 //!   are driven there;
-//! - the Raft gRPC server's handlers ([`super::network::RaftService`]): each
-//!   request of the Raft service runs as a task here (the shared listener's
-//!   connection I/O stays on the main runtime; see below);
+//! - the gRPC server of the control listener, Raft's service among them
+//!   ([`super::network::RaftService`]; see below);
 //! - the coordinator's lease watcher and the failure detector.
 //!
-//! **The shared listener.** All services share one gRPC port, and tonic
-//! serves each connection from the runtime that runs the server. The Raft
-//! service's handlers hop onto this runtime at once, so decoding, openraft's
-//! handling and encoding never queue behind data-plane tasks; only the
-//! HTTP/2 connection task that reads a request's bytes stays on the main
-//! runtime. Raft uses its own connections (its own channels), so that task
-//! never carries replica data. A second listener would move that task too,
-//! but it would change every node's configuration and the peer address
-//! format, for a step that measured small (see the commit that added this).
+//! **The gRPC listener.** All control services (Raft, `Node`, admin,
+//! health) share one gRPC port, and tonic serves each connection from the
+//! runtime that runs the server: that server runs here, its accept loop,
+//! TLS handshakes and HTTP/2 connection I/O included (the listener is moved
+//! to this runtime's I/O driver), so a follower reads a heartbeat off the
+//! socket on these threads. Block data has a listener of its own, served
+//! by the main runtime.
 //!
 //! **Priority.** Under a client that saturates both cores, the scheduler
 //! shares the CPU among all threads alike, and Raft's few threads got too
@@ -46,8 +43,7 @@
 //! flood once block data moved to the faster channel. The main runtime's
 //! threads (the data plane) therefore run at nice [`DATA_PLANE_NICE`];
 //! Raft's stay at 0 (the binary sets this up; see `data_plane_thread`).
-//! The gRPC listener (Raft, `Node`, admin) is served from this runtime too,
-//! so a follower reads a heartbeat off the socket on these threads.
+//! Even so the lease is not safe under every flood: see issue 16.
 //!
 //! **Shutdown.** [`RaftRuntime::shutdown`] ends the runtime on its own
 //! thread (dropping a runtime is not allowed inside async code) and waits
