@@ -100,6 +100,33 @@ async fn write_spread(cluster: &Cluster, writer: u64, count: u64, size: u64, fir
     }
 }
 
+/// Kills `first` (the writer, mid-rebuild of `follower`) and waits until
+/// the next writer has `follower` back in sync; returns the next writer,
+/// the survivor that is not `follower`, and what the next writer reports
+/// of `follower`'s rebuild. Either survivor may win: the follower too (it
+/// then rebuilds its own copy from the other).
+async fn cut_off_writer(
+    cluster: &mut Cluster,
+    first: u64,
+    follower: u64,
+    wait: Duration,
+) -> (u64, u64, replica_ha::proto::admin::ReplicaStatus) {
+    cluster.kill(first);
+    let others: Vec<u64> = cluster
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| *id != first)
+        .collect();
+    let (second, _) = cluster
+        .wait_for_writer(&others, Duration::from_secs(30))
+        .await;
+    let survivor = *others.iter().find(|id| **id != follower).unwrap();
+    cluster.wait_in_sync(second, follower, true, wait).await;
+    let replica = replica_status(cluster, second, follower).await;
+    (second, survivor, replica)
+}
+
 /// Nodes `a` and `b` hold the same first `size` bytes (256 extents per
 /// digest request).
 async fn verify_identical_up_to(cluster: &Cluster, a: u64, b: u64, size: u64) {
@@ -413,23 +440,8 @@ async fn a_rebuild_cut_off_by_the_writers_death_goes_on_from_the_map() {
         assert!(Instant::now() < deadline, "the rebuild copied nothing");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    cluster.kill(first);
-    let others: Vec<u64> = cluster
-        .ids
-        .iter()
-        .copied()
-        .filter(|id| *id != first)
-        .collect();
-    let (second, _) = cluster
-        .wait_for_writer(&others, Duration::from_secs(30))
-        .await;
-    // Either survivor may win: the follower too (it then rebuilds its own
-    // copy from the other).
-    let survivor = *others.iter().find(|id| **id != follower).unwrap();
-    cluster
-        .wait_in_sync(second, follower, true, Duration::from_secs(60))
-        .await;
-    let replica = replica_status(&cluster, second, follower).await;
+    let (_, survivor, replica) =
+        cut_off_writer(&mut cluster, first, follower, Duration::from_secs(60)).await;
     eprintln!(
         "cut off after {} MiB copied; the next writer compared {} of {} MiB and copied {} MiB (full = {})",
         before >> 20,
@@ -478,21 +490,8 @@ async fn a_full_rebuild_cut_off_by_the_writers_death_resumes_where_it_verified()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    cluster.kill(first);
-    let others: Vec<u64> = cluster
-        .ids
-        .iter()
-        .copied()
-        .filter(|id| *id != first)
-        .collect();
-    let (second, _) = cluster
-        .wait_for_writer(&others, Duration::from_secs(30))
-        .await;
-    let survivor = *others.iter().find(|id| **id != follower).unwrap();
-    cluster
-        .wait_in_sync(second, follower, true, Duration::from_secs(90))
-        .await;
-    let replica = replica_status(&cluster, second, follower).await;
+    let (_, survivor, replica) =
+        cut_off_writer(&mut cluster, first, follower, Duration::from_secs(90)).await;
     eprintln!(
         "cut off after {} MiB compared; the next writer compared {} of {} MiB and copied {} MiB (full = {})",
         before >> 20,
