@@ -345,7 +345,7 @@ impl ReplicaStore {
         // predigest taken before the growth is served after it.
         let _touch = self.predigests.touch();
         let from = self.size();
-        run_io(move || extend_file(&file, from, size)).await?;
+        run_io(RunOn::Pool, move || extend_file(&file, from, size)).await?;
         meta.identity
             .insert("size", &size.to_be_bytes())
             .map_err(|e| self.meta.failed(e))?;
@@ -391,7 +391,15 @@ impl ReplicaStore {
         #[cfg(test)]
         let delay = *self.io_delay.lock().unwrap_or_else(|p| p.into_inner());
         let touch = self.predigests.touch();
-        run_io(move || {
+        #[cfg(not(test))]
+        let on = RunOn::for_write(data.len(), fua);
+        #[cfg(test)]
+        let on = if delay.is_zero() {
+            RunOn::for_write(data.len(), fua)
+        } else {
+            RunOn::Pool
+        };
+        run_io(on, move || {
             // The guard lives until the I/O is done, even if our caller is
             // cancelled: a fence cannot overtake this write (S3). So does
             // the touch: no predigest is taken or served meanwhile.
@@ -426,7 +434,7 @@ impl ReplicaStore {
         self.mark_dirty(stamp.term, offset, len).await?;
         let file = Arc::clone(&self.file);
         let touch = self.predigests.touch();
-        run_io(move || {
+        run_io(RunOn::Pool, move || {
             // As for a write: held until the I/O is done (S3).
             let (_admitted, _touch) = (admitted, touch);
             punch_hole(&file, offset, len)
@@ -439,7 +447,7 @@ impl ReplicaStore {
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         check_request(offset, len, self.size())?;
         let file = Arc::clone(&self.file);
-        run_io(move || {
+        run_io(RunOn::for_read(len), move || {
             // check_request bounds len by MAX_REQUEST, so it fits in usize.
             let mut buf = vec![0u8; len as usize];
             file.read_exact_at(&mut buf, offset)?;
@@ -459,7 +467,10 @@ impl ReplicaStore {
     ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
         crate::volume::check_span(offset, len, self.size())?;
         let file = Arc::clone(&self.file);
-        run_io(move || Ok(allocation_of(&file, offset, offset + len))).await
+        run_io(RunOn::Pool, move || {
+            Ok(allocation_of(&file, offset, offset + len))
+        })
+        .await
     }
 
     /// Makes every write that finished before this call durable, on behalf
@@ -470,7 +481,7 @@ impl ReplicaStore {
         check_term(stamp.term)?;
         let admitted = self.admit(stamp).await?;
         let file = Arc::clone(&self.file);
-        run_io(move || {
+        run_io(RunOn::Pool, move || {
             let _admitted = admitted;
             file.sync_data()?;
             Ok(())
@@ -537,7 +548,7 @@ impl ReplicaStore {
                 return Ok((first, digests));
             }
         }
-        let digests = run_io(self.hasher(first..=last, until)).await?;
+        let digests = run_io(RunOn::Pool, self.hasher(first..=last, until)).await?;
         Ok((first, digests))
     }
 
@@ -555,7 +566,10 @@ impl ReplicaStore {
         extents.truncate(MAX_PREDIGEST_EXTENTS);
         let count = extents.len();
         let hash = self.hasher(extents.clone(), self.size());
-        let digests = run_io(move || Ok(extents.into_iter().zip(hash()?).collect())).await?;
+        let digests = run_io(RunOn::Pool, move || {
+            Ok(extents.into_iter().zip(hash()?).collect())
+        })
+        .await?;
         if self.predigests.keep(epoch, digests) {
             Ok(count)
         } else {
@@ -1028,17 +1042,50 @@ impl ReplicaStore {
     }
 }
 
-/// Runs positioned file I/O on the blocking pool.
-///
-/// Small I/O run on the calling thread instead measured 2.5x the 4 KiB
-/// QD32 write rate (two thread wake-ups fewer per replica write), but under
-/// a saturating client in the debug build it cost the writer its lease
-/// (`raft_under_load`), so it is not done; see issue 16.
-async fn run_io<T, F>(io: F) -> Result<T, ReplicaError>
+/// The largest read, or write without FUA, that runs on the calling task's
+/// thread. A 4 KiB write into the page cache takes a few µs; handing it to
+/// the blocking pool and back costs two thread wake-ups, which perf showed
+/// as most of a small replica write's CPU time.
+const INLINE_IO: usize = 64 * 1024;
+
+/// Where a piece of file I/O runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunOn {
+    /// On the calling task's thread: small I/O that the page cache serves.
+    Caller,
+    /// On the blocking pool: large I/O, syncs, punches, hashing.
+    Pool,
+}
+
+impl RunOn {
+    fn for_write(len: usize, fua: bool) -> Self {
+        if !fua && len <= INLINE_IO {
+            Self::Caller
+        } else {
+            Self::Pool
+        }
+    }
+
+    fn for_read(len: u64) -> Self {
+        if len <= INLINE_IO as u64 {
+            Self::Caller
+        } else {
+            Self::Pool
+        }
+    }
+}
+
+/// Runs positioned file I/O where `on` says. Raft has a runtime of its
+/// own (`raft::runtime`), so a small write that blocks a data-plane thread
+/// briefly cannot delay a heartbeat.
+async fn run_io<T, F>(on: RunOn, io: F) -> Result<T, ReplicaError>
 where
     T: Send + 'static,
     F: FnOnce() -> std::io::Result<T> + Send + 'static,
 {
+    if on == RunOn::Caller {
+        return io().map_err(ReplicaError::from);
+    }
     tokio::task::spawn_blocking(io)
         .await
         .map_err(|err| ReplicaError::Io(format!("I/O task failed: {err}")))?
