@@ -641,6 +641,58 @@ async fn marks_of_acknowledged_durable_writes_are_retired_during_the_term() {
     assert_eq!(marks(0), vec![9]);
 }
 
+/// S6 kept cheap for a sequential writer (issue 16, item 4): once its
+/// writes run in order, the extents ahead of them are marked on every
+/// replica in the background, so the first writes there find their extent
+/// marked already; the marks of extents it never reached are retired like
+/// those of written ones.
+#[tokio::test]
+async fn a_sequential_writer_marks_ahead_and_its_unreached_marks_are_retired() {
+    use replica_ha::replica::ahead::AHEAD;
+    let rig = Rig::new(3).await;
+    let marker = tokio::spawn(Arc::clone(&rig.engine).run_mark_ahead());
+    rig.engine.activate(Term(3)).await.unwrap();
+    let marks = |i: usize| -> Vec<u64> {
+        rig.replicas[i]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.extent)
+            .collect()
+    };
+    for extent in 0..2u64 {
+        rig.engine
+            .write_at(extent << 20, block(extent as u8 + 1), false)
+            .await
+            .unwrap();
+    }
+    let extents = SIZE >> 20;
+    let through = (1 + AHEAD).min(extents - 1);
+    let expected: Vec<u64> = (0..=through).collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while (0..3).any(|i| marks(i) != expected) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "extents 2..={through} were not marked ahead on every replica: {:?}",
+            (0..3).map(marks).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The stream goes on into the marked extents; nothing else is marked.
+    rig.engine.write_at(2 << 20, block(3), false).await.unwrap();
+    for i in 0..3 {
+        assert_eq!(marks(i), expected, "replica {i}");
+    }
+    // One retirement pass drops every mark: the written extents' and those
+    // the writer never reached.
+    assert_eq!(rig.engine.retire_marks().await.unwrap(), expected.len());
+    for i in 0..3 {
+        assert!(marks(i).is_empty(), "replica {i} kept {:?}", marks(i));
+    }
+    marker.abort();
+}
+
 /// What a client was promised survives a power cut of every replica at
 /// once: a write acknowledged with FUA, and a write followed by an
 /// acknowledged flush, are on every disk. A write with neither may be lost;

@@ -444,6 +444,9 @@ mod engine_world {
                 .unwrap(),
             );
             engine.activate(Term(1)).await.unwrap();
+            // Marks ahead of runs of writes to neighbouring blocks race
+            // everything else, as on a node (ends with the case's runtime).
+            tokio::spawn(Arc::clone(&engine).run_mark_ahead());
             let resync = Arc::new(Resyncer::new(Arc::clone(&engine), ResyncConfig::default()));
             World {
                 _dir: dir,

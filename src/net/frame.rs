@@ -24,7 +24,7 @@
 //! | 16–23 | term | the writer's term (S2) |
 //! | 24–31 | generation | the writer's generation within the term |
 //! | 32–39 | offset | byte offset in the volume |
-//! | 40–47 | length | bytes to read or discard |
+//! | 40–47 | length | bytes to read, discard or mark |
 //! | 48–55 | incarnation | of the replica the request is for (S8) |
 //! | 56–59 | checksum | CRC32C of bytes 0–55 and then the payload |
 //! | 60–63 | reserved | 0 |
@@ -78,6 +78,9 @@ pub enum Kind {
     Read = 4,
     /// Make every acknowledged write durable.
     Flush = 5,
+    /// Mark the extents of `length` bytes at `offset` for the writer's
+    /// term ahead of its writes (S6).
+    Mark = 6,
     /// A reply: done (with a read's data).
     Ok = 0x81,
     /// A reply: refused, for the [`ErrorCode`] in `flags`.
@@ -92,6 +95,7 @@ impl Kind {
             3 => Kind::Discard,
             4 => Kind::Read,
             5 => Kind::Flush,
+            6 => Kind::Mark,
             0x81 => Kind::Ok,
             0x82 => Kind::Refused,
             _ => return None,

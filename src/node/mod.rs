@@ -662,6 +662,7 @@ fn spawn_background(
         "mark retirement",
         Arc::clone(&volume.engine).run_mark_retirement(MARK_RETIREMENT),
     );
+    tasks.spawn("mark ahead", Arc::clone(&volume.engine).run_mark_ahead());
     if let Some((listener, tls)) = nbd {
         let description = format!(
             "replica-ha volume {} of cluster {}",

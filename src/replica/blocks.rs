@@ -390,6 +390,11 @@ impl BlockServer {
                 .discard(stamp, h.offset, h.length)
                 .await
                 .map(|()| Bytes::new()),
+            Kind::Mark => self
+                .store
+                .mark_ahead(stamp, h.offset, h.length)
+                .await
+                .map(|()| Bytes::new()),
             Kind::Read => self.store.read(h.offset, h.length).await,
             Kind::Flush => self.store.flush(stamp).await.map(|()| Bytes::new()),
             Kind::Hello | Kind::Ok | Kind::Refused => Err(ReplicaError::InvalidRequest(format!(

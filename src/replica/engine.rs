@@ -75,6 +75,7 @@
 //! committed is judged as for any member.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::RangeInclusive;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -84,6 +85,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
+use super::ahead::Ahead;
 use super::missed::{self, MissedMap, Unverified};
 use super::order::WriteOrder;
 use super::quorum::{self, Verdict};
@@ -245,6 +247,8 @@ pub struct Engine {
     /// The size served: the config's until an activation learns the
     /// committed size, then raised by each resize once committed.
     size: std::sync::atomic::AtomicU64,
+    /// Wakes [`Engine::run_mark_ahead`] when marks ahead are due.
+    ahead_due: tokio::sync::Notify,
 }
 
 /// The largest volume size a resize accepts (1 EiB): a file system's
@@ -342,7 +346,15 @@ struct Activity {
     /// convergence made them agree but left making that durable, and
     /// dropping those marks, to the writer (see [`Engine::retire_marks`]).
     older_marks: bool,
+    /// Follows this term's writes for a sequential stream to mark ahead of.
+    ahead: Ahead,
+    /// Extents to mark ahead, oldest first (see [`Engine::run_mark_ahead`]).
+    marks_due: Vec<RangeInclusive<u64>>,
 }
+
+/// The most mark-ahead requests that wait; older ones are dropped (they
+/// are only an optimization).
+const MARKS_DUE_MAX: usize = 4;
 
 /// Counts one write in flight on its extents; when dropped, records how it
 /// ended (a write dropped before it finished counts as unacknowledged).
@@ -472,6 +484,7 @@ impl Engine {
             order: Arc::default(),
             floors: Arc::default(),
             size: std::sync::atomic::AtomicU64::new(config.volume.size),
+            ahead_due: tokio::sync::Notify::new(),
             config,
         })
     }
@@ -1809,6 +1822,86 @@ impl Engine {
         Ok(repaired)
     }
 
+    /// Notes a write to `extents` and, when it continues a sequential
+    /// stream, queues the extents to mark ahead of it (see [`super::ahead`]).
+    fn plan_marks_ahead(&self, extents: RangeInclusive<u64>) {
+        let size = self.current_size();
+        if size == 0 {
+            return;
+        }
+        let end = (size - 1) / self.extent_size;
+        let mut state = self.lock();
+        let activity = &mut state.activity;
+        let Some(due) = activity
+            .ahead
+            .after_write(*extents.start(), *extents.end(), end)
+        else {
+            return;
+        };
+        if activity.marks_due.len() >= MARKS_DUE_MAX {
+            activity.marks_due.remove(0);
+        }
+        activity.marks_due.push(due);
+        drop(state);
+        self.ahead_due.notify_one();
+    }
+
+    /// Marks ahead of sequential writers, in the background, until the task
+    /// is dropped: each queued range is marked on every replica that takes
+    /// writes, counted meanwhile like a write in flight on its extents and
+    /// afterwards like an acknowledged one, so mark retirement drops the
+    /// marks of extents the writer does not reach. A replica that fails to
+    /// mark is left to mark on its own when the writes come.
+    pub async fn run_mark_ahead(self: Arc<Self>) {
+        loop {
+            self.ahead_due.notified().await;
+            loop {
+                let due = {
+                    let mut state = self.lock();
+                    let due = &mut state.activity.marks_due;
+                    (!due.is_empty()).then(|| due.remove(0))
+                };
+                match due {
+                    Some(extents) => self.mark_ahead(extents).await,
+                    None => break,
+                }
+            }
+        }
+    }
+
+    /// Marks `extents` ahead of the writes to them (see [`Engine::run_mark_ahead`]).
+    async fn mark_ahead(&self, extents: RangeInclusive<u64>) {
+        let size = self.current_size();
+        let offset = extents.start().saturating_mul(self.extent_size);
+        if offset >= size {
+            return;
+        }
+        let end = extents
+            .end()
+            .saturating_add(1)
+            .saturating_mul(self.extent_size)
+            .min(size);
+        let len = end - offset;
+        let Ok((term, targets, rebuilding)) = self.targets() else {
+            return;
+        };
+        let mut in_flight = self.begin_write(offset, len);
+        // Nothing was written, whatever the answers: no extent is unsure.
+        in_flight.acknowledged = true;
+        let send: Vec<Arc<dyn Replica>> = targets.into_iter().chain(rebuilding).collect();
+        let op = |stamp: Stamp, replica: Arc<dyn Replica>| async move {
+            replica.mark_ahead(stamp, offset, len).await
+        };
+        let sent = self.send_all(term, &send, &op).await;
+        // A newer writer's floor deactivates this one, as for a write.
+        let _ = self.check_stale(&sent);
+        for (id, outcome) in sent {
+            if let Err(err) = outcome {
+                tracing::debug!(replica = %id, %err, "could not mark ahead");
+            }
+        }
+    }
+
     /// Runs [`Engine::repair_unsure`] and [`Engine::retire_marks`] every
     /// `interval` while active, until the task is dropped.
     pub async fn run_mark_retirement(self: Arc<Self>, interval: Duration) {
@@ -1880,6 +1973,7 @@ impl Engine {
         let _turn = self.order.enter(offset, len).await;
         let _span = self.lock_span(offset, len).await;
         let mut in_flight = self.begin_write(offset, len);
+        self.plan_marks_ahead(in_flight.extents.clone());
         let result = self.mirror(op).await;
         in_flight.acknowledged = result.is_ok();
         result

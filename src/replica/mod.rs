@@ -23,6 +23,7 @@
 //! - [`scrub`]: the writer's background comparison of the in-sync copies,
 //!   repairing one that differs (S11).
 
+pub mod ahead;
 pub mod blocks;
 pub mod channels;
 pub mod engine;
@@ -315,6 +316,9 @@ pub trait Replica: Send + Sync {
     /// Discards `[offset, offset+len)` on behalf of the writer of `stamp`:
     /// it reads back as zeroes, and its space is freed.
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError>;
+    /// Marks the extents of `[offset, offset+len)` for the writer of
+    /// `stamp` before it writes them (see [`ReplicaStore::mark_ahead`]).
+    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError>;
     /// Reads `len` bytes at `offset`.
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError>;
     /// Makes the writes that finished before it durable, on behalf of the
@@ -413,6 +417,9 @@ impl Replica for LocalReplica {
     }
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
         self.store.discard(stamp, offset, len).await
+    }
+    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        self.store.mark_ahead(stamp, offset, len).await
     }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.store.read(offset, len).await

@@ -256,6 +256,16 @@ impl Replica for RemoteReplica {
             .map(|_| ())
     }
 
+    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        let fill = |h: &mut Header| {
+            h.offset = offset;
+            h.length = len;
+        };
+        self.call(Kind::Mark, stamp, fill, Bytes::new())
+            .await
+            .map(|_| ())
+    }
+
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         let fill = |h: &mut Header| {
             h.offset = offset;

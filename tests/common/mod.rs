@@ -192,6 +192,10 @@ impl Replica for FaultyReplica {
         self.gate(Some(offset)).await?;
         self.inner.discard(stamp, offset, len).await
     }
+    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        self.gate(None).await?;
+        self.inner.mark_ahead(stamp, offset, len).await
+    }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.gate(None).await?;
         self.inner.read(offset, len).await

@@ -131,6 +131,10 @@ impl Replica for PowerCutReplica {
         self.state.lock().unwrap().pending.push((offset, zeroes));
         Ok(())
     }
+    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
+        // Marks go to the metadata Db, which a power cut keeps (flushed).
+        self.inner.mark_ahead(stamp, offset, len).await
+    }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         self.inner.read(offset, len).await
     }
