@@ -16,22 +16,36 @@
 //!
 //! ## Why this is safe
 //!
-//! - A replica's own write path never relies on a mark ahead: a write that
-//!   finds its extent unmarked marks it first, as it always did. A mark
-//!   ahead only counts once it is durable.
+//! - A write that finds its extent marked in a replica's memory skips its
+//!   own metadata flush, so it does rely on the mark being durable: a mark,
+//!   ahead or not, enters that memory only after its flush, and only if no
+//!   mark retirement ran on the replica meanwhile (a retirement removes
+//!   marks from memory and the Db in one step; a mark it overlapped is
+//!   placed again; `ReplicaStore::mark`). A write that finds its extent
+//!   unmarked marks it first, as always.
 //! - A mark ahead is admitted like a write (term, generation; S2, S3), so a
 //!   fenced writer cannot place one.
-//! - The engine counts a mark ahead like a write in flight on its extents
-//!   until every replica answered, and then like an acknowledged write:
-//!   mark retirement drops the marks of extents the writer never reached
-//!   (or reached and finished) at its next passes, under the same stripe
-//!   locks. A mark that is lost or lands late is only a mark too many,
-//!   which costs a comparison at the next promotion.
+//! - The engine places a mark ahead under its extents' stripes, held
+//!   shared, and counts it like a write in flight meanwhile: a retirement
+//!   pass, which holds a stripe exclusively and then checks what is in
+//!   flight, never overlaps it. Afterwards its extents wait for a write;
+//!   one that no write reached within [`AHEAD_PASSES`] retirement passes
+//!   has its mark retired like a written extent's. A mark that is lost or
+//!   lands late is only a mark too many, which costs a comparison at the
+//!   next promotion.
+//! - An in-flight count is ignored once the engine was activated again,
+//!   so a mark ahead (or write) of an earlier term that finishes late
+//!   cannot unbalance the new term's counts.
 //!
 //! ## Limits
 //!
 //! The hot set grows by at most [`AHEAD`] extents per sequential stream,
-//! for at most two retirement intervals. Random writes get no marks ahead:
+//! for at most [`AHEAD_PASSES`] retirement passes. A stream slower than
+//! about [`AHEAD`] extents per that time finds some of its marks ahead
+//! retired and marks those extents itself. Mixed versions: a node of an
+//! earlier version closes a block-channel connection on a `Mark` frame (an
+//! unknown kind), which drops that replica from the in-sync set; upgrade
+//! every node at once (README). Random writes get no marks ahead:
 //! their first touch of an extent still costs one metadata flush (grouped
 //! with the flushes of concurrent writes by `sled_ops::Flusher`).
 
@@ -43,6 +57,10 @@ pub const AHEAD: u64 = 32;
 /// A new mark ahead is asked for once fewer than this many extents past
 /// the write are marked.
 pub const LOW_WATER: u64 = 24;
+
+/// How many mark-retirement passes an extent marked ahead waits for a
+/// write before its mark is retired (about 2 s at the node's 200 ms).
+pub const AHEAD_PASSES: u32 = 10;
 
 /// Follows the writer's writes and decides what to mark ahead.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

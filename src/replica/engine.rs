@@ -85,7 +85,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::ahead::Ahead;
+use super::ahead::{AHEAD_PASSES, Ahead};
 use super::missed::{self, MissedMap, Unverified};
 use super::order::WriteOrder;
 use super::quorum::{self, Verdict};
@@ -350,6 +350,9 @@ struct Activity {
     ahead: Ahead,
     /// Extents to mark ahead, oldest first (see [`Engine::run_mark_ahead`]).
     marks_due: Vec<RangeInclusive<u64>>,
+    /// Extents marked ahead that no write reached yet, with the retirement
+    /// passes they waited through: retired after [`AHEAD_PASSES`].
+    ahead_waiting: BTreeMap<u64, u32>,
 }
 
 /// The most mark-ahead requests that wait; older ones are dropped (they
@@ -362,11 +365,19 @@ struct InFlight<'a> {
     engine: &'a Engine,
     extents: std::ops::RangeInclusive<u64>,
     acknowledged: bool,
+    /// A mark ahead, not a write: its extents wait for a write afterwards.
+    ahead: bool,
+    /// The activation it was counted in; a later one's counts are not its.
+    activation: u64,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         let mut state = self.engine.lock();
+        if state.activations != self.activation {
+            // Counted in an earlier activation, whose activity is gone.
+            return;
+        }
         let activity = &mut state.activity;
         for extent in self.extents.clone() {
             if let Some(count) = activity.in_flight.get_mut(&extent) {
@@ -375,7 +386,9 @@ impl Drop for InFlight<'_> {
                     activity.in_flight.remove(&extent);
                 }
             }
-            if self.acknowledged {
+            if self.ahead {
+                // Its extents wait for a write since it began (`begin`).
+            } else if self.acknowledged {
                 activity.done.insert(extent);
             } else {
                 activity.unsure.insert(extent);
@@ -417,6 +430,9 @@ struct EngineState {
     generations: BTreeMap<NodeId, u64>,
     /// This term's writes, per extent.
     activity: Activity,
+    /// How many times the engine was activated: tells an [`InFlight`] of
+    /// an earlier activation from one of the current.
+    activations: u64,
     /// Extents copied to a replica by a rebuild that was abandoned: marked
     /// with this term there, retired once a later rebuild returns it.
     orphan_copies: BTreeMap<NodeId, BTreeSet<u64>>,
@@ -476,6 +492,7 @@ impl Engine {
                 rebuilding: BTreeMap::new(),
                 generations: BTreeMap::new(),
                 activity: Activity::default(),
+                activations: 0,
                 orphan_copies: BTreeMap::new(),
             }),
             shrink: tokio::sync::Mutex::new(()),
@@ -1610,16 +1627,34 @@ impl Engine {
     /// Counts a write to `[offset, offset+len)` as in flight until the
     /// returned guard drops.
     fn begin_write(&self, offset: u64, len: u64) -> InFlight<'_> {
+        self.begin(offset, len, false)
+    }
+
+    /// Counts a write, or a mark ahead (`ahead`), to `[offset, offset+len)`
+    /// as in flight until the returned guard drops. A mark ahead's extents
+    /// wait for a write from now on; a write reaches them, and they stop
+    /// waiting.
+    fn begin(&self, offset: u64, len: u64, ahead: bool) -> InFlight<'_> {
         let first = offset / self.extent_size;
         let last = (offset + len.max(1) - 1) / self.extent_size;
         let mut state = self.lock();
         for extent in first..=last {
             *state.activity.in_flight.entry(extent).or_insert(0) += 1;
+            if ahead {
+                // Not retired while in flight; if it is still in flight
+                // when it ages out, its mark stays until a write there is
+                // retired or the next promotion converges it.
+                state.activity.ahead_waiting.entry(extent).or_insert(0);
+            } else {
+                state.activity.ahead_waiting.remove(&extent);
+            }
         }
         InFlight {
             engine: self,
             extents: first..=last,
             acknowledged: false,
+            ahead,
+            activation: state.activations,
         }
     }
 
@@ -1636,7 +1671,16 @@ impl Engine {
         let (term, batch, older_marks) = {
             let mut state = self.lock();
             let term = state.term.ok_or(DeviceError::Inactive)?;
-            let done = std::mem::take(&mut state.activity.done);
+            let mut done = std::mem::take(&mut state.activity.done);
+            // Extents marked ahead that no write reached for a while.
+            state.activity.ahead_waiting.retain(|extent, passes| {
+                *passes += 1;
+                let aged = *passes >= AHEAD_PASSES;
+                if aged {
+                    done.insert(*extent);
+                }
+                !aged
+            });
             let batch: Vec<u64> = done
                 .into_iter()
                 .filter(|e| !state.activity.unsure.contains(e))
@@ -1672,6 +1716,7 @@ impl Engine {
                         !activity.in_flight.contains_key(e)
                             && !activity.done.contains(e)
                             && !activity.unsure.contains(e)
+                            && !activity.ahead_waiting.contains_key(e)
                     })
                     .collect();
                 // Members only. A replica being rebuilt keeps its marks:
@@ -1848,10 +1893,11 @@ impl Engine {
 
     /// Marks ahead of sequential writers, in the background, until the task
     /// is dropped: each queued range is marked on every replica that takes
-    /// writes, counted meanwhile like a write in flight on its extents and
-    /// afterwards like an acknowledged one, so mark retirement drops the
-    /// marks of extents the writer does not reach. A replica that fails to
-    /// mark is left to mark on its own when the writes come.
+    /// writes, under the extents' stripes (shared) and counted meanwhile
+    /// like a write in flight, so no retirement pass overlaps it; then its
+    /// extents wait for a write, and mark retirement drops the marks of
+    /// those no write reached within [`AHEAD_PASSES`] passes. A replica
+    /// that fails to mark is left to mark on its own when the writes come.
     pub async fn run_mark_ahead(self: Arc<Self>) {
         loop {
             self.ahead_due.notified().await;
@@ -1881,13 +1927,17 @@ impl Engine {
             .saturating_add(1)
             .saturating_mul(self.extent_size)
             .min(size);
-        let len = end - offset;
+        // At most one request's worth (a larger extent size means fewer).
+        let len = (end - offset).min(MAX_REQUEST);
+        // The stripes, shared, as a write holds them: a retirement pass
+        // (which holds a stripe exclusively and then checks what is in
+        // flight) cannot drop a mark while this one is being placed.
+        let _span = self.lock_span(offset, len).await;
         let Ok((term, targets, rebuilding)) = self.targets() else {
             return;
         };
-        let mut in_flight = self.begin_write(offset, len);
-        // Nothing was written, whatever the answers: no extent is unsure.
-        in_flight.acknowledged = true;
+        // Nothing is written, whatever the answers: no extent is unsure.
+        let _in_flight = self.begin(offset, len, true);
         let send: Vec<Arc<dyn Replica>> = targets.into_iter().chain(rebuilding).collect();
         let op = |stamp: Stamp, replica: Arc<dyn Replica>| async move {
             replica.mark_ahead(stamp, offset, len).await
@@ -2176,6 +2226,7 @@ impl WriterEngine for Engine {
             older_marks: true,
             ..Activity::default()
         };
+        state.activations += 1;
         state.orphan_copies.clear();
         state.term = Some(term);
         tracing::info!(%term, in_sync = ?state.in_sync, "engine active");

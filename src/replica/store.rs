@@ -160,7 +160,7 @@ pub struct ReplicaStore {
     floor: Arc<RwLock<Stamp>>,
     /// Dirty marks known to be durable, so only a term's first write into an
     /// extent pays for a metadata flush.
-    marked: Mutex<HashSet<DirtyExtent>>,
+    marked: Mutex<Marked>,
     /// The missed-write maps of absent members, as far as they are durable
     /// (see [`super::missed`]).
     missed: MissedMaps,
@@ -301,7 +301,7 @@ impl ReplicaStore {
             file: Arc::new(file),
             meta: MetaSlot::new(meta_path, meta),
             floor: Arc::new(RwLock::new(floor)),
-            marked: Mutex::new(HashSet::new()),
+            marked: Mutex::default(),
             missed,
             missed_edit: tokio::sync::Mutex::new(()),
             stale_accepts: AtomicU64::new(stale_accepts),
@@ -889,7 +889,7 @@ impl ReplicaStore {
             .flush()
             .await
             .map_err(|e| self.meta.failed(e))?;
-        self.lock_marked().retain(|mark| mark.term >= term);
+        self.lock_marked().set.retain(|mark| mark.term >= term);
         // The promotion that the predigests were for is over.
         self.predigests.forget();
         Ok(())
@@ -930,6 +930,10 @@ impl ReplicaStore {
             extent: u64::MAX,
         });
         let meta = self.meta.get()?;
+        // One step for `mark`: the marks leave memory and the Db together,
+        // and a mark whose flush this overlapped is placed again (see
+        // `Marked`).
+        let mut marked = self.lock_marked();
         let mut keys = Vec::new();
         for key in meta.dirty.range(..=end.as_slice()).keys() {
             let key = key.map_err(|e| self.meta.failed(e))?;
@@ -937,9 +941,11 @@ impl ReplicaStore {
                 keys.push(key);
             }
         }
-        crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
-        self.lock_marked()
+        marked
+            .set
             .retain(|mark| mark.term > through || !wanted.contains(&mark.extent));
+        marked.retirements += 1;
+        crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
         Ok(keys.len())
     }
 
@@ -1042,46 +1048,74 @@ impl ReplicaStore {
         }
         let size = self.identity.extent_size;
         let (first, last) = (offset / size, (offset + len - 1) / size);
-        let missing: Vec<DirtyExtent> = {
-            let marked = self.lock_marked();
-            (first..=last)
-                .map(|extent| DirtyExtent { term, extent })
-                .filter(|mark| !marked.contains(mark))
-                .collect()
-        };
-        // The absent members' maps take a write first, in the same flush
-        // (see [`super::missed`]).
-        let needed = match touch {
-            Touch::Write => self.missed.needed(first, last),
-            Touch::Ahead => missed::Needed::default(),
-        };
-        if missing.is_empty() && needed.entries.is_empty() {
+        for _ in 0..MARK_ATTEMPTS {
+            let (missing, retirements): (Vec<DirtyExtent>, u64) = {
+                let marked = self.lock_marked();
+                let missing = (first..=last)
+                    .map(|extent| DirtyExtent { term, extent })
+                    .filter(|mark| !marked.set.contains(mark))
+                    .collect();
+                (missing, marked.retirements)
+            };
+            // The absent members' maps take a write first, in the same
+            // flush (see [`super::missed`]).
+            let needed = match touch {
+                Touch::Write => self.missed.needed(first, last),
+                Touch::Ahead => missed::Needed::default(),
+            };
+            if missing.is_empty() && needed.entries.is_empty() {
+                return Ok(());
+            }
+            let empty: &[u8] = &[];
+            let pairs = missing.iter().map(|mark| (encode_dirty(mark), empty));
+            let meta = self.meta.get()?;
+            crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
+            let entries = needed
+                .entries
+                .iter()
+                .map(|(node, extent)| (missed::entry_key(*node, *extent), empty));
+            crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
+            meta.flusher
+                .flush()
+                .await
+                .map_err(|e| self.meta.failed(e))?;
+            let mut marked = self.lock_marked();
+            if marked.retirements != retirements {
+                // A retirement ran meanwhile and may have removed what was
+                // just inserted: mark again rather than trust it.
+                continue;
+            }
+            marked.set.extend(missing);
+            drop(marked);
+            self.missed.flushed(needed);
             return Ok(());
         }
-        let empty: &[u8] = &[];
-        let pairs = missing.iter().map(|mark| (encode_dirty(mark), empty));
-        let meta = self.meta.get()?;
-        crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
-        let entries = needed
-            .entries
-            .iter()
-            .map(|(node, extent)| (missed::entry_key(*node, *extent), empty));
-        crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
-        meta.flusher
-            .flush()
-            .await
-            .map_err(|e| self.meta.failed(e))?;
-        self.lock_marked().extend(missing);
-        self.missed.flushed(needed);
-        Ok(())
+        Err(ReplicaError::Unavailable(format!(
+            "extents {first}..={last} could not be marked: retirements overlapped \
+             {MARK_ATTEMPTS} attempts"
+        )))
     }
 
-    fn lock_marked(&self) -> std::sync::MutexGuard<'_, HashSet<DirtyExtent>> {
+    fn lock_marked(&self) -> std::sync::MutexGuard<'_, Marked> {
         self.marked
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
+
+/// The dirty marks known to be durable, and how many retirements have
+/// removed marks: [`ReplicaStore::mark`] publishes what it flushed only if
+/// no retirement ran since it looked. A retirement removes marks from this
+/// set and from the Db in one step under the lock, so one that overlapped
+/// a mark's flush may have removed the mark's fresh key.
+#[derive(Debug, Default)]
+struct Marked {
+    set: HashSet<DirtyExtent>,
+    retirements: u64,
+}
+
+/// How many times [`ReplicaStore::mark`] tries before it gives up.
+const MARK_ATTEMPTS: usize = 8;
 
 /// Why extents are being marked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1596,6 +1630,43 @@ mod tests {
         };
         assert_eq!(decode_stamp(&encode_stamp(stamp)), Ok(stamp));
         assert!(decode_stamp(&[1, 2, 3]).is_err());
+    }
+
+    /// A retirement that runs while a mark waits for its metadata flush
+    /// removes the mark's fresh key; the mark must not then count as
+    /// durable, or a later write of the term would skip its own (S6).
+    #[tokio::test]
+    async fn a_mark_overlapped_by_a_retirement_is_placed_again_before_it_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        let mib = DEFAULT_EXTENT_SIZE;
+        for extent in [5u64, 6, 7] {
+            let marking = {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move { store.mark_ahead(Term(2), extent * mib, mib).await })
+            };
+            // The mark runs up to its flush (this runtime has one thread).
+            tokio::task::yield_now().await;
+            store
+                .retire_marks(Term(2), Term(2), &[extent])
+                .await
+                .unwrap();
+            marking.await.unwrap().unwrap();
+            store
+                .write(Term(2), extent * mib, block(7, 4096), false)
+                .await
+                .unwrap();
+            let durable: Vec<u64> = store
+                .dirty_extents()
+                .unwrap()
+                .into_iter()
+                .map(|m| m.extent)
+                .collect();
+            assert!(
+                durable.contains(&extent),
+                "a write to extent {extent} was applied with no durable mark: {durable:?}"
+            );
+        }
     }
 
     #[tokio::test]
