@@ -78,6 +78,11 @@ impl Rig {
         self.replicas[i].store().read(offset, len).await.unwrap()
     }
 
+    /// The digests of every extent of replica `i`'s copy.
+    async fn whole(&self, i: usize) -> (u64, Vec<[u8; 32]>) {
+        self.replicas[i].store().digests(0, SIZE).await.unwrap()
+    }
+
     async fn committed(&self) -> BTreeSet<NodeId> {
         self.tracker.in_sync().await.unwrap()
     }
@@ -1341,8 +1346,7 @@ async fn a_rebuild_copies_what_the_missed_write_map_names() {
     assert!(!progress.full);
     assert_eq!((progress.done, progress.total), (3 * mib, 3 * mib));
     assert!(rig.committed().await.contains(&NodeId(3)));
-    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
-    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+    assert_eq!(rig.whole(2).await, rig.whole(0).await);
     for i in 0..2 {
         assert_eq!(rig.replicas[i].store().missed(NodeId(3), 0).unwrap(), None);
     }
@@ -1378,8 +1382,7 @@ async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
     let progress = resync.progress()[&NodeId(3)];
     assert!(progress.full);
     assert_eq!(progress.total, SIZE);
-    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
-    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+    assert_eq!(rig.whole(2).await, rig.whole(0).await);
 }
 
 /// A write that reached the replica being rebuilt and one in-sync copy but
@@ -1414,8 +1417,7 @@ async fn a_repair_of_an_unacknowledged_write_makes_a_running_rebuild_start_over(
         rig.engine.copy_extent(NodeId(3), extent).await.unwrap();
     }
     rig.engine.finish_rebuild(NodeId(3)).await.unwrap();
-    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
-    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
+    assert_eq!(rig.whole(2).await, rig.whole(0).await);
 }
 
 /// #21, resume: a full rebuild interrupted by a writer change goes on
@@ -1510,9 +1512,8 @@ async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
     );
     assert!(progress.total < SIZE);
     assert!(rig.committed().await.contains(&NodeId(3)));
-    let whole = |i: usize| rig.replicas[i].store().digests(0, SIZE);
-    assert_eq!(whole(2).await.unwrap(), whole(0).await.unwrap());
-    assert_eq!(whole(2).await.unwrap(), whole(1).await.unwrap());
+    assert_eq!(rig.whole(2).await, rig.whole(0).await);
+    assert_eq!(rig.whole(2).await, rig.whole(1).await);
     for i in 0..3 {
         assert_eq!(rig.replicas[i].store().missed(NodeId(3), 0).unwrap(), None);
     }

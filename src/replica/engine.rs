@@ -1630,6 +1630,28 @@ impl Engine {
         self.begin(offset, len, false)
     }
 
+    /// Notes a write to `extents` and, when it continues a sequential
+    /// stream, queues the extents to mark ahead of it (see [`super::ahead`]);
+    /// true if it queued some.
+    fn plan_marks_ahead(&self, activity: &mut Activity, extents: &RangeInclusive<u64>) -> bool {
+        let size = self.current_size();
+        if size == 0 {
+            return false;
+        }
+        let end = (size - 1) / self.extent_size;
+        let Some(due) = activity
+            .ahead
+            .after_write(*extents.start(), *extents.end(), end)
+        else {
+            return false;
+        };
+        if activity.marks_due.len() >= MARKS_DUE_MAX {
+            activity.marks_due.remove(0);
+        }
+        activity.marks_due.push(due);
+        true
+    }
+
     /// Counts a write, or a mark ahead (`ahead`), to `[offset, offset+len)`
     /// as in flight until the returned guard drops. A mark ahead's extents
     /// wait for a write from now on; a write reaches them, and they stop
@@ -1649,12 +1671,20 @@ impl Engine {
                 state.activity.ahead_waiting.remove(&extent);
             }
         }
+        let extents = first..=last;
+        // A write may continue a sequential stream (in the same lock).
+        let due = !ahead && self.plan_marks_ahead(&mut state.activity, &extents);
+        let activation = state.activations;
+        drop(state);
+        if due {
+            self.ahead_due.notify_one();
+        }
         InFlight {
             engine: self,
-            extents: first..=last,
+            extents,
             acknowledged: false,
             ahead,
-            activation: state.activations,
+            activation,
         }
     }
 
@@ -1867,30 +1897,6 @@ impl Engine {
         Ok(repaired)
     }
 
-    /// Notes a write to `extents` and, when it continues a sequential
-    /// stream, queues the extents to mark ahead of it (see [`super::ahead`]).
-    fn plan_marks_ahead(&self, extents: RangeInclusive<u64>) {
-        let size = self.current_size();
-        if size == 0 {
-            return;
-        }
-        let end = (size - 1) / self.extent_size;
-        let mut state = self.lock();
-        let activity = &mut state.activity;
-        let Some(due) = activity
-            .ahead
-            .after_write(*extents.start(), *extents.end(), end)
-        else {
-            return;
-        };
-        if activity.marks_due.len() >= MARKS_DUE_MAX {
-            activity.marks_due.remove(0);
-        }
-        activity.marks_due.push(due);
-        drop(state);
-        self.ahead_due.notify_one();
-    }
-
     /// Marks ahead of sequential writers, in the background, until the task
     /// is dropped: each queued range is marked on every replica that takes
     /// writes, under the extents' stripes (shared) and counted meanwhile
@@ -2023,7 +2029,6 @@ impl Engine {
         let _turn = self.order.enter(offset, len).await;
         let _span = self.lock_span(offset, len).await;
         let mut in_flight = self.begin_write(offset, len);
-        self.plan_marks_ahead(in_flight.extents.clone());
         let result = self.mirror(op).await;
         in_flight.acknowledged = result.is_ok();
         result

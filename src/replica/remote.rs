@@ -174,6 +174,22 @@ impl RemoteReplica {
         }
     }
 
+    /// A block request of `kind` about `len` bytes at `offset`, with no
+    /// payload (a discard or a mark ahead).
+    async fn call_on_range(
+        &self,
+        kind: Kind,
+        stamp: Stamp,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), ReplicaError> {
+        let fill = |h: &mut Header| {
+            h.offset = offset;
+            h.length = len;
+        };
+        self.call(kind, stamp, fill, Bytes::new()).await.map(|_| ())
+    }
+
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         request.set_timeout(self.timeout);
@@ -247,23 +263,11 @@ impl Replica for RemoteReplica {
     }
 
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
-        let fill = |h: &mut Header| {
-            h.offset = offset;
-            h.length = len;
-        };
-        self.call(Kind::Discard, stamp, fill, Bytes::new())
-            .await
-            .map(|_| ())
+        self.call_on_range(Kind::Discard, stamp, offset, len).await
     }
 
     async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
-        let fill = |h: &mut Header| {
-            h.offset = offset;
-            h.length = len;
-        };
-        self.call(Kind::Mark, stamp, fill, Bytes::new())
-            .await
-            .map(|_| ())
+        self.call_on_range(Kind::Mark, stamp, offset, len).await
     }
 
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {

@@ -382,9 +382,7 @@ impl ReplicaStore {
         fua: bool,
     ) -> Result<(), ReplicaError> {
         let stamp = stamp.into();
-        check_term(stamp.term)?;
-        check_request(offset, data.len() as u64, self.size())?;
-        let admitted = self.admit(stamp).await?;
+        let admitted = self.admit_change(stamp, offset, data.len() as u64).await?;
         self.mark_dirty(stamp.term, offset, data.len() as u64)
             .await?;
         let file = Arc::clone(&self.file);
@@ -428,9 +426,7 @@ impl ReplicaStore {
         len: u64,
     ) -> Result<(), ReplicaError> {
         let stamp = stamp.into();
-        check_term(stamp.term)?;
-        check_request(offset, len, self.size())?;
-        let admitted = self.admit(stamp).await?;
+        let admitted = self.admit_change(stamp, offset, len).await?;
         self.mark_dirty(stamp.term, offset, len).await?;
         let file = Arc::clone(&self.file);
         let touch = self.predigests.touch();
@@ -458,9 +454,7 @@ impl ReplicaStore {
         len: u64,
     ) -> Result<(), ReplicaError> {
         let stamp = stamp.into();
-        check_term(stamp.term)?;
-        check_request(offset, len, self.size())?;
-        let _admitted = self.admit(stamp).await?;
+        let _admitted = self.admit_change(stamp, offset, len).await?;
         self.mark(stamp.term, offset, len, Touch::Ahead).await
     }
 
@@ -947,6 +941,20 @@ impl ReplicaStore {
         marked.retirements += 1;
         crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
         Ok(keys.len())
+    }
+
+    /// The checks of a request that changes `[offset, offset + len)` (a
+    /// write, discard or mark): a real term and a range inside the volume,
+    /// then admission (S2, S3). Returns the guard its I/O must hold.
+    async fn admit_change(
+        &self,
+        stamp: Stamp,
+        offset: u64,
+        len: u64,
+    ) -> Result<OwnedRwLockReadGuard<Stamp>, ReplicaError> {
+        check_term(stamp.term)?;
+        check_request(offset, len, self.size())?;
+        self.admit(stamp).await
     }
 
     /// Waits until a request of `stamp` may proceed and returns the guard it
