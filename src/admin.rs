@@ -495,5 +495,6 @@ fn replica_status(report: ReplicaReport) -> ReplicaStatus {
         resync_running: report.resync.is_some_and(|p| p.running),
         resync_full: report.resync.is_some_and(|p| p.full),
         stale_accepts: info.stale_accepts,
+        first_touch_marks: info.first_touch_marks,
     }
 }

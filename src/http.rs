@@ -310,25 +310,35 @@ pub fn render(status: &NodeStatus) -> String {
         .filter_map(|r| r.info.as_ref().ok().map(|info| (r.id.to_string(), *info)))
         .collect();
     type Field = fn(&ReplicaInfo) -> u64;
-    let per_replica: [(&str, &str, Field); 3] = [
+    let per_replica: [(&str, Kind, &str, Field); 4] = [
         (
             "replica_ha_replica_fence_floor",
+            Kind::Gauge,
             "Each reachable replica's durable fence floor.",
             |i| i.floor.0,
         ),
         (
             "replica_ha_replica_dirty_extents",
+            Kind::Gauge,
             "Dirty (term, extent) marks each reachable replica holds.",
             |i| i.dirty_extents,
         ),
         (
             "replica_ha_replica_stale_accepts",
+            Kind::Gauge,
             "Requests each reachable replica admitted below its fence floor (must be 0).",
             |i| i.stale_accepts,
         ),
+        (
+            "replica_ha_replica_first_touch_marks_total",
+            Kind::Counter,
+            "Extents a write had to mark itself on each reachable replica since it started, each \
+             after a metadata flush (S6's first-touch cost).",
+            |i| i.first_touch_marks,
+        ),
     ];
-    for (name, help, value) in per_replica {
-        text.family(name, Kind::Gauge, help);
+    for (name, kind, help, value) in per_replica {
+        text.family(name, kind, help);
         for (id, info) in &infos {
             text.sample(name, &[("replica", id)], value(info) as f64);
         }

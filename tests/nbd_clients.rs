@@ -291,6 +291,17 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
+    // The write was its extent's first in the term: every replica marked it.
+    for id in &cluster.ids {
+        let name = format!("replica_ha_replica_first_touch_marks_total{{replica=\"{id}\"}} ");
+        let marks: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name.as_str()))
+            .unwrap_or_else(|| panic!("missing {name:?} in\n{metrics}"))
+            .parse()
+            .unwrap();
+        assert!(marks >= 1.0, "{name}{marks}");
+    }
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     let (_, metrics) = http_get(cluster.http_addrs[&follower], "/metrics");
     assert!(metrics.contains("replica_ha_gate_open 0"), "{metrics}");

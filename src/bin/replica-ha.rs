@@ -844,6 +844,7 @@ fn status_json(reply: &StatusReply) -> String {
             "fence_floor": r.reachable.then_some(r.fence_floor),
             "dirty_extents": r.reachable.then_some(r.dirty_extents),
             "stale_accepts": r.reachable.then_some(r.stale_accepts),
+            "first_touch_marks": r.reachable.then_some(r.first_touch_marks),
             "error": (!r.error.is_empty()).then_some(&r.error),
             "resync": (r.resync_total_bytes > 0).then(|| serde_json::json!({
                 "running": r.resync_running,

@@ -387,6 +387,7 @@ impl Replica for RemoteReplica {
             generation: reply.generation,
             dirty_extents: reply.dirty_extents,
             stale_accepts: reply.stale_accepts,
+            first_touch_marks: reply.first_touch_marks,
         })
     }
 

@@ -447,6 +447,7 @@ impl ReplicaRpc for ReplicaService {
             dirty_extents: info.dirty_extents,
             stale_accepts: info.stale_accepts,
             generation: info.generation,
+            first_touch_marks: info.first_touch_marks,
         }))
     }
 

@@ -168,6 +168,8 @@ pub struct ReplicaStore {
     missed_edit: tokio::sync::Mutex<()>,
     /// Requests admitted with a term below the floor (see the module docs).
     stale_accepts: AtomicU64,
+    /// Extents a write marked itself since start (see [`ReplicaStore::info`]).
+    first_touch_marks: AtomicU64,
     /// Every change to the data file is counted here, and the digests of
     /// the marked extents hashed ahead of a failover are kept here.
     predigests: Arc<DigestCache>,
@@ -305,6 +307,7 @@ impl ReplicaStore {
             missed,
             missed_edit: tokio::sync::Mutex::new(()),
             stale_accepts: AtomicU64::new(stale_accepts),
+            first_touch_marks: AtomicU64::new(0),
             predigests: Arc::default(),
             #[cfg(test)]
             io_delay: Mutex::default(),
@@ -639,6 +642,7 @@ impl ReplicaStore {
             generation: floor.generation,
             dirty_extents: self.meta.get()?.dirty.len() as u64,
             stale_accepts: self.stale_accepts(),
+            first_touch_marks: self.first_touch_marks.load(Ordering::Relaxed),
         })
     }
 
@@ -1092,6 +1096,10 @@ impl ReplicaStore {
                 // A retirement ran meanwhile and may have removed what was
                 // just inserted: mark again rather than trust it.
                 continue;
+            }
+            if touch == Touch::Write {
+                self.first_touch_marks
+                    .fetch_add(missing.len() as u64, Ordering::Relaxed);
             }
             marked.set.extend(missing);
             drop(marked);
