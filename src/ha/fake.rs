@@ -696,6 +696,8 @@ pub struct MemoryInSync {
     fail: std::sync::atomic::AtomicBool,
     /// The committed size once a resize committed (none: the config's).
     size: Mutex<Option<u64>>,
+    /// The writer whose changes commit, once one is recorded (none: any).
+    writer: Mutex<Option<Term>>,
 }
 
 impl MemoryInSync {
@@ -709,7 +711,14 @@ impl MemoryInSync {
             set: Mutex::new(members.into_iter().map(Into::into).collect()),
             fail: std::sync::atomic::AtomicBool::new(false),
             size: Mutex::new(None),
+            writer: Mutex::new(None),
         }
+    }
+
+    /// Records `term` as the writer's: from now on a change on behalf of
+    /// any other term is refused, as Raft refuses a deposed leader's.
+    pub fn set_writer(&self, term: Term) {
+        *self.writer.lock().unwrap_or_else(|p| p.into_inner()) = Some(term);
     }
 
     /// Makes every later commit (remove, add, resize) fail, as a deposed
@@ -718,13 +727,21 @@ impl MemoryInSync {
         self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Applies `change` unless commits fail on command; the set after it.
+    /// Applies `change` on behalf of the writer of `term` unless commits
+    /// fail on command or another writer is recorded; the set after it.
     fn commit(
         &self,
+        term: Term,
         change: impl FnOnce(&mut BTreeSet<NodeId>),
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
         if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(InSyncError::Refused("the fake refuses on command".into()));
+        }
+        let writer = *self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if writer.is_some_and(|writer| writer != term) {
+            return Err(InSyncError::Refused(format!(
+                "{term} is not the writer's term"
+            )));
         }
         let mut set = self.lock();
         change(&mut set);
@@ -745,23 +762,23 @@ impl InSyncTracker for MemoryInSync {
     }
     async fn remove(
         &self,
-        _term: Term,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
-        self.commit(|set| set.retain(|member| !replicas.contains(member)))
+        self.commit(term, |set| set.retain(|member| !replicas.contains(member)))
     }
     async fn add(
         &self,
-        _term: Term,
+        term: Term,
         replicas: &BTreeSet<NodeId>,
     ) -> Result<BTreeSet<NodeId>, InSyncError> {
-        self.commit(|set| set.extend(replicas.iter().cloned()))
+        self.commit(term, |set| set.extend(replicas.iter().cloned()))
     }
     async fn volume_size(&self) -> Result<Option<u64>, InSyncError> {
         Ok(*self.size.lock().unwrap_or_else(|p| p.into_inner()))
     }
-    async fn resize(&self, _term: Term, size: u64) -> Result<(), InSyncError> {
-        self.commit(|_| ())?;
+    async fn resize(&self, term: Term, size: u64) -> Result<(), InSyncError> {
+        self.commit(term, |_| ())?;
         let mut committed = self.size.lock().unwrap_or_else(|p| p.into_inner());
         if committed.is_some_and(|now| size < now) {
             return Err(InSyncError::Refused(format!("cannot shrink to {size}")));
@@ -783,5 +800,16 @@ mod tests {
         set.fail_removals(true);
         assert!(set.remove(Term(1), &removed).await.is_err());
         assert_eq!(set.in_sync().await.unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn memory_in_sync_refuses_a_deposed_writers_changes() {
+        let set = MemoryInSync::new([NodeId(1), NodeId(2), NodeId(3)]);
+        let removed: BTreeSet<NodeId> = [NodeId(2)].into();
+        set.set_writer(Term(2));
+        assert!(set.remove(Term(1), &removed).await.is_err());
+        assert!(set.add(Term(1), &removed).await.is_err());
+        assert_eq!(set.in_sync().await.unwrap().len(), 3);
+        assert_eq!(set.remove(Term(2), &removed).await.unwrap().len(), 2);
     }
 }
