@@ -332,8 +332,9 @@ pub fn render(status: &NodeStatus) -> String {
         (
             "replica_ha_replica_first_touch_marks_total",
             Kind::Counter,
-            "Extents a write had to mark itself on each reachable replica since it started, each \
-             after a metadata flush (S6's first-touch cost).",
+            "Extents a write, discard or copy had to mark itself on each reachable replica since \
+             it started, each after a metadata flush (S6's first-touch cost; marks ahead are not \
+             counted).",
             |i| i.first_touch_marks,
         ),
     ];

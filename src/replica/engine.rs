@@ -237,6 +237,13 @@ pub struct Engine {
     state: Mutex<EngineState>,
     /// Serializes in-sync shrinks (see the module docs).
     shrink: tokio::sync::Mutex<()>,
+    /// Serializes mark-retirement passes: a pass drops a mark only if no
+    /// write reached its extent since the pass took its batch, which it
+    /// reads from `Activity::done`; a second pass running meanwhile could
+    /// take that write's extent out of `done` before the first pass's
+    /// recheck, and the first would drop the mark before the second's
+    /// flush made the write durable.
+    retiring: tokio::sync::Mutex<()>,
     /// Extent stripes: a write holds the stripes of its extents shared, a
     /// rebuild's extent copy holds one exclusively.
     stripes: Vec<RwLock<()>>,
@@ -515,6 +522,7 @@ impl Engine {
                 orphan_copies: BTreeMap::new(),
             }),
             shrink: tokio::sync::Mutex::new(()),
+            retiring: tokio::sync::Mutex::new(()),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size,
             order: Arc::default(),
@@ -1738,6 +1746,7 @@ impl Engine {
     }
 
     async fn retire_pass(&self, idle: Idle) -> Result<usize, DeviceError> {
+        let _one_at_a_time = self.retiring.lock().await;
         let (term, batch, older_marks) = {
             let mut state = self.lock();
             let term = state.term.ok_or(DeviceError::Inactive)?;

@@ -187,9 +187,10 @@ pub struct ReplicaInfo {
     /// Requests it admitted below its fence floor (the S2 audit; always 0
     /// outside the deliberately broken test build).
     pub stale_accepts: u64,
-    /// Extents a write had to mark itself since the replica started, each
-    /// after a metadata flush (S6's first-touch cost; marks ahead and a
-    /// hot extent's kept mark spare it).
+    /// Extents a write, discard or copy had to mark itself since the
+    /// replica started, each after a metadata flush (S6's first-touch cost;
+    /// marks ahead and a hot extent's kept mark spare it). Two writes that
+    /// mark the same extent at once may both count it.
     pub first_touch_marks: u64,
 }
 
