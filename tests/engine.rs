@@ -1603,6 +1603,56 @@ async fn a_rebuilding_replica_keeps_its_older_marks_until_its_rebuild_compared_t
     );
 }
 
+/// #21: a removed member's map is closed on every replica that kept it,
+/// by the writer's resyncer once the membership no longer names it; a
+/// member's map is left alone.
+#[tokio::test]
+async fn a_removed_members_map_is_closed_and_a_members_map_kept() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    rig.engine
+        .write_at(SIZE - 4096, block(7), false)
+        .await
+        .unwrap();
+    let kept = |i: usize| rig.replicas[i].store().missed(NodeId(3), 0).unwrap();
+    let everyone: BTreeSet<NodeId> = IDS.into_iter().collect();
+    assert_eq!(
+        rig.engine
+            .close_maps_of_former_members(&everyone)
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(kept(0).is_some() && kept(1).is_some(), "n3 is a member");
+
+    rig.engine.remove_replica(NodeId(3)).await.unwrap();
+    let resync = Arc::new(
+        Resyncer::new(
+            Arc::clone(&rig.engine),
+            ResyncConfig {
+                interval: Duration::from_millis(10),
+                rate: 0,
+            },
+        )
+        .closing_maps_of_former_members(Box::new(|| [NodeId(1), NodeId(2)].into())),
+    );
+    let running = tokio::spawn(Arc::clone(&resync).run());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while kept(0).is_some() || kept(1).is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "n3's map is still open: n1 {:?}, n2 {:?}",
+            kept(0),
+            kept(1)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.abort();
+    assert!(rig.replicas[0].store().missed_open().is_empty());
+    assert!(rig.replicas[1].store().missed_open().is_empty());
+}
+
 /// Invariant M: a map a replica kept while it was away, of a member that
 /// returned meanwhile (its close could not reach it), is stale: it lacks
 /// what was written since. The replica's rebuild closes it, so it can

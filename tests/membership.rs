@@ -206,6 +206,22 @@ async fn grow_to_five_and_shrink_to_three_under_a_writing_client() {
     assert_identical(&cluster, &[1, 2, 3]).await;
     let (_, out, _) = cluster.cli(writer, &["members"]).await;
     assert_eq!(out.lines().count(), 4, "a header and three members: {out}");
+    // #21: the maps opened when 4 and 5 left the in-sync set are closed
+    // once they are no longer members.
+    for id in [1u64, 2, 3] {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let maps = cluster.missed_maps(id).await;
+            if !maps.iter().any(|node| *node == 4 || *node == 5) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {id} still keeps maps of {maps:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 /// Removing the writer's own node moves leadership first: the client sees

@@ -107,13 +107,28 @@ impl Volume {
                 .record_to(Arc::new(journal))
                 .map_err(|err| failed(err.to_string()))?;
         }
-        let resync = Arc::new(Resyncer::new(
-            Arc::clone(&engine),
-            ResyncConfig {
-                rate: config.resync_rate,
-                ..ResyncConfig::default()
-            },
-        ));
+        let members = {
+            let applied = coordinator.state_machine().subscribe();
+            Box::new(move || {
+                applied
+                    .borrow()
+                    .membership
+                    .membership()
+                    .nodes()
+                    .map(|(member, _)| member.node())
+                    .collect()
+            })
+        };
+        let resync = Arc::new(
+            Resyncer::new(
+                Arc::clone(&engine),
+                ResyncConfig {
+                    rate: config.resync_rate,
+                    ..ResyncConfig::default()
+                },
+            )
+            .closing_maps_of_former_members(members),
+        );
         let scrub = Arc::new(Scrubber::new(
             Arc::clone(&engine),
             ScrubConfig {

@@ -1011,16 +1011,11 @@ impl Engine {
             .iter()
             .map(|id| (*id, self.replicas.incarnation(*id)))
             .collect();
-        let staying: Vec<Arc<dyn Replica>> = {
-            let state = self.lock();
-            self.replicas
-                .members()
-                .iter()
-                .filter(|r| !leaving.iter().any(|(id, _)| *id == r.id()))
-                .filter(|r| in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id()))
-                .cloned()
-                .collect()
-        };
+        let staying: Vec<Arc<dyn Replica>> = self
+            .map_keepers(in_sync)
+            .into_iter()
+            .filter(|r| !leaving.iter().any(|(id, _)| *id == r.id()))
+            .collect();
         for _phase in ["open", "in flight"] {
             let extents: Vec<u64> = {
                 let state = self.lock();
@@ -1619,18 +1614,11 @@ impl Engine {
         }
         // Invariant M: back in sync, it needs no map any more. Best
         // effort: a map left open is a superset, which costs only copies.
-        let keepers: Vec<Arc<dyn Replica>> = {
-            let state = self.lock();
-            self.replicas
-                .members()
-                .iter()
-                .filter(|r| r.id() != id)
-                .filter(|r| {
-                    state.in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id())
-                })
-                .cloned()
-                .collect()
-        };
+        let keepers: Vec<Arc<dyn Replica>> = self
+            .map_keepers(&self.in_sync())
+            .into_iter()
+            .filter(|r| r.id() != id)
+            .collect();
         let closes = keepers.iter().map(|replica| async move {
             let closed = self
                 .stamped(term, replica, |stamp| replica.close_missed(stamp, id))
@@ -1644,6 +1632,61 @@ impl Engine {
         }
         tracing::info!(%term, replica = %id, "replica back in the in-sync set");
         Ok(())
+    }
+
+    /// The replicas that keep missed-write maps: those in `in_sync` and
+    /// those being rebuilt (they take every change, so they record it).
+    fn map_keepers(&self, in_sync: &BTreeSet<NodeId>) -> Vec<Arc<dyn Replica>> {
+        let state = self.lock();
+        self.replicas
+            .members()
+            .iter()
+            .filter(|r| in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id()))
+            .cloned()
+            .collect()
+    }
+
+    /// Closes the missed-write maps of nodes that are no longer members of
+    /// the cluster (`members`: the committed membership, learners
+    /// included) on every replica that keeps maps. A removed member's map
+    /// would otherwise stay open for good, and every later change would
+    /// add its extents to it. Dropping it is safe: a removed node can only
+    /// come back by being added again, and a replica without a map on its
+    /// source is rebuilt in full (see [`super::missed`]). Returns the maps
+    /// closed; a keeper that could not list or close its maps makes it an
+    /// error (the caller tries again), after the others were done.
+    pub async fn close_maps_of_former_members(
+        &self,
+        members: &BTreeSet<NodeId>,
+    ) -> Result<usize, RebuildError> {
+        let term = self.lock().term.ok_or(RebuildError::Inactive)?;
+        let keepers = self.map_keepers(&self.in_sync());
+        let sweeps = keepers.iter().map(|keeper| async move {
+            let maps = self.bounded(keeper.id(), keeper.missed_maps()).await?;
+            let mut closed = 0;
+            for node in maps.into_keys().filter(|node| !members.contains(node)) {
+                self.stamped(term, keeper, |stamp| keeper.close_missed(stamp, node))
+                    .await?;
+                tracing::info!(replica = %keeper.id(), of = %node, "closed the missed-write map of a former member");
+                closed += 1;
+            }
+            Ok::<usize, ReplicaError>(closed)
+        });
+        let mut total = 0;
+        let mut failed = None;
+        for (keeper, swept) in keepers.iter().zip(join_all(sweeps).await) {
+            match swept {
+                Ok(closed) => total += closed,
+                Err(err) => {
+                    failed = Some(RebuildError::replica(
+                        "closing former members' missed-write maps on",
+                        keeper.id(),
+                        err,
+                    ))
+                }
+            }
+        }
+        failed.map_or(Ok(total), Err)
     }
 
     /// The replica `id`, as the target of a rebuild step.

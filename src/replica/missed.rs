@@ -34,6 +34,11 @@
 //! - *When X returns.* Once its return is committed, the writer closes its
 //!   map everywhere. A map left open by a close that failed is a superset,
 //!   and a superset only costs copies.
+//! - *When X is removed from the cluster.* The writer's resyncer closes the
+//!   maps of nodes that are no longer members on every keeper, and tries
+//!   again until every close took (and after each writer change). A removed node returns only
+//!   by being added again, and a source without its map rebuilds it in
+//!   full.
 //!
 //! **The unverified range** makes a full rebuild resumable. Before one
 //! compares anything, the writer lowers the range of X's map to extent 0

@@ -31,10 +31,14 @@
 //! extents below the range and the range, so a writer change costs at
 //! most that interval's progress again (see [`super::missed`]).
 //!
+//! The resyncer also closes the missed-write maps of removed members (see
+//! [`Engine::close_maps_of_former_members`]) whenever the term or the
+//! committed membership changes.
+//!
 //! The copy rate is limited by `rate` (bytes per second of copied data) so
 //! a rebuild cannot starve client I/O.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -159,8 +163,15 @@ pub struct Resyncer {
     config: ResyncConfig,
     progress: Mutex<BTreeMap<NodeId, Progress>>,
     /// Replicas whose next rebuild compares every extent, by request.
-    full: Mutex<std::collections::BTreeSet<NodeId>>,
+    full: Mutex<BTreeSet<NodeId>>,
+    /// The committed membership, when the resyncer also closes the
+    /// missed-write maps of removed members (see
+    /// [`Engine::close_maps_of_former_members`]).
+    members: Option<Members>,
 }
+
+/// Reads the committed membership (learners included).
+pub type Members = Box<dyn Fn() -> BTreeSet<NodeId> + Send + Sync>;
 
 impl Resyncer {
     /// A resyncer over the engine's replica set.
@@ -170,7 +181,15 @@ impl Resyncer {
             config,
             progress: Mutex::default(),
             full: Mutex::default(),
+            members: None,
         }
+    }
+
+    /// Also closes, whenever the term or `members` changes, the
+    /// missed-write maps that replicas keep of nodes no longer members.
+    pub fn closing_maps_of_former_members(mut self, members: Members) -> Self {
+        self.members = Some(members);
+        self
     }
 
     /// Makes the next rebuild of `id` a full one (every extent compared),
@@ -204,11 +223,13 @@ impl Resyncer {
 
     /// Runs forever (until the task is dropped).
     pub async fn run(self: Arc<Self>) {
+        let mut swept = None;
         loop {
             tokio::time::sleep(self.config.interval).await;
-            if self.engine.term().is_none() {
+            let Some(term) = self.engine.term() else {
                 continue;
-            }
+            };
+            self.close_maps_of_former_members(term, &mut swept).await;
             let in_sync = self.engine.in_sync();
             for replica in self.engine.replica_set().members().iter() {
                 let id = replica.id();
@@ -220,6 +241,27 @@ impl Resyncer {
                     Err(err) => tracing::warn!(replica = %id, %err, "resync abandoned"),
                 }
             }
+        }
+    }
+
+    /// Closes former members' maps once per term and membership: `swept`
+    /// is the last pair that was done.
+    async fn close_maps_of_former_members(
+        &self,
+        term: Term,
+        swept: &mut Option<(Term, BTreeSet<NodeId>)>,
+    ) {
+        let Some(members) = &self.members else {
+            return;
+        };
+        let now = (term, members());
+        // An empty membership is one not read yet, not a cluster of none.
+        if now.1.is_empty() || swept.as_ref() == Some(&now) {
+            return;
+        }
+        match self.engine.close_maps_of_former_members(&now.1).await {
+            Ok(_) => *swept = Some(now),
+            Err(err) => tracing::debug!(%err, "former members' maps not closed yet"),
         }
     }
 

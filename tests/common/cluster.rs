@@ -562,6 +562,22 @@ impl Cluster {
         reply.digests
     }
 
+    /// The members whose missed-write maps node `id`'s replica keeps open,
+    /// asked of its replica service.
+    pub async fn missed_maps(&self, id: u64) -> Vec<u64> {
+        use replica_ha::proto::replica as pb;
+        let volume = self.volume_ref(id).await;
+        let mut client = pb::replica_client::ReplicaClient::new(self.peer_channel(id));
+        let reply = client
+            .missed_maps(pb::MissedMapsRequest {
+                volume: Some(volume),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        reply.maps.iter().map(|m| m.node).collect()
+    }
+
     /// Waits until node `id` has taken `more` writes beyond those it had
     /// taken when called (a client is writing through it by then).
     pub async fn wait_for_writes(&self, id: u64, more: u64, within: Duration) {
