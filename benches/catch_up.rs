@@ -17,8 +17,11 @@
 //! emptied to a sparse one of the same size) and a full rebuild is asked
 //! for (`replica-ha resync --full`): with `WRITTEN=1` every extent is then
 //! copied, and each run also times `dd` of the writer's volume file to a
-//! new file (1 MiB blocks, `conv=fsync`) on the same disk and prints the
-//! rebuild's throughput as a fraction of dd's.
+//! new file (1 MiB blocks, `conv=fsync`) on the same disk, just before the
+//! follower starts and again just after it is back, and prints the
+//! rebuild's throughput as a fraction of each dd's: from the follower's
+//! start, and for the rebuild alone (from when the writer first reports it
+//! running). Why two dds: see [`Run::dd`].
 //!
 //! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`,
 //! `WRITTEN=0`, `MISS_MIB=4`, `FULL=0`).
@@ -73,8 +76,23 @@ fn dd(from: &Path) -> Duration {
 }
 
 /// One catch-up on a fresh cluster of `bin` with a `gib` GiB volume; with
-/// `full`, also the time of `dd` of the writer's volume file.
-async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> (Duration, Option<Duration>) {
+/// What one run measured.
+struct Run {
+    /// From the follower's start to its return to the in-sync set.
+    back: Duration,
+    /// From when the writer first reported the rebuild running to the
+    /// return (without the node's start and the resync's poll).
+    rebuild: Option<Duration>,
+    /// With `full`: `dd` of the writer's volume file just before the
+    /// follower starts, and again just after its return. The second writes
+    /// into the same kind of page-cache pages the rebuild had to take (on
+    /// a VM whose idle memory goes back to the host, pages freed seconds
+    /// ago cost several times more to fill than pages freed just now).
+    dd: Option<(Duration, Duration)>,
+}
+
+/// One run on `bin` (see the module docs).
+async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> Run {
     let mut cluster = Cluster::new(3);
     if written {
         for id in cluster.ids.clone() {
@@ -112,7 +130,7 @@ async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> (Duration,
     cluster
         .wait_in_sync(writer, follower, false, Duration::from_secs(30))
         .await;
-    let mut dd_took = None;
+    let mut dd_before = None;
     if full {
         let image = |id: u64| cluster.data_dir(id).join("replica").join("volume.img");
         // The follower's copy is lost: a sparse file of the same size.
@@ -128,18 +146,37 @@ async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> (Duration,
             .cli(writer, &["resync", "--full", "--id", &id])
             .await;
         assert!(ok, "resync --full: {out}{err}");
-        dd_took = Some(dd(&image(writer)));
+        dd_before = Some(dd(&image(writer)));
     }
     let started = Instant::now();
     cluster.spawn(follower);
-    cluster
-        .wait_in_sync(writer, follower, true, Duration::from_secs(900))
-        .await;
-    let took = started.elapsed();
+    let (name, mut rebuilding) = (follower.to_string(), None);
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let status = cluster.status(writer).await.unwrap_or_default();
+        if status.in_sync.contains(&name) {
+            break;
+        }
+        let running = status
+            .replicas
+            .iter()
+            .any(|r| r.id == name && r.resync_running);
+        if running && rebuilding.is_none() {
+            rebuilding = Some(Instant::now());
+        }
+        assert!(Instant::now() < deadline, "node {follower} never came back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let back = started.elapsed();
+    let rebuild = rebuilding.map(|at| at.elapsed());
+    let dd = dd_before.map(|before| {
+        let image = cluster.data_dir(writer).join("replica").join("volume.img");
+        (before, dd(&image))
+    });
     for id in cluster.ids.clone() {
         cluster.kill(id);
     }
-    (took, dd_took)
+    Run { back, rebuild, dd }
 }
 
 fn median(mut values: Vec<Duration>) -> Duration {
@@ -162,51 +199,65 @@ async fn main() {
     } else {
         println!("catch-up after a {missed} MiB miss, {kind} volume, {runs} runs per size");
     }
+    let secs = |d: Duration| d.as_secs_f64();
     for gib in sizes {
-        let (mut ours, mut theirs, mut dds) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut backs, mut rebuilds, mut theirs) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut befores, mut afters) = (Vec::new(), Vec::new());
         for run in 0..runs {
             if let Some(baseline) = &baseline {
-                let (t, _) = catch_up(baseline, gib, written, full).await;
-                println!(
-                    "{gib:>3} GiB run {run} baseline: {:>8.2} s",
-                    t.as_secs_f64()
-                );
+                let t = catch_up(baseline, gib, written, full).await.back;
+                println!("{gib:>3} GiB run {run} baseline: {:>8.2} s", secs(t));
                 theirs.push(t);
             }
-            let (t, dd_took) = catch_up(&current, gib, written, full).await;
-            print!(
-                "{gib:>3} GiB run {run} current:  {:>8.2} s",
-                t.as_secs_f64()
-            );
-            if let Some(dd_took) = dd_took {
+            let Run { back, rebuild, dd } = catch_up(&current, gib, written, full).await;
+            print!("{gib:>3} GiB run {run} current:  {:>8.2} s", secs(back));
+            if let Some(rebuild) = rebuild {
+                print!(" (rebuild {:.2} s)", secs(rebuild));
+                rebuilds.push(rebuild);
+            }
+            if let Some((before, after)) = dd {
                 print!(
-                    " (dd {:.2} s; rebuild/dd throughput {:.2}x)",
-                    dd_took.as_secs_f64(),
-                    dd_took.as_secs_f64() / t.as_secs_f64()
+                    "; dd {:.2} s before, {:.2} s after",
+                    secs(before),
+                    secs(after)
                 );
-                dds.push(dd_took);
+                befores.push(before);
+                afters.push(after);
             }
             println!();
-            ours.push(t);
+            backs.push(back);
         }
-        let ours = median(ours);
-        print!("{gib:>3} GiB median current {:.2} s", ours.as_secs_f64());
-        if !dds.is_empty() {
-            let dd_median = median(dds);
-            print!(
-                ", dd {:.2} s, rebuild/dd throughput {:.2}x",
-                dd_median.as_secs_f64(),
-                dd_median.as_secs_f64() / ours.as_secs_f64()
-            );
+        let back = median(backs);
+        print!("{gib:>3} GiB median current {:.2} s", secs(back));
+        if !rebuilds.is_empty() {
+            print!(" (rebuild {:.2} s)", secs(median(rebuilds.clone())));
         }
         if !theirs.is_empty() {
             let theirs = median(theirs);
             print!(
                 ", baseline {:.2} s, current/baseline {:.2}x",
-                theirs.as_secs_f64(),
-                ours.as_secs_f64() / theirs.as_secs_f64()
+                secs(theirs),
+                secs(back) / secs(theirs)
             );
         }
         println!();
+        if !befores.is_empty() {
+            let (before, after) = (median(befores), median(afters));
+            println!(
+                "{gib:>3} GiB rebuild/dd throughput, from the follower's start: {:.2}x dd before, \
+                 {:.2}x dd after",
+                secs(before) / secs(back),
+                secs(after) / secs(back)
+            );
+            if !rebuilds.is_empty() {
+                let rebuild = median(rebuilds);
+                println!(
+                    "{gib:>3} GiB rebuild/dd throughput, the rebuild alone: {:.2}x dd before, \
+                     {:.2}x dd after",
+                    secs(before) / secs(rebuild),
+                    secs(after) / secs(rebuild)
+                );
+            }
+        }
     }
 }
