@@ -114,10 +114,20 @@ struct Pass {
     full: bool,
 }
 
+/// After a rebuild of a replica fails, the next attempt waits this long,
+/// doubling with each further failure up to [`RETRY_AFTER_MAX`], so that a
+/// replica that answers but cannot be rebuilt (a full disk, say) is not
+/// retried, and logged, at every interval.
+const RETRY_AFTER: Duration = Duration::from_millis(500);
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(8);
+
 /// How a resyncer runs.
 #[derive(Debug, Clone, Copy)]
 pub struct ResyncConfig {
-    /// How often to look for a replica to rebuild.
+    /// How often to look for a replica to rebuild: a replica that comes
+    /// back waits at most this long for its rebuild to begin. After a
+    /// failed rebuild the next attempt at that replica waits longer (see
+    /// [`RETRY_AFTER`]).
     pub interval: Duration,
     /// The most bytes per second copied to a target (0: no limit).
     pub rate: u64,
@@ -126,7 +136,7 @@ pub struct ResyncConfig {
 impl Default for ResyncConfig {
     fn default() -> Self {
         Self {
-            interval: Duration::from_millis(500),
+            interval: Duration::from_millis(100),
             rate: 0,
         }
     }
@@ -164,6 +174,9 @@ pub struct Resyncer {
     progress: Mutex<BTreeMap<NodeId, Progress>>,
     /// Replicas whose next rebuild compares every extent, by request.
     full: Mutex<BTreeSet<NodeId>>,
+    /// Per replica whose last rebuild failed: when the next attempt may
+    /// begin, and the wait that led to it (see [`RETRY_AFTER`]).
+    retry: Mutex<BTreeMap<NodeId, (Instant, Duration)>>,
     /// The committed membership, when the resyncer also closes the
     /// missed-write maps of removed members (see
     /// [`Engine::close_maps_of_former_members`]).
@@ -181,6 +194,7 @@ impl Resyncer {
             config,
             progress: Mutex::default(),
             full: Mutex::default(),
+            retry: Mutex::default(),
             members: None,
         }
     }
@@ -207,6 +221,7 @@ impl Resyncer {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id);
+        self.retry().remove(&id);
         self.engine.spoil_rebuild(id);
         tracing::info!(replica = %id, "the next rebuild compares every extent (asked for)");
         Ok(())
@@ -233,15 +248,33 @@ impl Resyncer {
             let in_sync = self.engine.in_sync();
             for replica in self.engine.replica_set().members().iter() {
                 let id = replica.id();
-                if in_sync.contains(&id) || replica.info().await.is_err() {
+                let waiting = self
+                    .retry()
+                    .get(&id)
+                    .is_some_and(|(at, _)| Instant::now() < *at);
+                if in_sync.contains(&id) || waiting || replica.info().await.is_err() {
                     continue;
                 }
                 match self.rebuild(replica).await {
-                    Ok(copied) => tracing::info!(replica = %id, copied, "resync finished"),
-                    Err(err) => tracing::warn!(replica = %id, %err, "resync abandoned"),
+                    Ok(copied) => {
+                        self.retry().remove(&id);
+                        tracing::info!(replica = %id, copied, "resync finished");
+                    }
+                    Err(err) => {
+                        let mut retry = self.retry();
+                        let wait = retry
+                            .get(&id)
+                            .map_or(RETRY_AFTER, |(_, wait)| (*wait * 2).min(RETRY_AFTER_MAX));
+                        retry.insert(id, (Instant::now() + wait, wait));
+                        tracing::warn!(replica = %id, %err, retry_in = ?wait, "resync abandoned");
+                    }
                 }
             }
         }
+    }
+
+    fn retry(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeId, (Instant, Duration)>> {
+        self.retry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Closes former members' maps once per term and membership: `swept`
