@@ -36,9 +36,10 @@
 //!   and a superset only costs copies.
 //! - *When X is removed from the cluster.* The writer's resyncer closes the
 //!   maps of nodes that are no longer members on every keeper, and tries
-//!   again until every close took (and after each writer change). A removed node returns only
-//!   by being added again, and a source without its map rebuilds it in
-//!   full.
+//!   again until every close took (and after each writer change). A
+//!   removed node returns only by being added again: a source without its
+//!   map rebuilds it in full, and a map a failed close left open is
+//!   complete (it recorded every change), so a rebuild from it is sound.
 //!
 //! **The unverified range** makes a full rebuild resumable. Before one
 //! compares anything, the writer lowers the range of X's map to extent 0

@@ -183,6 +183,16 @@ pub struct Resyncer {
     members: Option<Members>,
 }
 
+/// The resyncer's closing of former members' maps (see
+/// [`Resyncer::closing_maps_of_former_members`]).
+#[derive(Debug, Default)]
+struct Sweep {
+    /// The term and membership it last closed every map for.
+    done: Option<(Term, BTreeSet<NodeId>)>,
+    /// After a failed sweep: no new one before this.
+    not_before: Option<Instant>,
+}
+
 /// Reads the committed membership (learners included).
 pub type Members = Box<dyn Fn() -> BTreeSet<NodeId> + Send + Sync>;
 
@@ -238,13 +248,13 @@ impl Resyncer {
 
     /// Runs forever (until the task is dropped).
     pub async fn run(self: Arc<Self>) {
-        let mut swept = None;
+        let mut sweep = Sweep::default();
         loop {
             tokio::time::sleep(self.config.interval).await;
             let Some(term) = self.engine.term() else {
                 continue;
             };
-            self.close_maps_of_former_members(term, &mut swept).await;
+            self.close_maps_of_former_members(term, &mut sweep).await;
             let in_sync = self.engine.in_sync();
             for replica in self.engine.replica_set().members().iter() {
                 let id = replica.id();
@@ -277,24 +287,33 @@ impl Resyncer {
         self.retry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Closes former members' maps once per term and membership: `swept`
-    /// is the last pair that was done.
-    async fn close_maps_of_former_members(
-        &self,
-        term: Term,
-        swept: &mut Option<(Term, BTreeSet<NodeId>)>,
-    ) {
+    /// Closes former members' maps once per term and membership. A sweep
+    /// that failed (a keeper did not answer) is tried again only after
+    /// [`RETRY_AFTER_MAX`]: it waits on every keeper, so a silent one would
+    /// otherwise hold up every pass's rebuilds by the replica timeout.
+    async fn close_maps_of_former_members(&self, term: Term, sweep: &mut Sweep) {
         let Some(members) = &self.members else {
             return;
         };
         let now = (term, members());
         // An empty membership is one not read yet, not a cluster of none.
-        if now.1.is_empty() || swept.as_ref() == Some(&now) {
+        if now.1.is_empty()
+            || sweep.done.as_ref() == Some(&now)
+            || sweep.not_before.is_some_and(|at| Instant::now() < at)
+        {
             return;
         }
         match self.engine.close_maps_of_former_members(&now.1).await {
-            Ok(_) => *swept = Some(now),
-            Err(err) => tracing::debug!(%err, "former members' maps not closed yet"),
+            Ok(_) => {
+                *sweep = Sweep {
+                    done: Some(now),
+                    not_before: None,
+                }
+            }
+            Err(err) => {
+                sweep.not_before = Some(Instant::now() + RETRY_AFTER_MAX);
+                tracing::info!(%err, retry_in = ?RETRY_AFTER_MAX, "former members' missed-write maps not closed yet");
+            }
         }
     }
 

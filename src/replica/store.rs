@@ -154,7 +154,7 @@ pub struct ReplicaStore {
     growing: tokio::sync::Mutex<()>,
     file: Arc<File>,
     /// The data file opened again with `O_DIRECT`, where the file system
-    /// allows it: large aligned writes go through it (see [`DIRECT_IO`]).
+    /// allows it: most of a large write goes through it (see [`DIRECT_IO`]).
     direct: Option<Arc<File>>,
     /// The metadata database (see [`super::meta`]).
     meta: Arc<MetaSlot>,
@@ -1153,17 +1153,32 @@ enum Touch {
 const INLINE_IO: usize = 64 * 1024;
 
 /// Writes at least this long (a rebuild's runs of extents, a client's
-/// large writes), aligned to [`DIRECT_ALIGN`], bypass the page cache. Such
-/// data is streamed, not reread soon; through the cache it costs a copy
-/// into newly allocated pages, which on a VM whose free memory went back
-/// to the host costs several times the disk write (measured: a buffered
-/// 1 GiB `dd` into a file took 0.8 s right after another and 1.8–3.1 s
-/// after 5 s idle, an `O_DIRECT` one 0.58 s either way), and a flush later
-/// writes it all back anyway.
+/// large writes) bypass the page cache for their [`FOLIO_ALIGN`]ed middle.
+/// Such data is streamed, not reread soon; through the cache it costs a
+/// copy into newly allocated pages, which on a VM whose free memory went
+/// back to the host costs several times the disk write (measured: a
+/// buffered 1 GiB `dd` into a file took 0.8 s right after another and
+/// 1.8–3.1 s after 5 s idle, an `O_DIRECT` one 0.58 s either way), and a
+/// flush later writes it all back anyway.
 const DIRECT_IO: usize = 4 << 20;
-/// The alignment of a direct write's offset, length and memory: the
-/// largest logical block size of a common disk.
-const DIRECT_ALIGN: usize = 4096;
+/// What part of a large write goes direct: whole, aligned blocks of the
+/// largest page-cache folio (2 MiB, a PMD, with 4 KiB pages). Folios are
+/// aligned to their size, so no cached folio straddles the direct part's
+/// ends: a cached write next to it (S11 lets writes that share no byte run
+/// at once) can never dirty a folio the direct write must drop from the
+/// cache, which the kernel could not do, leaving stale bytes cached.
+const FOLIO_ALIGN: u64 = 2 << 20;
+/// The alignment of a direct write's memory: the largest logical block
+/// size of a common disk.
+const MEMORY_ALIGN: usize = 4096;
+
+/// The part of `[offset, offset + len)` that a write sends direct: its
+/// whole [`FOLIO_ALIGN`]ed blocks, if it is large enough to bother.
+fn direct_part(offset: u64, len: usize) -> Option<std::ops::Range<u64>> {
+    let start = offset.checked_next_multiple_of(FOLIO_ALIGN)?;
+    let end = offset.checked_add(len as u64)? / FOLIO_ALIGN * FOLIO_ALIGN;
+    (len >= DIRECT_IO && end > start).then_some(start..end)
+}
 
 /// The data file opened for writing with `O_DIRECT`, or `None` where the
 /// file system refuses it (then every write goes through the cache).
@@ -1176,33 +1191,36 @@ fn open_direct(path: &Path) -> Option<File> {
         .ok()
 }
 
-/// Writes `data` at `offset`: through `direct` when it is large and
-/// aligned enough (see [`DIRECT_IO`]), otherwise, or if the direct write
-/// is refused as misaligned, through the page cache of `file`.
+/// Writes `data` at `offset`: the [`direct_part`] of a large write
+/// through `direct`, the rest (or all, if the direct write is refused as
+/// misaligned) through the page cache of `file`.
 ///
 /// Mixing the two on one file is coherent here: the kernel writes back
-/// and drops the cached pages of a direct write's range around it, and
-/// the engine never lets two writes of one range overlap (its extent
-/// stripes and S11), so no buffered write races a direct one.
+/// and drops the cached pages of a direct write's range around it, the
+/// engine never lets two writes that share a byte overlap (its extent
+/// stripes and S11), and no folio straddles the direct part's ends (see
+/// [`FOLIO_ALIGN`]).
 fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> std::io::Result<()> {
-    let aligned = |n: u64| n % DIRECT_ALIGN as u64 == 0;
-    if let Some(direct) =
-        direct.filter(|_| data.len() >= DIRECT_IO && aligned(offset) && aligned(data.len() as u64))
-    {
-        // Only the first bytes up to the alignment are zeroed; the rest
-        // of the buffer is the copy.
-        let mut room: Vec<u8> = Vec::with_capacity(data.len() + DIRECT_ALIGN);
-        room.resize(room.as_ptr().align_offset(DIRECT_ALIGN), 0u8);
-        let skip = room.len();
-        room.extend_from_slice(data);
-        match direct.write_all_at(&room[skip..], offset) {
-            Err(err) if err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
-                tracing::debug!(%err, "a direct write was refused; writing through the cache");
-            }
-            done => return done,
+    let (Some(direct), Some(part)) = (direct, direct_part(offset, data.len())) else {
+        return file.write_all_at(data, offset);
+    };
+    let (head, rest) = data.split_at((part.start - offset) as usize);
+    let (middle, tail) = rest.split_at((part.end - part.start) as usize);
+    file.write_all_at(head, offset)?;
+    // Only the first bytes up to the alignment are zeroed; the rest of the
+    // buffer is the copy.
+    let mut room: Vec<u8> = Vec::with_capacity(middle.len() + MEMORY_ALIGN);
+    room.resize(room.as_ptr().align_offset(MEMORY_ALIGN), 0u8);
+    let skip = room.len();
+    room.extend_from_slice(middle);
+    match direct.write_all_at(&room[skip..], part.start) {
+        Err(err) if err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+            tracing::debug!(%err, "a direct write was refused; writing through the cache");
+            file.write_all_at(middle, part.start)?;
         }
+        done => done?,
     }
-    file.write_all_at(data, offset)
+    file.write_all_at(tail, part.end)
 }
 
 /// Reads exactly `len` bytes at `offset` into a new buffer, which it does
@@ -1625,10 +1643,10 @@ mod tests {
         assert!(format!("{store:?}").contains("ReplicaStore"));
     }
 
-    /// A large aligned write bypasses the page cache: what the cache held
-    /// of its range (even dirty) is not served afterwards, and the bytes
-    /// are on the disk once flushed. A large misaligned one goes through
-    /// the cache.
+    /// Most of a large write bypasses the page cache: what the cache held
+    /// of its range (even dirty) is not served afterwards, its unaligned
+    /// ends go through the cache, and the bytes are on the disk once
+    /// flushed.
     #[tokio::test]
     async fn large_writes_bypass_the_cache_and_read_back_coherently() {
         let dir = tempfile::tempdir().unwrap();
@@ -1643,6 +1661,7 @@ mod tests {
                 assert!(got == expected, "{what}: not the bytes written");
             }
         };
+        const MIB: u64 = 1 << 20;
         // Old bytes in the cache, dirty, then read back so they are cached.
         for piece in 0..(DIRECT_IO / INLINE_IO) {
             let at = (piece * INLINE_IO) as u64;
@@ -1657,18 +1676,37 @@ mod tests {
             .await
             .unwrap();
         reads(0, block(2, DIRECT_IO), "a direct write over cached pages").await;
-        let misaligned = DIRECT_IO as u64 + 512;
-        let rest = DIRECT_IO - 4096;
+        // Direct in [4, 6) MiB only; its ends go through the cache.
+        let split = 3 * MIB + 512;
         store
-            .write(Term(1), misaligned, block(3, rest), false)
+            .write(Term(1), split, block(3, DIRECT_IO), false)
             .await
             .unwrap();
+        let end = split + DIRECT_IO as u64;
+        let whole = || async {
+            reads(0, block(2, split as usize), "before the split write").await;
+            reads(split, block(3, DIRECT_IO), "the split write").await;
+            reads(end, block(0, (SIZE - end) as usize), "after it").await;
+        };
+        whole().await;
         store.flush(Term(1)).await.unwrap();
         // From the disk, not the cache.
         rustix::fs::fadvise(&*store.file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
-        reads(0, block(2, DIRECT_IO), "a direct write, from the disk").await;
-        reads(misaligned, block(3, rest), "a misaligned large write").await;
-        reads(misaligned - 512, block(0, 512), "the bytes before it").await;
+        whole().await;
+    }
+
+    #[test]
+    fn only_whole_folio_blocks_of_a_large_write_go_direct() {
+        const MIB: u64 = 1 << 20;
+        let big = DIRECT_IO;
+        assert_eq!(direct_part(0, big), Some(0..4 * MIB));
+        assert_eq!(direct_part(MIB, big), Some(2 * MIB..4 * MIB));
+        assert_eq!(direct_part(MIB + 512, big), Some(2 * MIB..4 * MIB));
+        assert_eq!(direct_part(MIB, 8 * MIB as usize), Some(2 * MIB..8 * MIB));
+        assert_eq!(direct_part(0, big - 4096), None, "too short");
+        // Any 4 MiB holds a whole aligned 2 MiB block.
+        assert_eq!(direct_part(MIB + 1, big), Some(2 * MIB..4 * MIB));
+        assert_eq!(direct_part(u64::MAX - 10, big), None, "no overflow");
     }
 
     #[tokio::test]
