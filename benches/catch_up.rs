@@ -23,8 +23,14 @@
 //! start, and for the rebuild alone (from when the writer first reports it
 //! running). Why two dds: see [`Run::dd`].
 //!
+//! With `CLIENT=1` a client writes 4 KiB with FUA at random offsets, one
+//! at a time, through the writer for 2 s before the follower starts and
+//! then until it is back, and each run prints the latencies of those
+//! writes idle and during the rebuild (how far the rebuild yields to
+//! clients).
+//!
 //! Run: `cargo bench --bench catch_up` (`SIZES_GIB=1,8`, `RUNS=3`,
-//! `WRITTEN=0`, `MISS_MIB=4`, `FULL=0`).
+//! `WRITTEN=0`, `MISS_MIB=4`, `FULL=0`, `CLIENT=0`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -148,27 +154,58 @@ async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> Run {
         assert!(ok, "resync --full: {out}{err}");
         dd_before = Some(dd(&image(writer)));
     }
+    let client = common::env_u64("CLIENT", 0) == 1;
+    let idle = if client {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let sleep = async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        };
+        tokio::join!(client_writes(&cluster, writer, gib, &stop), sleep).0
+    } else {
+        Vec::new()
+    };
     let started = Instant::now();
     cluster.spawn(follower);
     let (name, mut rebuilding) = (follower.to_string(), None);
     let deadline = Instant::now() + Duration::from_secs(900);
-    loop {
-        let status = cluster.status(writer).await.unwrap_or_default();
-        if status.in_sync.contains(&name) {
-            break;
+    let stop = std::sync::atomic::AtomicBool::new(!client);
+    let watch = async {
+        loop {
+            let status = cluster.status(writer).await.unwrap_or_default();
+            if status.in_sync.contains(&name) {
+                break;
+            }
+            let running = status
+                .replicas
+                .iter()
+                .any(|r| r.id == name && r.resync_running);
+            if running && rebuilding.is_none() {
+                rebuilding = Some(Instant::now());
+            }
+            assert!(Instant::now() < deadline, "node {follower} never came back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let running = status
-            .replicas
-            .iter()
-            .any(|r| r.id == name && r.resync_running);
-        if running && rebuilding.is_none() {
-            rebuilding = Some(Instant::now());
-        }
-        assert!(Instant::now() < deadline, "node {follower} never came back");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    };
+    let (during, ()) = tokio::join!(client_writes(&cluster, writer, gib, &stop), watch);
     let back = started.elapsed();
     let rebuild = rebuilding.map(|at| at.elapsed());
+    if client {
+        // Only the writes that began while the rebuild ran.
+        let from = rebuilding.unwrap_or(started);
+        let during: Vec<Duration> = during
+            .into_iter()
+            .filter(|(at, _)| *at >= from)
+            .map(|(_, took)| took)
+            .collect();
+        let idle: Vec<Duration> = idle.into_iter().map(|(_, took)| took).collect();
+        println!(
+            "      client 4 KiB FUA writes, QD1: idle {}; during the rebuild {}",
+            latencies(idle),
+            latencies(during)
+        );
+    }
     let dd = dd_before.map(|before| {
         let image = cluster.data_dir(writer).join("replica").join("volume.img");
         (before, dd(&image))
@@ -177,6 +214,51 @@ async fn catch_up(bin: &Path, gib: u64, written: bool, full: bool) -> Run {
         cluster.kill(id);
     }
     Run { back, rebuild, dd }
+}
+
+/// With `CLIENT=1`: one client writing 4 KiB with FUA at random offsets
+/// through the writer, one write at a time, until `stop`; when each write
+/// began and how long it took.
+async fn client_writes(
+    cluster: &Cluster,
+    writer: u64,
+    gib: u64,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Vec<(Instant, Duration)> {
+    let data = Bytes::from(vec![0x17; 4096]);
+    let blocks = gib * GIB / 4096;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut took = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let at = Instant::now();
+        if cluster
+            .write(writer, (state % blocks) * 4096, data.clone())
+            .await
+            .is_ok()
+        {
+            took.push((at, at.elapsed()));
+        }
+    }
+    took
+}
+
+/// "p50 X ms, p99 Y ms (n writes)".
+fn latencies(mut took: Vec<Duration>) -> String {
+    if took.is_empty() {
+        return "no writes".into();
+    }
+    took.sort();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
+    format!(
+        "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} writes)",
+        at(0.5),
+        at(0.99),
+        at(1.0),
+        took.len()
+    )
 }
 
 fn median(mut values: Vec<Duration>) -> Duration {

@@ -1603,6 +1603,28 @@ async fn a_rebuilding_replica_keeps_its_older_marks_until_its_rebuild_compared_t
     );
 }
 
+/// #21: a rebuild yields to clients: the engine says clients are writing
+/// from a write's start until it has been quiet for the window asked.
+#[tokio::test]
+async fn the_engine_knows_when_clients_write() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    let window = Duration::from_millis(50);
+    assert!(!rig.engine.clients_writing(window), "no write yet");
+    rig.engine.write_at(0, block(1), false).await.unwrap();
+    assert!(rig.engine.clients_writing(Duration::from_secs(60)));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while rig.engine.clients_writing(window) {
+        assert!(tokio::time::Instant::now() < deadline, "still writing");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rig.engine.discard(0, 4096).await.unwrap();
+    assert!(
+        rig.engine.clients_writing(Duration::from_secs(60)),
+        "a discard is a write"
+    );
+}
+
 /// #21: a removed member's map is closed on every replica that kept it,
 /// by the writer's resyncer once the membership no longer names it; a
 /// member's map is left alone.

@@ -251,6 +251,11 @@ pub struct Engine {
     extent_size: u64,
     /// One order for overlapping writes (S11, see [`super::order`]).
     order: Arc<WriteOrder>,
+    /// When a client's write or discard last began, in milliseconds after
+    /// `born` (0: never): rebuilds yield while clients write (see
+    /// [`Engine::clients_writing`]).
+    client_seen_ms: std::sync::atomic::AtomicU64,
+    born: std::time::Instant,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
     /// The size served: the config's until an activation learns the
@@ -526,6 +531,8 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             extent_size,
             order: Arc::default(),
+            client_seen_ms: std::sync::atomic::AtomicU64::new(0),
+            born: std::time::Instant::now(),
             floors: Arc::default(),
             size: std::sync::atomic::AtomicU64::new(config.volume.size),
             ahead_due: tokio::sync::Notify::new(),
@@ -2108,6 +2115,18 @@ impl Engine {
         self.lock().in_sync.clone()
     }
 
+    /// Whether a client's write or discard began within `within`: a
+    /// rebuild then copies one extent at a time, so that a client's write
+    /// waits behind at most one small copy (on a stripe, on the channel,
+    /// on the target's disk) and the rebuild takes what clients leave.
+    pub fn clients_writing(&self, within: Duration) -> bool {
+        let seen = self
+            .client_seen_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let now = self.born.elapsed().as_millis() as u64;
+        seen != 0 && now.saturating_sub(seen) <= within.as_millis() as u64
+    }
+
     /// The extent size the engine copies in.
     pub fn extent_size(&self) -> u64 {
         self.extent_size
@@ -2127,6 +2146,9 @@ impl Engine {
         F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
+        let since_born = self.born.elapsed().as_millis().max(1) as u64;
+        self.client_seen_ms
+            .store(since_born, std::sync::atomic::Ordering::Relaxed);
         let _turn = self.order.enter(offset, len).await;
         let _span = self.lock_span(offset, len).await;
         let mut in_flight = self.begin_write(offset, len);

@@ -55,6 +55,21 @@ const EXTENTS_PER_PASS: u64 = 64;
 /// How many copies (each a run of up to [`MAX_COPY_RUN`] extents) run at
 /// once.
 const COPIES_IN_FLIGHT: usize = 4;
+/// While clients wrote this recently, a rebuild copies one extent at a
+/// time (see [`Engine::clients_writing`]).
+const CLIENTS_RECENT: Duration = Duration::from_millis(100);
+
+/// How many copies of how many extents each a rebuild runs at once now:
+/// [`COPIES_IN_FLIGHT`] runs of up to `longest` while no client writes,
+/// one extent at a time while one does.
+fn copy_pace(engine: &Engine, longest: u64) -> (usize, u64) {
+    if engine.clients_writing(CLIENTS_RECENT) {
+        (1, 1)
+    } else {
+        (COPIES_IN_FLIGHT, longest)
+    }
+}
+
 /// How often a full rebuild records how far it verified (see
 /// [`Engine::verified_below`]): what a writer change can cost it again.
 const RAISE_EVERY: Duration = Duration::from_millis(500);
@@ -425,9 +440,10 @@ impl Resyncer {
             // own extents' stripes, and one pass's extents fall on
             // distinct stripes.
             let longest = (crate::volume::MAX_REQUEST / extent).clamp(1, MAX_COPY_RUN);
+            let (in_flight, longest) = copy_pace(&self.engine, longest);
             let mut copies = futures::stream::iter(runs(&differing, longest))
                 .map(|run| self.engine.copy_differing_run(id, run))
-                .buffer_unordered(COPIES_IN_FLIGHT);
+                .buffer_unordered(in_flight);
             while let Some(bytes) = copies.next().await {
                 pass.copied += bytes?;
                 // Progress as it copies, not only per digest request: a
@@ -512,9 +528,10 @@ impl Resyncer {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
+            let (in_flight, _) = copy_pace(&self.engine, 1);
             let mut copies = futures::stream::iter(batch.iter().copied())
                 .map(|extent| self.engine.copy_extent(id, extent))
-                .buffer_unordered(COPIES_IN_FLIGHT);
+                .buffer_unordered(in_flight);
             while let Some(bytes) = copies.next().await {
                 pass.copied += bytes?;
                 self.report(pass);
