@@ -1625,6 +1625,53 @@ async fn the_engine_knows_when_clients_write() {
     );
 }
 
+/// A write held below `min_in_sync` (the gate tries it again every 50 ms)
+/// is refused before it touches anything: it leaves no unsure extent,
+/// whose repair would spoil the rebuild that brings the in-sync set back
+/// (seen in the chaos campaign as writes held for good), and it does not
+/// make the rebuild yield.
+#[tokio::test]
+async fn a_write_below_min_in_sync_touches_nothing_and_spoils_no_rebuild() {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    // A new writer's fencer could not reach n2 and dropped it: below
+    // min_in_sync, as a promotion may leave it.
+    rig.engine.deactivate();
+    let n2: BTreeSet<NodeId> = [NodeId(2)].into();
+    rig.tracker.remove(Term(6), &n2).await.unwrap();
+    rig.engine.activate(Term(6)).await.unwrap();
+    assert_eq!(rig.committed().await, [NodeId(1)].into());
+    let quiet = Duration::from_millis(50);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while rig.engine.clients_writing(quiet) {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    rig.engine.begin_rebuild(NodeId(2)).await.unwrap();
+    for _ in 0..3 {
+        assert!(matches!(
+            rig.engine.write_at(2 << 20, block(3), false).await,
+            Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
+        ));
+    }
+    assert_eq!(
+        rig.engine.repair_unsure().await.unwrap(),
+        0,
+        "nothing unsure"
+    );
+    assert!(
+        !rig.engine.clients_writing(quiet),
+        "a held write is no client load"
+    );
+    assert!(!rig.engine.rebuild_failed(NodeId(2)));
+    for extent in 0..(SIZE / rig.engine.extent_size()) {
+        rig.engine.copy_extent(NodeId(2), extent).await.unwrap();
+    }
+    rig.engine.finish_rebuild(NodeId(2)).await.unwrap();
+    rig.engine.write_at(2 << 20, block(3), false).await.unwrap();
+    assert_eq!(rig.on(1, 2 << 20, 4096).await, block(3));
+}
+
 /// #21: a removed member's map is closed on every replica that kept it,
 /// by the writer's resyncer once the membership no longer names it; a
 /// member's map is left alone.

@@ -1702,9 +1702,18 @@ impl Engine {
     }
 
     /// Counts a write to `[offset, offset+len)` as in flight until the
-    /// returned guard drops.
-    fn begin_write(&self, offset: u64, len: u64) -> InFlight<'_> {
-        self.begin(offset, len, false)
+    /// returned guard drops. Refused, counting nothing, while the in-sync
+    /// set is smaller than `min_in_sync`: such a write could not be
+    /// acknowledged, and the gate tries a held write again every 50 ms; if
+    /// each try left its extents unsure, their repair would spoil, every
+    /// time, the very rebuild that lets writes go on.
+    fn begin_write(&self, offset: u64, len: u64) -> Result<InFlight<'_>, DeviceError> {
+        let state = self.lock();
+        let (have, need) = (state.in_sync.len(), self.config.volume.min_in_sync);
+        if have < need {
+            return Err(DeviceError::InsufficientReplicas { have, need });
+        }
+        Ok(self.begin_in(state, offset, len, false))
     }
 
     /// Notes a write to `extents` and, when it continues a sequential
@@ -1734,9 +1743,19 @@ impl Engine {
     /// wait for a write from now on; a write reaches them, and they stop
     /// waiting.
     fn begin(&self, offset: u64, len: u64, ahead: bool) -> InFlight<'_> {
+        self.begin_in(self.lock(), offset, len, ahead)
+    }
+
+    /// [`Engine::begin`] under the state lock the caller holds.
+    fn begin_in(
+        &self,
+        mut state: std::sync::MutexGuard<'_, EngineState>,
+        offset: u64,
+        len: u64,
+        ahead: bool,
+    ) -> InFlight<'_> {
         let first = offset / self.extent_size;
         let last = (offset + len.max(1) - 1) / self.extent_size;
-        let mut state = self.lock();
         for extent in first..=last {
             *state.activity.in_flight.entry(extent).or_insert(0) += 1;
             if ahead {
@@ -2115,7 +2134,8 @@ impl Engine {
         self.lock().in_sync.clone()
     }
 
-    /// Whether a client's write or discard began within `within`: a
+    /// Whether a client's write or discard began within `within` (one the
+    /// in-sync set could take; see [`Engine::begin_write`]): a
     /// rebuild then copies one extent at a time, so that a client's write
     /// waits behind at most one small copy (on a stripe, on the channel,
     /// on the target's disk) and the rebuild takes what clients leave.
@@ -2146,12 +2166,14 @@ impl Engine {
         F: Fn(Stamp, Arc<dyn Replica>) -> Fut,
         Fut: std::future::Future<Output = Result<(), ReplicaError>>,
     {
+        let _turn = self.order.enter(offset, len).await;
+        let _span = self.lock_span(offset, len).await;
+        let mut in_flight = self.begin_write(offset, len)?;
+        // Only writes that can go on count: a rebuild does not yield to a
+        // write held until it is done.
         let since_born = self.born.elapsed().as_millis().max(1) as u64;
         self.client_seen_ms
             .store(since_born, std::sync::atomic::Ordering::Relaxed);
-        let _turn = self.order.enter(offset, len).await;
-        let _span = self.lock_span(offset, len).await;
-        let mut in_flight = self.begin_write(offset, len);
         let result = self.mirror(op).await;
         in_flight.acknowledged = result.is_ok();
         result
