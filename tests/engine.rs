@@ -1672,6 +1672,28 @@ async fn a_write_below_min_in_sync_touches_nothing_and_spoils_no_rebuild() {
     assert_eq!(rig.on(1, 2 << 20, 4096).await, block(3));
 }
 
+/// An inactive engine says so first, even below `min_in_sync`: the NBD
+/// server ends the session on `Inactive`, while the gate would hold and
+/// retry a write refused for too few replicas.
+#[tokio::test]
+async fn an_inactive_engine_refuses_as_inactive_below_min_in_sync() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    rig.engine.deactivate();
+    let n2: BTreeSet<NodeId> = [NodeId(2), NodeId(3)].into();
+    rig.tracker.remove(Term(6), &n2).await.unwrap();
+    rig.engine.activate(Term(6)).await.unwrap();
+    assert!(matches!(
+        rig.engine.write_at(0, block(1), false).await,
+        Err(DeviceError::InsufficientReplicas { have: 1, need: 2 })
+    ));
+    rig.engine.deactivate();
+    assert!(matches!(
+        rig.engine.write_at(0, block(1), false).await,
+        Err(DeviceError::Inactive)
+    ));
+}
+
 /// #21: a removed member's map is closed on every replica that kept it,
 /// by the writer's resyncer once the membership no longer names it; a
 /// member's map is left alone.

@@ -1709,6 +1709,10 @@ impl Engine {
     /// time, the very rebuild that lets writes go on.
     fn begin_write(&self, offset: u64, len: u64) -> Result<InFlight<'_>, DeviceError> {
         let state = self.lock();
+        if state.term.is_none() {
+            // Said first: an inactive engine's writes end the session.
+            return Err(DeviceError::Inactive);
+        }
         let (have, need) = (state.in_sync.len(), self.config.volume.min_in_sync);
         if have < need {
             return Err(DeviceError::InsufficientReplicas { have, need });
