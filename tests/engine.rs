@@ -83,6 +83,17 @@ impl Rig {
         self.replicas[i].store().digests(0, SIZE).await.unwrap()
     }
 
+    /// The extents replica `i` holds S6 marks for, in order.
+    fn marked(&self, i: usize) -> Vec<u64> {
+        self.replicas[i]
+            .store()
+            .dirty_extents()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.extent)
+            .collect()
+    }
+
     async fn committed(&self) -> BTreeSet<NodeId> {
         self.tracker.in_sync().await.unwrap()
     }
@@ -624,15 +635,7 @@ async fn marks_of_acknowledged_durable_writes_are_retired_during_the_term() {
     rig.replicas[2].set(Fault::FailWritesAt(9 << 20));
     assert!(rig.engine.write_at(9 << 20, block(9), false).await.is_err());
     rig.replicas[2].set(Fault::None);
-    let marks = |i: usize| -> Vec<u64> {
-        rig.replicas[i]
-            .store()
-            .dirty_extents()
-            .unwrap()
-            .into_iter()
-            .map(|m| m.extent)
-            .collect()
-    };
+    let marks = |i: usize| rig.marked(i);
     assert_eq!(marks(0).len(), 9, "every written extent is marked first");
     // An extent is retired once it stayed idle for a whole pass: the first
     // pass after the writes keeps every mark, and a write meanwhile keeps
@@ -689,15 +692,7 @@ async fn a_sequential_writer_marks_ahead_and_its_unreached_marks_are_retired() {
     let rig = Rig::new(3).await;
     let marker = tokio::spawn(Arc::clone(&rig.engine).run_mark_ahead());
     rig.engine.activate(Term(3)).await.unwrap();
-    let marks = |i: usize| -> Vec<u64> {
-        rig.replicas[i]
-            .store()
-            .dirty_extents()
-            .unwrap()
-            .into_iter()
-            .map(|m| m.extent)
-            .collect()
-    };
+    let marks = |i: usize| rig.marked(i);
     for extent in 0..2u64 {
         rig.engine
             .write_at(extent << 20, block(extent as u8 + 1), false)
