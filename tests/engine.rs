@@ -1739,6 +1739,59 @@ async fn a_removed_members_map_is_closed_and_a_members_map_kept() {
     assert!(rig.replicas[1].store().missed_open().is_empty());
 }
 
+/// #21: a map opened after the sweep for the current membership, of a node
+/// that is no longer a member, is closed too: the engine may learn only
+/// later that such a node left the in-sync set (its replica left the set
+/// first), and opens its map then.
+#[tokio::test]
+async fn a_former_members_map_opened_after_the_sweep_is_closed() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(5)).await.unwrap();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let members = {
+        let asked = Arc::clone(&asked);
+        Box::new(move || {
+            asked.fetch_add(1, Ordering::SeqCst);
+            [NodeId(1), NodeId(2)].into()
+        })
+    };
+    let resync = Arc::new(
+        Resyncer::new(
+            Arc::clone(&rig.engine),
+            ResyncConfig {
+                interval: Duration::from_millis(10),
+                rate: 0,
+            },
+        )
+        .closing_maps_of_former_members(members),
+    );
+    let running = tokio::spawn(Arc::clone(&resync).run());
+    // The membership is read once per pass: a second read means the first
+    // pass, and its sweep, are over.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while asked.load(Ordering::SeqCst) < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "no sweep");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // n3 fails a write: the engine drops it and opens its map on n1, n2.
+    rig.replicas[2].set(Fault::Fail);
+    rig.engine.write_at(0, block(1), false).await.unwrap();
+    assert!(!rig.committed().await.contains(&NodeId(3)));
+    let kept = |i: usize| rig.replicas[i].store().missed(NodeId(3), 0).unwrap();
+    while kept(0).is_some() || kept(1).is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline + Duration::from_secs(10),
+            "n3's map is still open: n1 {:?}, n2 {:?}",
+            kept(0),
+            kept(1)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.abort();
+}
+
 /// Invariant M: a map a replica kept while it was away, of a member that
 /// returned meanwhile (its close could not reach it), is stale: it lacks
 /// what was written since. The replica's rebuild closes it, so it can

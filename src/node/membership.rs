@@ -42,7 +42,7 @@ use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
 use crate::replica::remote::RemoteReplica;
-use crate::replica::{Replica, ReplicaSet};
+use crate::replica::{Engine, MembershipError as EngineMembershipError, Replica, ReplicaSet};
 
 /// How long one membership entry may take to commit.
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -76,6 +76,9 @@ const ANNOUNCE_WAIT: Duration = Duration::from_secs(10);
 pub struct Membership {
     coordinator: Arc<RaftCoordinator>,
     controller: Arc<Controller>,
+    /// The writer's engine: a node leaving the in-sync set leaves its view
+    /// too, not only the committed set.
+    engine: Arc<Engine>,
     transport: Transport,
     /// The configured peer list's addresses.
     peers: BTreeMap<NodeId, String>,
@@ -98,12 +101,14 @@ impl Membership {
     pub fn new(
         coordinator: Arc<RaftCoordinator>,
         controller: Arc<Controller>,
+        engine: Arc<Engine>,
         transport: Transport,
         peers: BTreeMap<NodeId, String>,
     ) -> Self {
         Self {
             coordinator,
             controller,
+            engine,
             transport,
             peers,
             busy: tokio::sync::Mutex::new(()),
@@ -156,18 +161,26 @@ impl Membership {
     }
 
     /// Drops `node`'s replica from the in-sync set through a committed
-    /// change, if it is in it.
+    /// change, if it is in it. The active engine commits it, so that its
+    /// own view drops the node at once: were it to learn of the removal
+    /// only when the node's replica leaves the set, it would open a
+    /// missed-write map of a node that is gone. An engine not yet active
+    /// reads the committed set when it becomes so.
     async fn leave_in_sync(&self, term: Term, node: NodeId) -> Result<(), MembershipError> {
+        let failed = |err: &dyn std::fmt::Display| {
+            MembershipError::Failed(format!("dropping node {node} from the in-sync set: {err}"))
+        };
+        match self.engine.leave_in_sync(node).await {
+            Ok(()) => return Ok(()),
+            Err(EngineMembershipError::Inactive) => {}
+            Err(err) => return Err(failed(&err)),
+        }
         let in_sync = self.coordinator.state_machine().current().control.in_sync;
         if in_sync.contains(&node) {
             self.coordinator
                 .remove(term, &BTreeSet::from([node]))
                 .await
-                .map_err(|err| {
-                    MembershipError::Failed(format!(
-                        "dropping node {node} from the in-sync set: {err}"
-                    ))
-                })?;
+                .map_err(|err| failed(&err))?;
         }
         Ok(())
     }

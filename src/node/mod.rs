@@ -196,6 +196,7 @@ impl Node {
         let members = Arc::new(membership::Membership::new(
             Arc::clone(&raft.coordinator),
             Arc::clone(&volume.controller),
+            Arc::clone(&volume.engine),
             transport.clone(),
             view.facts().peers.clone(),
         ));

@@ -256,6 +256,11 @@ pub struct Engine {
     /// [`Engine::clients_writing`]).
     client_seen_ms: std::sync::atomic::AtomicU64,
     born: std::time::Instant,
+    /// Counts the times this engine began to open or hand out missed-write
+    /// maps: a sweep of former members' maps (see
+    /// [`Engine::close_maps_of_former_members`]) is done again when it
+    /// moved, since such a map may have been opened after the sweep.
+    maps_opened: std::sync::atomic::AtomicU64,
     /// What the fencer found (see [`FloorBook`]).
     floors: Arc<FloorBook>,
     /// The size served: the config's until an activation learns the
@@ -533,6 +538,7 @@ impl Engine {
             order: Arc::default(),
             client_seen_ms: std::sync::atomic::AtomicU64::new(0),
             born: std::time::Instant::now(),
+            maps_opened: std::sync::atomic::AtomicU64::new(0),
             floors: Arc::default(),
             size: std::sync::atomic::AtomicU64::new(config.volume.size),
             ahead_due: tokio::sync::Notify::new(),
@@ -680,11 +686,22 @@ impl Engine {
     }
 
     /// Removes replica `id` from the replica set. While it is in the
-    /// in-sync set, its removal from that set is committed first (on behalf
-    /// of the active term), so no write is acknowledged without it before
-    /// (S5); refused if fewer than `min_in_sync` members would remain. A
-    /// rebuild of it is abandoned.
+    /// in-sync set, its removal from that set is committed first (see
+    /// [`Engine::leave_in_sync`]). A rebuild of it is abandoned.
     pub async fn remove_replica(&self, id: NodeId) -> Result<Arc<dyn Replica>, MembershipError> {
+        self.leave_in_sync(id).await?;
+        let removed = self.replicas.remove(id)?;
+        Ok(removed)
+    }
+
+    /// Takes replica `id` out of the in-sync set for good (its node is
+    /// leaving the cluster): the removal is committed on behalf of the
+    /// active term, so no write is acknowledged without it before (S5),
+    /// and this engine's own view follows at once. Refused if fewer than
+    /// `min_in_sync` members would remain. A rebuild of it is abandoned.
+    /// No missed-write map is opened: a node that leaves the cluster comes
+    /// back only by being added again, with a full rebuild.
+    pub async fn leave_in_sync(&self, id: NodeId) -> Result<(), MembershipError> {
         let _serialized = self.shrink.lock().await;
         let (term, in_sync) = {
             let state = self.lock();
@@ -707,8 +724,7 @@ impl Engine {
             state.degraded.remove(&id);
         }
         self.abort_rebuild(id);
-        let removed = self.replicas.remove(id)?;
-        Ok(removed)
+        Ok(())
     }
 
     /// Reads the floors the node's fencer finds (see [`FloorBook`]).
@@ -1014,6 +1030,7 @@ impl Engine {
         leaving: &BTreeSet<NodeId>,
         in_sync: &BTreeSet<NodeId>,
     ) -> Result<(), DeviceError> {
+        self.count_maps_opened();
         let leaving: Vec<(NodeId, Incarnation)> = leaving
             .iter()
             .map(|id| (*id, self.replicas.incarnation(*id)))
@@ -1070,6 +1087,7 @@ impl Engine {
     /// lands between the read and the copy is recorded by the target
     /// itself.
     async fn adopt_missed_maps(&self, term: Term, id: NodeId) -> Result<(), RebuildError> {
+        self.count_maps_opened();
         let source = self
             .read_order()
             .into_iter()
@@ -1651,6 +1669,18 @@ impl Engine {
             .filter(|r| in_sync.contains(&r.id()) || state.rebuilding.contains_key(&r.id()))
             .cloned()
             .collect()
+    }
+
+    fn count_maps_opened(&self) {
+        self.maps_opened
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many times this engine began to open or hand out missed-write
+    /// maps. A sweep of former members' maps that read it before it began
+    /// and reads the same after misses no map opened meanwhile.
+    pub fn maps_opened(&self) -> u64 {
+        self.maps_opened.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Closes the missed-write maps of nodes that are no longer members of

@@ -202,8 +202,9 @@ pub struct Resyncer {
 /// [`Resyncer::closing_maps_of_former_members`]).
 #[derive(Debug, Default)]
 struct Sweep {
-    /// The term and membership it last closed every map for.
-    done: Option<(Term, BTreeSet<NodeId>)>,
+    /// The term, membership and count of maps opened (see
+    /// [`Engine::maps_opened`]) it last closed every map for.
+    done: Option<(Term, BTreeSet<NodeId>, u64)>,
     /// After a failed sweep: no new one before this.
     not_before: Option<Instant>,
 }
@@ -302,15 +303,18 @@ impl Resyncer {
         self.retry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Closes former members' maps once per term and membership. A sweep
-    /// that failed (a keeper did not answer) is tried again only after
-    /// [`RETRY_AFTER_MAX`]: it waits on every keeper, so a silent one would
-    /// otherwise hold up every pass's rebuilds by the replica timeout.
+    /// Closes former members' maps once per term, membership and count of
+    /// maps opened. A sweep that failed (a keeper did not answer) is tried
+    /// again only after [`RETRY_AFTER_MAX`]: it waits on every keeper, so a
+    /// silent one would otherwise hold up every pass's rebuilds by the
+    /// replica timeout.
     async fn close_maps_of_former_members(&self, term: Term, sweep: &mut Sweep) {
         let Some(members) = &self.members else {
             return;
         };
-        let now = (term, members());
+        // Read before the sweep: a map opened while it runs moves the
+        // count, and the next pass sweeps again.
+        let now = (term, members(), self.engine.maps_opened());
         // An empty membership is one not read yet, not a cluster of none.
         if now.1.is_empty()
             || sweep.done.as_ref() == Some(&now)
