@@ -181,6 +181,10 @@ pub enum FrameError {
     Checksum { expected: u32, actual: u32 },
     #[error("not a block-channel connection (bad preface)")]
     Preface,
+    #[error("a payload without a header to complete")]
+    NoHeader,
+    #[error("payload of {got} bytes where the header says {expected}")]
+    Truncated { expected: u32, got: usize },
 }
 
 impl Header {
@@ -340,7 +344,9 @@ impl Decoder {
         };
         let len = header.payload_len as usize;
         if buf.len() < len {
-            buf.reserve(len - buf.len());
+            if len < ASIDE {
+                buf.reserve(len - buf.len());
+            }
             self.pending = Some(header);
             return Ok(None);
         }
@@ -348,7 +354,35 @@ impl Decoder {
         header.verify(&payload)?;
         Ok(Some(Frame { header, payload }))
     }
+
+    /// The length of the payload the frame whose header was taken still
+    /// waits for, if one was: a reader may receive it apart (see
+    /// [`ASIDE`]) and hand it to [`Decoder::complete`].
+    pub fn awaited(&self) -> Option<usize> {
+        self.pending.map(|header| header.payload_len as usize)
+    }
+
+    /// The frame whose header was taken, with `payload` received apart;
+    /// checked like any other.
+    pub fn complete(&mut self, payload: Bytes) -> Result<Frame, FrameError> {
+        let header = self.pending.take().ok_or(FrameError::NoHeader)?;
+        if payload.len() != header.payload_len as usize {
+            return Err(FrameError::Truncated {
+                expected: header.payload_len,
+                got: payload.len(),
+            });
+        }
+        header.verify(&payload)?;
+        Ok(Frame { header, payload })
+    }
 }
+
+/// Payloads at least this long are best received into a buffer of their
+/// own, aligned for direct I/O, rather than into the connection's buffer:
+/// a replica can then write a rebuild's or a client's large write to disk
+/// straight from it, and the connection's buffer never grows to hold one.
+/// [`Decoder::next`] does not make room for them.
+pub const ASIDE: usize = 1 << 20;
 
 /// A `Hello` payload: the cluster and volume.
 pub fn hello_payload(cluster_id: &str, volume: &str) -> Bytes {

@@ -24,13 +24,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 use super::conn::Connector;
-use super::frame::{Decoder, Frame, Header, Kind, PREFACE, hello_payload};
+use super::frame::{ASIDE, Decoder, Frame, FrameError, Header, Kind, PREFACE, hello_payload};
 use super::tls::{Expect, Tls};
 
 /// The most bytes one vectored write batch carries.
@@ -42,6 +42,95 @@ const QUEUE: usize = 1024;
 
 /// How much a reader asks the socket for at a time.
 const READ_CHUNK: usize = 256 * 1024;
+
+/// The alignment of a payload received apart (see [`ASIDE`]): the
+/// largest logical block size of a common disk, what direct I/O needs.
+pub const PAYLOAD_ALIGN: usize = 4096;
+
+/// Why no next frame could be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The bytes received are no frame; nothing of it is handed on.
+    #[error(transparent)]
+    Malformed(#[from] FrameError),
+    /// The connection failed.
+    #[error("receiving: {0}")]
+    Receiving(#[from] std::io::Error),
+}
+
+/// Reads whole frames off one side of a connection: small ones from a
+/// shared buffer, each payload of at least [`ASIDE`] bytes into a buffer
+/// of its own aligned to [`PAYLOAD_ALIGN`], read straight from the socket.
+pub struct FrameReader<R> {
+    reader: R,
+    buf: BytesMut,
+    decoder: Decoder,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader of `reader`, whose first bytes, if any were read already,
+    /// are in `buf`.
+    pub fn new(reader: R, buf: BytesMut) -> Self {
+        Self {
+            reader,
+            buf,
+            decoder: Decoder::default(),
+        }
+    }
+
+    /// Limits the payloads taken from now on (see [`Decoder::limit`]).
+    pub fn limit(&mut self, max: Option<u32>) {
+        self.decoder.limit(max);
+    }
+
+    /// The reader and what it received past the last frame.
+    pub fn into_parts(self) -> (R, BytesMut) {
+        (self.reader, self.buf)
+    }
+
+    /// The next frame; `None` once the peer closed the connection (in the
+    /// middle of a frame too: a partial frame is dropped, never handed on).
+    /// Not cancel-safe: a frame being read when the future is dropped is
+    /// lost, so a caller that stops waiting must stop reading too.
+    pub async fn next(&mut self) -> Result<Option<Frame>, ReadError> {
+        loop {
+            if let Some(frame) = self.decoder.next(&mut self.buf)? {
+                return Ok(Some(frame));
+            }
+            if let Some(len) = self.decoder.awaited().filter(|len| *len >= ASIDE) {
+                let Some(payload) = self.read_aside(len).await? else {
+                    return Ok(None);
+                };
+                return Ok(Some(self.decoder.complete(payload)?));
+            }
+            if self.buf.capacity() - self.buf.len() < READ_CHUNK / 4 {
+                self.buf.reserve(READ_CHUNK);
+            }
+            if self.reader.read_buf(&mut self.buf).await? == 0 {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Receives a payload of `len` bytes into a buffer of its own, aligned
+    /// to [`PAYLOAD_ALIGN`]: what `buf` holds of it first, then the rest
+    /// straight from the socket. `None` if the connection closed first.
+    async fn read_aside(&mut self, len: usize) -> std::io::Result<Option<Bytes>> {
+        // The capacity is never exceeded, so the vector never moves.
+        let mut room: Vec<u8> = Vec::with_capacity(len + PAYLOAD_ALIGN);
+        room.resize(room.as_ptr().align_offset(PAYLOAD_ALIGN), 0);
+        let skip = room.len();
+        let had = self.buf.len().min(len);
+        room.extend_from_slice(&self.buf.split_to(had));
+        while room.len() < skip + len {
+            let want = skip + len - room.len();
+            if self.reader.read_buf(&mut (&mut room).limit(want)).await? == 0 {
+                return Ok(None);
+            }
+        }
+        Ok(Some(Bytes::from_owner(room).slice(skip..)))
+    }
+}
 
 /// Why a call on a link failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -145,22 +234,14 @@ impl Link {
                 .await
                 .map_err(|e| failed(e.to_string()))?;
             stream.flush().await.map_err(|e| failed(e.to_string()))?;
-            let mut buf = BytesMut::with_capacity(READ_CHUNK);
-            let mut decoder = Decoder::default();
-            let reply = loop {
-                if let Some(frame) = decoder.next(&mut buf).map_err(|e| failed(e.to_string()))? {
-                    break frame;
-                }
-                let read = stream
-                    .read_buf(&mut buf)
-                    .await
-                    .map_err(|e| failed(e.to_string()))?;
-                if read == 0 {
-                    return Err(failed("the peer closed the connection".to_string()));
-                }
-            };
+            let mut frames = FrameReader::new(stream, BytesMut::with_capacity(READ_CHUNK));
+            let reply = frames
+                .next()
+                .await
+                .map_err(|e| failed(e.to_string()))?
+                .ok_or_else(|| failed("the peer closed the connection".to_string()))?;
             match reply.header.kind {
-                Kind::Ok => Ok((stream, buf)),
+                Kind::Ok => Ok(frames.into_parts()),
                 Kind::Refused => Err(LinkError::Refused(reply)),
                 other => Err(failed(format!("unexpected {other:?} frame"))),
             }
@@ -286,14 +367,10 @@ async fn receive_replies<R: AsyncRead + Unpin>(reader: R, buf: BytesMut, shared:
 }
 
 /// Reads replies until the connection fails; why it did.
-async fn read_replies<R: AsyncRead + Unpin>(
-    mut reader: R,
-    mut buf: BytesMut,
-    shared: &Shared,
-) -> String {
-    let mut decoder = Decoder::default();
+async fn read_replies<R: AsyncRead + Unpin>(reader: R, buf: BytesMut, shared: &Shared) -> String {
+    let mut frames = FrameReader::new(reader, buf);
     loop {
-        match decoder.next(&mut buf) {
+        match frames.next().await {
             Ok(Some(frame)) if frame.header.kind.is_reply() => {
                 shared.heard.store(shared.now() + 1, Ordering::SeqCst);
                 let caller = lock(&shared.pending)
@@ -302,19 +379,10 @@ async fn read_replies<R: AsyncRead + Unpin>(
                 if let Some(caller) = caller {
                     let _ = caller.send(frame);
                 }
-                continue;
             }
             Ok(Some(frame)) => return format!("the peer sent a {:?} frame", frame.header.kind),
-            Ok(None) => {}
+            Ok(None) => return "the peer closed the connection".to_string(),
             Err(err) => return err.to_string(),
-        }
-        if buf.capacity() - buf.len() < READ_CHUNK / 4 {
-            buf.reserve(READ_CHUNK);
-        }
-        match reader.read_buf(&mut buf).await {
-            Ok(0) => return "the peer closed the connection".to_string(),
-            Ok(_) => {}
-            Err(err) => return format!("receiving: {err}"),
         }
     }
 }
@@ -381,6 +449,80 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn frame_of(id: u64, len: usize) -> Frame {
+        let mut header = Header::new(Kind::Write, id);
+        header.term = 3;
+        header.offset = 1 << 20;
+        let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ id as u8).collect();
+        Frame::new(header, Bytes::from(payload))
+    }
+
+    fn wire_of(frames: &[Frame]) -> Vec<u8> {
+        let mut wire = Vec::new();
+        for frame in frames {
+            wire.extend_from_slice(&frame.header.encode());
+            wire.extend_from_slice(&frame.payload);
+        }
+        wire
+    }
+
+    /// Small and large frames read back as sent however the bytes arrive;
+    /// each large payload lands in memory aligned for direct I/O.
+    #[tokio::test]
+    async fn small_and_large_frames_read_back_whole_and_large_ones_aligned() {
+        let sizes = [0, 100, ASIDE - 1, ASIDE, 7, ASIDE + 12_345, 3 * ASIDE, 1];
+        let frames: Vec<Frame> = sizes
+            .iter()
+            .enumerate()
+            .map(|(id, len)| frame_of(id as u64, *len))
+            .collect();
+        let wire = wire_of(&frames);
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let sending = tokio::spawn(async move {
+            // Pieces that end anywhere: in headers, in payloads.
+            for piece in wire.chunks(7_919) {
+                client.write_all(piece).await.unwrap();
+            }
+        });
+        let mut reader = FrameReader::new(server, BytesMut::new());
+        for sent in &frames {
+            let got = reader.next().await.unwrap().expect("a frame");
+            assert!(got == *sent, "frame {} differs", sent.header.id);
+            if got.payload.len() >= ASIDE {
+                assert_eq!(got.payload.as_ptr().align_offset(PAYLOAD_ALIGN), 0);
+            }
+        }
+        sending.await.unwrap();
+        assert!(reader.next().await.unwrap().is_none(), "closed");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// A large frame cut short or with any bit flipped is never handed
+        /// out, whichever way its payload is received.
+        #[test]
+        fn a_large_frame_cut_or_corrupted_is_never_handed_out(
+            extra in 0usize..5000,
+            cut in any::<prop::sample::Index>(),
+            flip in any::<prop::sample::Index>(),
+            bit in 0u8..8,
+        ) {
+            let frame = frame_of(9, ASIDE + extra);
+            let wire = wire_of(std::slice::from_ref(&frame));
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let cut = cut.index(wire.len());
+            let got = runtime.block_on(FrameReader::new(&wire[..cut], BytesMut::new()).next());
+            prop_assert!(matches!(got, Ok(None)), "cut at {}: {:?}", cut, got.map(|f| f.map(|f| f.header)));
+            let mut bad = wire.clone();
+            bad[flip.index(wire.len())] ^= 1 << bit;
+            let got = runtime.block_on(FrameReader::new(&bad[..], BytesMut::new()).next());
+            prop_assert!(!matches!(got, Ok(Some(_))), "a corrupted frame was handed out");
+            let whole = runtime.block_on(FrameReader::new(&wire[..], BytesMut::new()).next());
+            prop_assert!(matches!(whole, Ok(Some(ref f)) if *f == frame));
+        }
+    }
 
     /// A peer that takes requests and never answers (a half-open
     /// connection): the first call times out and fails the link, so the

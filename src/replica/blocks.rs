@@ -40,14 +40,14 @@
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use super::{ReplicaError, ReplicaStore, Stamp};
 use crate::ids::{Incarnation, Term};
 use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
-use crate::net::frame::{Decoder, ErrorCode, FUA, Frame, Header, Kind, parse_hello};
+use crate::net::frame::{ErrorCode, FUA, Frame, Header, Kind, parse_hello};
+use crate::net::link::{FrameReader, send_frames};
 use crate::volume::RangeError;
 
 /// The most requests one connection runs at once.
@@ -233,16 +233,15 @@ impl BlockServer {
         mut stop: watch::Receiver<bool>,
     ) -> Result<(), String> {
         let peer = accepted.peer().clone();
-        let (mut reader, writer) = tokio::io::split(accepted);
+        let (reader, writer) = tokio::io::split(accepted);
         let (replies, outgoing) = mpsc::channel::<Frame>(IN_FLIGHT);
-        let mut sending = tokio::spawn(crate::net::link::send_frames(writer, outgoing));
+        let mut sending = tokio::spawn(send_frames(writer, outgoing));
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
         let budget = Arc::new(Semaphore::new(BUDGET_KIB as usize));
-        let mut buf = BytesMut::with_capacity(64 * 1024);
-        let mut decoder = Decoder::default();
+        let mut frames = FrameReader::new(reader, BytesMut::with_capacity(64 * 1024));
         // Nothing is read from a connection the guard would not admit, and
         // little before its Hello.
-        decoder.limit(Some(HELLO_MAX));
+        frames.limit(Some(HELLO_MAX));
         let mut hello = false;
         let outcome = match self.guard.admit(Some(&peer)) {
             Err(status) => {
@@ -254,22 +253,14 @@ impl BlockServer {
                 if *stop.borrow() {
                     break Ok(());
                 }
-                let frame = match decoder.next(&mut buf) {
+                // Stopping drops a frame being read: the connection ends.
+                let read = tokio::select! {
+                    read = frames.next() => read,
+                    _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                };
+                let frame = match read {
                     Ok(Some(frame)) => frame,
-                    Ok(None) => {
-                        if buf.capacity() - buf.len() < 16 * 1024 {
-                            buf.reserve(256 * 1024);
-                        }
-                        let read = tokio::select! {
-                            read = reader.read_buf(&mut buf) => read,
-                            _ = stop.wait_for(|stop| *stop) => break Ok(()),
-                        };
-                        match read {
-                            Ok(0) => break Ok(()),
-                            Ok(_) => continue,
-                            Err(err) => break Err(format!("receiving: {err}")),
-                        }
-                    }
+                    Ok(None) => break Ok(()),
                     Err(err) => break Err(err.to_string()),
                 };
                 let id = frame.header.id;
@@ -283,7 +274,7 @@ impl BlockServer {
                     match self.hello(&frame) {
                         Ok(()) => {
                             hello = true;
-                            decoder.limit(None);
+                            frames.limit(None);
                             let ok = Frame::new(Header::new(Kind::Ok, id), Bytes::new());
                             let _ = replies.send(ok).await;
                             continue;

@@ -1207,11 +1207,25 @@ fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> s
     let (head, rest) = data.split_at((part.start - offset) as usize);
     let (middle, tail) = rest.split_at((part.end - part.start) as usize);
     file.write_all_at(head, offset)?;
-    // One aligned buffer of DIRECT_IO bytes, reused for each piece of the
-    // middle: an aligned copy of the whole would double the memory a large
-    // write holds (a full rebuild's target peaked at 149-165 MiB that way,
-    // 125 MiB this way). Only its first bytes, up to the alignment, are
-    // zeroed.
+    let refused =
+        |err: &std::io::Error| err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error());
+    // A payload the block channel received apart is aligned already (see
+    // `crate::net::link::FrameReader`): written as it is, with no copy.
+    if middle.as_ptr().align_offset(MEMORY_ALIGN) == 0 {
+        match direct.write_all_at(middle, part.start) {
+            Err(err) if refused(&err) => {
+                tracing::debug!(%err, "a direct write was refused; writing through the cache");
+                file.write_all_at(middle, part.start)?;
+            }
+            done => done?,
+        }
+        return file.write_all_at(tail, part.end);
+    }
+    // Otherwise through one aligned buffer of DIRECT_IO bytes, reused for
+    // each piece of the middle: an aligned copy of the whole would double
+    // the memory a large write holds (a full rebuild's target peaked at
+    // 149-165 MiB that way, 125 MiB this way). Only its first bytes, up to
+    // the alignment, are zeroed.
     let block = DIRECT_IO;
     let mut room: Vec<u8> = Vec::with_capacity(block + MEMORY_ALIGN);
     room.resize(room.as_ptr().align_offset(MEMORY_ALIGN), 0u8);
@@ -1221,7 +1235,7 @@ fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> s
         room.truncate(skip);
         room.extend_from_slice(piece);
         match direct.write_all_at(&room[skip..], at) {
-            Err(err) if err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+            Err(err) if refused(&err) => {
                 tracing::debug!(%err, "a direct write was refused; writing through the cache");
                 let done = (at - part.start) as usize;
                 file.write_all_at(&middle[done..], at)?;
@@ -1702,8 +1716,31 @@ mod tests {
         whole().await;
         store.flush(Term(1)).await.unwrap();
         // From the disk, not the cache.
-        rustix::fs::fadvise(&*store.file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        let uncache =
+            || rustix::fs::fadvise(&*store.file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        uncache();
         whole().await;
+        // A payload aligned in memory, as the block channel receives a
+        // large one: its middle, [2, 4) MiB, goes direct without a copy.
+        let aligned = {
+            let mut room: Vec<u8> = Vec::with_capacity(DIRECT_IO + MEMORY_ALIGN);
+            room.resize(room.as_ptr().align_offset(MEMORY_ALIGN), 0u8);
+            let skip = room.len();
+            room.resize(skip + DIRECT_IO, 4u8);
+            Bytes::from_owner(room).slice(skip..)
+        };
+        assert_eq!(aligned.as_ptr().align_offset(MEMORY_ALIGN), 0);
+        store.write(Term(1), MIB, aligned, false).await.unwrap();
+        let after_aligned = || async {
+            reads(0, block(2, MIB as usize), "before the aligned write").await;
+            reads(MIB, block(4, DIRECT_IO), "the aligned write").await;
+            let next = MIB + DIRECT_IO as u64;
+            reads(next, block(3, (end - next) as usize), "after it").await;
+        };
+        after_aligned().await;
+        store.flush(Term(1)).await.unwrap();
+        uncache();
+        after_aligned().await;
     }
 
     #[test]
