@@ -1548,6 +1548,87 @@ async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
     }
 }
 
+/// #21, resume: a full pass runs its steps' copies side by side, but
+/// records as verified only what lies below every copy still running. Here
+/// the copy of the first extents is held on the target while the later
+/// steps are compared and copied: the range must stay at 0, or a writer
+/// change would skip extents that were never copied.
+#[tokio::test]
+async fn a_full_pass_records_as_verified_only_what_all_its_copies_reached() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let mib = rig.engine.extent_size();
+    let extents = SIZE / mib;
+    for i in 0..2 {
+        let stamp = replica_ha::replica::Stamp {
+            term: Term(5),
+            generation: 1,
+        };
+        rig.replicas[i]
+            .store()
+            .close_missed(stamp, NodeId(3))
+            .await
+            .unwrap();
+    }
+    // Every extent holds data; the first begins with the byte held.
+    for extent in 0..extents {
+        let byte = if extent == 0 { 0xab } else { 9 };
+        rig.engine
+            .write_at(extent * mib, block(byte), false)
+            .await
+            .unwrap();
+    }
+    rig.replicas[2].set(Fault::HoldWritesOf(0xab));
+    // Copies side by side, as when no client writes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while rig.engine.clients_writing(Duration::from_millis(100)) {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let step = 4;
+    let resync = Arc::new(Resyncer::new(
+        Arc::clone(&rig.engine),
+        ResyncConfig {
+            step_extents: step,
+            raise_every: Duration::ZERO,
+            ..ResyncConfig::default()
+        },
+    ));
+    let rebuilding = tokio::spawn({
+        let resync = Arc::clone(&resync);
+        let target = Arc::clone(&rig.replicas[2]) as Arc<dyn Replica>;
+        async move { resync.rebuild(&target).await }
+    });
+    // Every step but the first is copied.
+    let rest = (extents - step) * mib;
+    loop {
+        let copied = resync.progress().get(&NodeId(3)).map_or(0, |p| p.copied);
+        if copied >= rest {
+            break;
+        }
+        assert!(!rebuilding.is_finished(), "{:?}", rebuilding.await);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "copied {copied} of {rest}: {:?}", resync.progress()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for i in 0..2 {
+        let map = rig.replicas[i].store().missed(NodeId(3), 0).unwrap();
+        assert_eq!(
+            map.unwrap().unverified_from,
+            Some(0),
+            "n{}: raised past a copy still running",
+            i + 1
+        );
+    }
+    rig.replicas[2].release(1);
+    rebuilding.await.unwrap().unwrap();
+    assert!(rig.committed().await.contains(&NodeId(3)));
+    assert_eq!(rig.whole(2).await, rig.whole(0).await);
+}
+
 /// Invariant M: a replica being rebuilt keeps its older terms' marks until
 /// its rebuild has compared them. Here a dead writer's write reached only
 /// n3 (marked there), and a scrub repair of that extent on n2 makes the
@@ -1718,7 +1799,7 @@ async fn a_removed_members_map_is_closed_and_a_members_map_kept() {
             Arc::clone(&rig.engine),
             ResyncConfig {
                 interval: Duration::from_millis(10),
-                rate: 0,
+                ..ResyncConfig::default()
             },
         )
         .closing_maps_of_former_members(Box::new(|| [NodeId(1), NodeId(2)].into())),
@@ -1762,7 +1843,7 @@ async fn a_former_members_map_opened_after_the_sweep_is_closed() {
             Arc::clone(&rig.engine),
             ResyncConfig {
                 interval: Duration::from_millis(10),
-                rate: 0,
+                ..ResyncConfig::default()
             },
         )
         .closing_maps_of_former_members(members),

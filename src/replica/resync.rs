@@ -26,7 +26,7 @@
 //! the next attempt compares what it names again — all of it, plus what
 //! was written since. A full rebuild keeps its place in the map: it opens
 //! the map with an unverified range from the first extent, and every
-//! `RAISE_EVERY` has the target flush and the in-sync replicas raise the
+//! `raise_every` has the target flush and the in-sync replicas raise the
 //! range past what it compared; the next attempt compares the map's
 //! extents below the range and the range, so a writer change costs at
 //! most that interval's progress again (see [`super::missed`]).
@@ -38,11 +38,13 @@
 //! The copy rate is limited by `rate` (bytes per second of copied data) so
 //! a rebuild cannot starve client I/O.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::RangeInclusive;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 
 use super::engine::{MAX_COPY_RUN, RebuildError, RebuildPlan};
@@ -50,8 +52,6 @@ use super::{Engine, Replica};
 use crate::ids::{NodeId, Term};
 use crate::volume::Device;
 
-/// How many extents one digest request covers.
-const EXTENTS_PER_PASS: u64 = 64;
 /// How many copies (each a run of up to [`MAX_COPY_RUN`] extents) run at
 /// once.
 const COPIES_IN_FLIGHT: usize = 4;
@@ -70,23 +70,87 @@ fn copy_pace(engine: &Engine, longest: u64) -> (usize, u64) {
     }
 }
 
-/// How often a full rebuild records how far it verified (see
-/// [`Engine::verified_below`]): what a writer change can cost it again.
-const RAISE_EVERY: Duration = Duration::from_millis(500);
+/// A full pass compares the next `step_extents` once fewer than
+/// this many extents found to differ wait to be copied.
+const LOOKAHEAD: usize = 2 * COPIES_IN_FLIGHT * MAX_COPY_RUN as usize;
 
-/// `extents` (ascending) as runs of consecutive ones, each at most
-/// `longest` long.
-fn runs(extents: &[u64], longest: u64) -> Vec<std::ops::RangeInclusive<u64>> {
-    let mut runs: Vec<std::ops::RangeInclusive<u64>> = Vec::new();
-    for &extent in extents {
-        match runs.last_mut() {
-            Some(run) if *run.end() + 1 == extent && run.end() - run.start() + 1 < longest => {
-                *run = *run.start()..=extent;
-            }
-            _ => runs.push(extent..=extent),
+/// What a full pass waits on: a comparison or a copy.
+type Work<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Done> + Send + 'a>>;
+
+/// A comparison's or a copy's outcome.
+enum Done {
+    /// The end of the bytes compared, and the extents that differ.
+    Compared(Result<(u64, Vec<u64>), RebuildError>),
+    /// A copy of this many extents of this step.
+    Copied(u64, u64, Result<u64, RebuildError>),
+}
+
+/// The next run to copy from `ready`: consecutive extents of one step, at
+/// most `longest`, with that step.
+fn next_run(ready: &mut VecDeque<(u64, u64)>, longest: u64) -> Option<(u64, RangeInclusive<u64>)> {
+    let (first, step) = ready.pop_front()?;
+    let mut last = first;
+    while last - first + 1 < longest && ready.front() == Some(&(last + 1, step)) {
+        ready.pop_front();
+        last += 1;
+    }
+    Some((step, first..=last))
+}
+
+/// The steps of a full pass in order (each a range of bytes compared),
+/// with how many of each one's differing extents are not copied yet: the
+/// bytes below the first step with copies outstanding are verified.
+#[derive(Debug)]
+struct Steps {
+    /// The number of the first step in `left`.
+    first: u64,
+    /// Each step not yet done: its end, and its extents not yet copied.
+    left: VecDeque<(u64, u64)>,
+    /// The end of the last step done.
+    verified: u64,
+}
+
+impl Steps {
+    fn new(from: u64) -> Self {
+        Self {
+            first: 0,
+            left: VecDeque::new(),
+            verified: from,
         }
     }
-    runs
+
+    /// A step compared up to `end`, `differing` extents to copy; returns
+    /// its number.
+    fn compared(&mut self, end: u64, differing: u64) -> u64 {
+        self.left.push_back((end, differing));
+        let step = self.first + self.left.len() as u64 - 1;
+        self.settle();
+        step
+    }
+
+    /// `extents` of step `step` were copied.
+    fn copied(&mut self, step: u64, extents: u64) {
+        if let Some((_, left)) = step
+            .checked_sub(self.first)
+            .and_then(|i| self.left.get_mut(i as usize))
+        {
+            *left = left.saturating_sub(extents);
+        }
+        self.settle();
+    }
+
+    fn settle(&mut self) {
+        while let Some(&(end, 0)) = self.left.front() {
+            self.left.pop_front();
+            self.first += 1;
+            self.verified = end;
+        }
+    }
+
+    /// The end of the bytes compared, and copied where they differed.
+    fn verified(&self) -> u64 {
+        self.verified
+    }
 }
 
 /// Which extents of `extent` bytes, from the start of a span of `len`
@@ -146,6 +210,12 @@ pub struct ResyncConfig {
     pub interval: Duration,
     /// The most bytes per second copied to a target (0: no limit).
     pub rate: u64,
+    /// How many extents a full pass compares per step (one request for
+    /// allocation or digests to each side).
+    pub step_extents: u64,
+    /// How often a full rebuild records how far it verified (see
+    /// [`Engine::verified_below`]): what a writer change can cost it again.
+    pub raise_every: Duration,
 }
 
 impl Default for ResyncConfig {
@@ -153,6 +223,8 @@ impl Default for ResyncConfig {
         Self {
             interval: Duration::from_millis(100),
             rate: 0,
+            step_extents: 64,
+            raise_every: Duration::from_millis(500),
         }
     }
 }
@@ -415,54 +487,98 @@ impl Resyncer {
     }
 
     /// The digest pass from extent `from` to the end: compares every
-    /// extent and copies those that differ; every `RAISE_EVERY` it has
+    /// extent and copies those that differ; every `raise_every` it has
     /// the target flush and the in-sync replicas raise the map's
-    /// unverified range, so a writer that takes over resumes from there.
+    /// unverified range past what is done, so a writer that takes over
+    /// resumes from there.
+    ///
+    /// A pipeline, not a sequence of steps: the next `step_extents`
+    /// are compared while the copies of earlier ones run, and the copies
+    /// of one step go on while the last of the one before finishes. Each
+    /// copy's size and how many run at once are chosen when it starts
+    /// (see [`copy_pace`]), so a client that begins to write is yielded to
+    /// at once. The range is raised only below extents all of whose
+    /// copies are done ([`Steps`]).
     async fn copy_differences(&self, pass: &mut Pass, from: u64) -> Result<(), RebuildError> {
         let (id, term) = (pass.id, pass.term);
         let extent = self.engine.extent_size();
         let mut size = self.engine.size();
-        let mut offset = from.saturating_mul(extent);
+        let done_before = pass.done;
+        // Where the next comparison starts.
+        let mut next = from.saturating_mul(extent);
         let mut raised = Instant::now();
+        let mut raised_to = next;
         let target = self.replica(id)?;
-        while offset < size {
+        let longest_run = (crate::volume::MAX_REQUEST / extent).clamp(1, MAX_COPY_RUN);
+        let mut steps = Steps::new(next);
+        // Extents found to differ and not yet copied, with their step.
+        let mut ready: VecDeque<(u64, u64)> = VecDeque::new();
+        let mut work: FuturesUnordered<Work<'_>> = FuturesUnordered::new();
+        let (mut comparing, mut copying) = (false, 0usize);
+        loop {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
-            if self.engine.size() > size {
-                // Resized meanwhile: the target grows too, and the pass
-                // goes on to the new end.
-                self.engine.grow_target(id).await?;
-                let grown = self.engine.size();
-                pass.total += grown - size;
-                size = grown;
+            if !comparing && next < size && ready.len() < LOOKAHEAD {
+                if self.engine.size() > size {
+                    // Resized meanwhile: the target grows too, and the pass
+                    // goes on to the new end.
+                    self.engine.grow_target(id).await?;
+                    let grown = self.engine.size();
+                    pass.total += grown - size;
+                    size = grown;
+                }
+                let len = (self.step_extents() * extent).min(size - next);
+                let (source, target, at) = (self.source()?, Arc::clone(&target), next);
+                work.push(Box::pin(async move {
+                    let found = self.differing(&source, &target, at, len).await;
+                    Done::Compared(found.map(|differing| (at + len, differing)))
+                }));
+                comparing = true;
+                next += len;
             }
-            let len = (EXTENTS_PER_PASS * extent).min(size - offset);
-            let source = self.source()?;
-            let differing = self.differing(&source, &target, offset, len).await?;
-            // A few runs at once, each one write: a copy holds only its
-            // own extents' stripes, and one pass's extents fall on
-            // distinct stripes.
-            let longest = (crate::volume::MAX_REQUEST / extent).clamp(1, MAX_COPY_RUN);
-            let (in_flight, longest) = copy_pace(&self.engine, longest);
-            let mut copies = futures::stream::iter(runs(&differing, longest))
-                .map(|run| self.engine.copy_differing_run(id, run))
-                .buffer_unordered(in_flight);
-            while let Some(bytes) = copies.next().await {
-                pass.copied += bytes?;
-                // Progress as it copies, not only per digest request: a
-                // request's extents can take long to copy at a capped rate.
-                self.report(pass);
-                self.throttle(pass).await;
+            let (in_flight, longest) = copy_pace(&self.engine, longest_run);
+            while copying < in_flight {
+                let Some((step, run)) = next_run(&mut ready, longest) else {
+                    break;
+                };
+                let extents = run.end() - run.start() + 1;
+                work.push(Box::pin(async move {
+                    let copied = self.engine.copy_differing_run(id, run).await;
+                    Done::Copied(step, extents, copied)
+                }));
+                copying += 1;
             }
-            offset += len;
-            pass.done += len;
+            let Some(done) = work.next().await else {
+                break;
+            };
+            match done {
+                Done::Compared(found) => {
+                    comparing = false;
+                    let (end, differing) = found?;
+                    let step = steps.compared(end, differing.len() as u64);
+                    ready.extend(differing.into_iter().map(|extent| (extent, step)));
+                }
+                Done::Copied(step, extents, copied) => {
+                    copying -= 1;
+                    pass.copied += copied?;
+                    steps.copied(step, extents);
+                }
+            }
+            // Progress as it copies, not only per comparison: a step's
+            // extents can take long to copy at a capped rate.
+            let verified = steps.verified();
+            pass.done = done_before + (verified - from.saturating_mul(extent));
             self.report(pass);
-            if raised.elapsed() >= RAISE_EVERY && offset < size {
+            self.throttle(pass).await;
+            if raised.elapsed() >= self.config.raise_every
+                && verified > raised_to
+                && verified < size
+            {
                 self.engine
-                    .verified_below(id, term, offset / extent)
+                    .verified_below(id, term, verified / extent)
                     .await?;
-                raised = Instant::now();
+                (raised, raised_to) = (Instant::now(), verified);
             }
         }
         Ok(())
@@ -528,7 +644,7 @@ impl Resyncer {
     async fn copy_listed(&self, pass: &mut Pass, extents: &[u64]) -> Result<(), RebuildError> {
         let (id, term) = (pass.id, pass.term);
         let extent = self.engine.extent_size();
-        for batch in extents.chunks(EXTENTS_PER_PASS as usize) {
+        for batch in extents.chunks(self.step_extents() as usize) {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
@@ -591,6 +707,13 @@ impl Resyncer {
     }
 
     /// An in-sync replica to compare against.
+    /// The configured step, within what one digest request may cover.
+    fn step_extents(&self) -> u64 {
+        self.config
+            .step_extents
+            .clamp(1, super::store::MAX_DIGEST_EXTENTS)
+    }
+
     fn source(&self) -> Result<Arc<dyn Replica>, RebuildError> {
         let in_sync = self.engine.in_sync();
         self.engine
@@ -635,12 +758,51 @@ mod tests {
     }
 
     #[test]
-    fn consecutive_extents_make_runs_no_longer_than_asked() {
-        use super::runs;
-        assert_eq!(runs(&[], 8), vec![]);
-        assert_eq!(runs(&[3, 4, 5, 9, 10, 12], 8), vec![3..=5, 9..=10, 12..=12]);
-        assert_eq!(runs(&[0, 1, 2, 3, 4], 2), vec![0..=1, 2..=3, 4..=4]);
-        assert_eq!(runs(&[7], 1), vec![7..=7]);
+    fn consecutive_extents_of_one_step_make_runs_no_longer_than_asked() {
+        use super::next_run;
+        let all = |extents: &[(u64, u64)], longest| {
+            let mut ready: std::collections::VecDeque<(u64, u64)> =
+                extents.iter().copied().collect();
+            std::iter::from_fn(|| next_run(&mut ready, longest)).collect::<Vec<_>>()
+        };
+        assert_eq!(all(&[], 8), vec![]);
+        let step0 = |e: &[u64]| e.iter().map(|e| (*e, 0)).collect::<Vec<_>>();
+        assert_eq!(
+            all(&step0(&[3, 4, 5, 9, 10, 12]), 8),
+            vec![(0, 3..=5), (0, 9..=10), (0, 12..=12)]
+        );
+        assert_eq!(
+            all(&step0(&[0, 1, 2, 3, 4]), 2),
+            vec![(0, 0..=1), (0, 2..=3), (0, 4..=4)]
+        );
+        assert_eq!(all(&[(7, 0)], 1), vec![(0, 7..=7)]);
+        // A run never spans two steps.
+        assert_eq!(
+            all(&[(62, 0), (63, 0), (64, 1), (65, 1)], 8),
+            vec![(0, 62..=63), (1, 64..=65)]
+        );
+    }
+
+    /// The bytes verified end where the first step with copies left
+    /// begins, however the copies finish.
+    #[test]
+    fn only_steps_whose_copies_all_finished_count_as_verified() {
+        use super::Steps;
+        let mut steps = Steps::new(100);
+        assert_eq!(steps.verified(), 100);
+        let a = steps.compared(200, 2);
+        let b = steps.compared(300, 0);
+        let c = steps.compared(400, 1);
+        assert_eq!((a, b, c), (0, 1, 2));
+        assert_eq!(steps.verified(), 100, "a's copies are not done");
+        steps.copied(c, 1);
+        assert_eq!(steps.verified(), 100, "c is done, but not a");
+        steps.copied(a, 1);
+        assert_eq!(steps.verified(), 100, "one of a's two extents is left");
+        steps.copied(a, 1);
+        assert_eq!(steps.verified(), 400, "a, b and c are done");
+        let d = steps.compared(500, 0);
+        assert_eq!((d, steps.verified()), (3, 500), "nothing to copy: done");
     }
 
     #[test]
