@@ -1610,7 +1610,8 @@ async fn a_full_pass_records_as_verified_only_what_all_its_copies_reached() {
         assert!(!rebuilding.is_finished(), "{:?}", rebuilding.await);
         assert!(
             tokio::time::Instant::now() < deadline,
-            "copied {copied} of {rest}: {:?}", resync.progress()
+            "copied {copied} of {rest}: {:?}",
+            resync.progress()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -165,14 +165,21 @@ impl Membership {
     /// own view drops the node at once: were it to learn of the removal
     /// only when the node's replica leaves the set, it would open a
     /// missed-write map of a node that is gone. An engine not yet active
-    /// reads the committed set when it becomes so.
+    /// reads the committed set when it becomes so; one that would keep
+    /// fewer than `min_in_sync` refuses, and the change is committed
+    /// without it (a replace must go on: it is what brings a copy back).
+    /// Its view may then name the node until a write drops it; the map
+    /// that opens is closed by the resyncer's sweep.
     async fn leave_in_sync(&self, term: Term, node: NodeId) -> Result<(), MembershipError> {
         let failed = |err: &dyn std::fmt::Display| {
             MembershipError::Failed(format!("dropping node {node} from the in-sync set: {err}"))
         };
         match self.engine.leave_in_sync(node).await {
             Ok(()) => return Ok(()),
-            Err(EngineMembershipError::Inactive) => {}
+            // Too few would remain: a replace (the caller that gets here;
+            // remove checks first) is what brings a copy back, so the
+            // removal is committed without the engine.
+            Err(EngineMembershipError::Inactive | EngineMembershipError::TooFew { .. }) => {}
             Err(err) => return Err(failed(&err)),
         }
         let in_sync = self.coordinator.state_machine().current().control.in_sync;

@@ -256,8 +256,8 @@ pub struct Engine {
     /// [`Engine::clients_writing`]).
     client_seen_ms: std::sync::atomic::AtomicU64,
     born: std::time::Instant,
-    /// Counts the times this engine began to open or hand out missed-write
-    /// maps: a sweep of former members' maps (see
+    /// Counts the times this engine began or ended opening or handing out
+    /// missed-write maps: a sweep of former members' maps (see
     /// [`Engine::close_maps_of_former_members`]) is done again when it
     /// moved, since such a map may have been opened after the sweep.
     maps_opened: std::sync::atomic::AtomicU64,
@@ -1030,7 +1030,7 @@ impl Engine {
         leaving: &BTreeSet<NodeId>,
         in_sync: &BTreeSet<NodeId>,
     ) -> Result<(), DeviceError> {
-        self.count_maps_opened();
+        let _counted = self.count_maps_opened();
         let leaving: Vec<(NodeId, Incarnation)> = leaving
             .iter()
             .map(|id| (*id, self.replicas.incarnation(*id)))
@@ -1087,7 +1087,7 @@ impl Engine {
     /// lands between the read and the copy is recorded by the target
     /// itself.
     async fn adopt_missed_maps(&self, term: Term, id: NodeId) -> Result<(), RebuildError> {
-        self.count_maps_opened();
+        let _counted = self.count_maps_opened();
         let source = self
             .read_order()
             .into_iter()
@@ -1671,14 +1671,26 @@ impl Engine {
             .collect()
     }
 
-    fn count_maps_opened(&self) {
+    /// Counts an opening of maps now and again when the guard drops, on
+    /// every way out: a sweep that read the count while maps were being
+    /// opened (and may have listed them before they were) sees it move
+    /// once more when they are, and sweeps again.
+    fn count_maps_opened(&self) -> impl Drop + '_ {
+        struct Counted<'a>(&'a std::sync::atomic::AtomicU64);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
         self.maps_opened
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Counted(&self.maps_opened)
     }
 
-    /// How many times this engine began to open or hand out missed-write
-    /// maps. A sweep of former members' maps that read it before it began
-    /// and reads the same after misses no map opened meanwhile.
+    /// How many times this engine began or ended opening or handing out
+    /// missed-write maps. A sweep of former members' maps that read it
+    /// before it began and reads the same after misses no map opened
+    /// meanwhile.
     pub fn maps_opened(&self) -> u64 {
         self.maps_opened.load(std::sync::atomic::Ordering::SeqCst)
     }

@@ -74,7 +74,7 @@ fn copy_pace(engine: &Engine, longest: u64) -> (usize, u64) {
 /// this many extents found to differ wait to be copied.
 const LOOKAHEAD: usize = 2 * COPIES_IN_FLIGHT * MAX_COPY_RUN as usize;
 
-/// What a full pass waits on: a comparison or a copy.
+/// What a full pass waits on: a comparison, a copy or a raise.
 type Work<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Done> + Send + 'a>>;
 
 /// A comparison's or a copy's outcome.
@@ -83,6 +83,8 @@ enum Done {
     Compared(Result<(u64, Vec<u64>), RebuildError>),
     /// A copy of this many extents of this step.
     Copied(u64, u64, Result<u64, RebuildError>),
+    /// The unverified range raised (see [`Engine::verified_below`]).
+    Raised(Result<(), RebuildError>),
 }
 
 /// The next run to copy from `ready`: consecutive extents of one step, at
@@ -514,7 +516,7 @@ impl Resyncer {
         // Extents found to differ and not yet copied, with their step.
         let mut ready: VecDeque<(u64, u64)> = VecDeque::new();
         let mut work: FuturesUnordered<Work<'_>> = FuturesUnordered::new();
-        let (mut comparing, mut copying) = (false, 0usize);
+        let (mut comparing, mut copying, mut raising) = (false, 0usize, false);
         loop {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
@@ -564,6 +566,11 @@ impl Resyncer {
                     pass.copied += copied?;
                     steps.copied(step, extents);
                 }
+                Done::Raised(raised_now) => {
+                    raising = false;
+                    raised_now?;
+                    raised = Instant::now();
+                }
             }
             // Progress as it copies, not only per comparison: a step's
             // extents can take long to copy at a capped rate.
@@ -571,14 +578,21 @@ impl Resyncer {
             pass.done = done_before + (verified - from.saturating_mul(extent));
             self.report(pass);
             self.throttle(pass).await;
-            if raised.elapsed() >= self.config.raise_every
+            // Raised beside the copies, which hold stripe locks: awaited
+            // here, it would stall the client writes waiting on those.
+            if !raising
+                && raised.elapsed() >= self.config.raise_every
                 && verified > raised_to
                 && verified < size
             {
-                self.engine
-                    .verified_below(id, term, verified / extent)
-                    .await?;
-                (raised, raised_to) = (Instant::now(), verified);
+                work.push(Box::pin(async move {
+                    Done::Raised(
+                        self.engine
+                            .verified_below(id, term, verified / extent)
+                            .await,
+                    )
+                }));
+                (raising, raised_to) = (true, verified);
             }
         }
         Ok(())
