@@ -74,7 +74,8 @@ fn copy_pace(engine: &Engine, longest: u64) -> (usize, u64) {
 /// this many extents found to differ wait to be copied.
 const LOOKAHEAD: usize = 2 * COPIES_IN_FLIGHT * MAX_COPY_RUN as usize;
 
-/// What a full pass waits on: a comparison, a copy or a raise.
+/// What a full pass waits on: a comparison, a copy, a raise, or the rate
+/// cap.
 type Work<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Done> + Send + 'a>>;
 
 /// A comparison's or a copy's outcome.
@@ -85,6 +86,8 @@ enum Done {
     Copied(u64, u64, Result<u64, RebuildError>),
     /// The unverified range raised (see [`Engine::verified_below`]).
     Raised(Result<(), RebuildError>),
+    /// The rate cap lets the next copy start.
+    Paced,
 }
 
 /// The next run to copy from `ready`: consecutive extents of one step, at
@@ -506,6 +509,8 @@ impl Resyncer {
         let extent = self.engine.extent_size();
         let mut size = self.engine.size();
         let done_before = pass.done;
+        // Bytes whose copy began, for the rate cap.
+        let mut begun = pass.copied;
         // Where the next comparison starts.
         let mut next = from.saturating_mul(extent);
         let mut raised = Instant::now();
@@ -516,7 +521,7 @@ impl Resyncer {
         // Extents found to differ and not yet copied, with their step.
         let mut ready: VecDeque<(u64, u64)> = VecDeque::new();
         let mut work: FuturesUnordered<Work<'_>> = FuturesUnordered::new();
-        let (mut comparing, mut copying, mut raising) = (false, 0usize, false);
+        let (mut comparing, mut copying, mut raising, mut pacing) = (false, 0usize, false, false);
         loop {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
@@ -540,11 +545,24 @@ impl Resyncer {
                 next += len;
             }
             let (in_flight, longest) = copy_pace(&self.engine, longest_run);
-            while copying < in_flight {
+            while copying < in_flight && !ready.is_empty() {
+                // The rate cap holds back the next copy, by the bytes
+                // begun, not the pass: what runs is still polled.
+                if let Some(wait) = self.held_back(pass.started, begun) {
+                    if !pacing {
+                        work.push(Box::pin(async move {
+                            tokio::time::sleep(wait).await;
+                            Done::Paced
+                        }));
+                        pacing = true;
+                    }
+                    break;
+                }
                 let Some((step, run)) = next_run(&mut ready, longest) else {
                     break;
                 };
                 let extents = run.end() - run.start() + 1;
+                begun += extents * extent;
                 work.push(Box::pin(async move {
                     let copied = self.engine.copy_differing_run(id, run).await;
                     Done::Copied(step, extents, copied)
@@ -569,15 +587,14 @@ impl Resyncer {
                 Done::Raised(raised_now) => {
                     raising = false;
                     raised_now?;
-                    raised = Instant::now();
                 }
+                Done::Paced => pacing = false,
             }
             // Progress as it copies, not only per comparison: a step's
             // extents can take long to copy at a capped rate.
             let verified = steps.verified();
             pass.done = done_before + (verified - from.saturating_mul(extent));
             self.report(pass);
-            self.throttle(pass).await;
             // Raised beside the copies, which hold stripe locks: awaited
             // here, it would stall the client writes waiting on those.
             if !raising
@@ -592,7 +609,7 @@ impl Resyncer {
                             .await,
                     )
                 }));
-                (raising, raised_to) = (true, verified);
+                (raising, raised, raised_to) = (true, Instant::now(), verified);
             }
         }
         Ok(())
@@ -677,16 +694,22 @@ impl Resyncer {
         Ok(())
     }
 
+    /// How long a copy must wait, after `bytes` copied or begun since
+    /// `since`, to keep within the rate limit, if it must.
+    fn held_back(&self, since: Instant, bytes: u64) -> Option<Duration> {
+        if self.config.rate == 0 {
+            return None;
+        }
+        let due = Duration::from_secs_f64(bytes as f64 / self.config.rate as f64);
+        due.checked_sub(since.elapsed())
+            .filter(|wait| !wait.is_zero())
+    }
+
     /// Sleeps as long as needed to keep the pass's copies within the rate
     /// limit.
     async fn throttle(&self, pass: &Pass) {
-        if self.config.rate == 0 {
-            return;
-        }
-        let due = Duration::from_secs_f64(pass.copied as f64 / self.config.rate as f64);
-        let elapsed = pass.started.elapsed();
-        if due > elapsed {
-            tokio::time::sleep(due - elapsed).await;
+        if let Some(wait) = self.held_back(pass.started, pass.copied) {
+            tokio::time::sleep(wait).await;
         }
     }
 
