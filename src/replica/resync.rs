@@ -40,6 +40,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::RangeInclusive;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -675,18 +676,27 @@ impl Resyncer {
     async fn copy_listed(&self, pass: &mut Pass, extents: &[u64]) -> Result<(), RebuildError> {
         let (id, term) = (pass.id, pass.term);
         let extent = self.engine.extent_size();
+        let begun = AtomicU64::new(pass.copied);
         for batch in extents.chunks(self.step_extents() as usize) {
             if self.engine.term() != Some(term) || self.engine.rebuild_failed(id) {
                 return Err(RebuildError::Abandoned(id));
             }
             let (in_flight, _) = copy_pace(&self.engine, 1);
+            // The rate cap delays each copy's start by the bytes begun
+            // before it, while the copies already running go on.
+            let (started, begun) = (pass.started, &begun);
             let mut copies = futures::stream::iter(batch.iter().copied())
-                .map(|extent| self.engine.copy_extent(id, extent))
+                .map(|at| async move {
+                    let before = begun.fetch_add(extent, Ordering::Relaxed);
+                    if let Some(wait) = self.held_back(started, before) {
+                        tokio::time::sleep(wait).await;
+                    }
+                    self.engine.copy_extent(id, at).await
+                })
                 .buffer_unordered(in_flight);
             while let Some(bytes) = copies.next().await {
                 pass.copied += bytes?;
                 self.report(pass);
-                self.throttle(pass).await;
             }
             pass.done += batch.len() as u64 * extent;
             self.report(pass);
@@ -694,8 +704,10 @@ impl Resyncer {
         Ok(())
     }
 
-    /// How long a copy must wait, after `bytes` copied or begun since
-    /// `since`, to keep within the rate limit, if it must.
+    /// How long a copy must wait, after `bytes` begun since `since`, to
+    /// keep within the rate limit, if it must. Judged on the bytes begun,
+    /// not those done, so that copies start evenly spaced rather than a
+    /// few at once and then a long wait.
     fn held_back(&self, since: Instant, bytes: u64) -> Option<Duration> {
         if self.config.rate == 0 {
             return None;
@@ -703,14 +715,6 @@ impl Resyncer {
         let due = Duration::from_secs_f64(bytes as f64 / self.config.rate as f64);
         due.checked_sub(since.elapsed())
             .filter(|wait| !wait.is_zero())
-    }
-
-    /// Sleeps as long as needed to keep the pass's copies within the rate
-    /// limit.
-    async fn throttle(&self, pass: &Pass) {
-        if let Some(wait) = self.held_back(pass.started, pass.copied) {
-            tokio::time::sleep(wait).await;
-        }
     }
 
     fn report(&self, pass: &Pass) {
