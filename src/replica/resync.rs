@@ -14,8 +14,9 @@
 //!    missed, not the volume's size. Otherwise (a new incarnation, a source
 //!    without a map) a full digest pass: BLAKE3 digests of each 1 MiB
 //!    extent, 64 extents per request, from an in-sync source and from the
-//!    target, copying each extent that differs the same way; holes hash
-//!    without being read, so an empty disk costs what the source holds;
+//!    target (by allocation alone where either side holds a hole), copying
+//!    each run that differs; the next step is compared while earlier ones
+//!    are copied, so an empty disk costs what the source holds;
 //! 3. `finish_rebuild`: the return is committed through Raft, conditional on
 //!    this writer's term.
 //!
@@ -27,7 +28,7 @@
 //! was written since. A full rebuild keeps its place in the map: it opens
 //! the map with an unverified range from the first extent, and every
 //! `raise_every` has the target flush and the in-sync replicas raise the
-//! range past what it compared; the next attempt compares the map's
+//! range past what it compared and copied; the next attempt compares the map's
 //! extents below the range and the range, so a writer change costs at
 //! most that interval's progress again (see [`super::missed`]).
 //!
@@ -36,7 +37,8 @@
 //! committed membership changes.
 //!
 //! The copy rate is limited by `rate` (bytes per second of copied data) so
-//! a rebuild cannot starve client I/O.
+//! a rebuild cannot starve client I/O: it delays the start of each copy,
+//! never the copies already running (they hold stripe locks).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::RangeInclusive;
