@@ -73,6 +73,13 @@ fn copy_pace(engine: &Engine, longest: u64) -> (usize, u64) {
     }
 }
 
+/// A full pass raises the map's unverified range (see
+/// [`Engine::verified_below`]) every `raise_every`, and also as soon as
+/// what it verified moved this far since the last raise: a writer change
+/// then costs at most this much compared again, however fast the pass
+/// moves over holes. One raise runs at a time, beside the copies.
+const RAISE_AFTER_BYTES: u64 = 64 << 20;
+
 /// A full pass compares the next `step_extents` once fewer than
 /// this many extents found to differ wait to be copied.
 const LOOKAHEAD: usize = 2 * COPIES_IN_FLIGHT * MAX_COPY_RUN as usize;
@@ -495,9 +502,9 @@ impl Resyncer {
     }
 
     /// The digest pass from extent `from` to the end: compares every
-    /// extent and copies those that differ; every `raise_every` it has
-    /// the target flush and the in-sync replicas raise the map's
-    /// unverified range past what is done, so a writer that takes over
+    /// extent and copies those that differ; every `raise_every`, or
+    /// [`RAISE_AFTER_BYTES`], it has the target flush and the in-sync
+    /// replicas raise the map's unverified range past what is done, so a writer that takes over
     /// resumes from there.
     ///
     /// A pipeline, not a sequence of steps: the next `step_extents`
@@ -600,11 +607,9 @@ impl Resyncer {
             self.report(pass);
             // Raised beside the copies, which hold stripe locks: awaited
             // here, it would stall the client writes waiting on those.
-            if !raising
-                && raised.elapsed() >= self.config.raise_every
-                && verified > raised_to
-                && verified < size
-            {
+            let due = raised.elapsed() >= self.config.raise_every
+                || verified - raised_to >= RAISE_AFTER_BYTES;
+            if !raising && due && verified > raised_to && verified < size {
                 work.push(Box::pin(async move {
                     Done::Raised(
                         self.engine
