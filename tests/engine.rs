@@ -1449,6 +1449,21 @@ async fn a_repair_of_an_unacknowledged_write_makes_a_running_rebuild_start_over(
     assert_eq!(rig.whole(2).await, rig.whole(0).await);
 }
 
+/// A rig (`min_in_sync` 2) with n3 out of the in-sync set and no map of
+/// it anywhere: its rebuild is a full one.
+async fn with_n3_out_and_no_map() -> Rig {
+    let rig = Rig::new(2).await;
+    with_n3_out(&rig).await;
+    let stamp = replica_ha::replica::Stamp {
+        term: Term(5),
+        generation: 1,
+    };
+    for keeper in &rig.replicas[..2] {
+        keeper.store().close_missed(stamp, NodeId(3)).await.unwrap();
+    }
+    rig
+}
+
 /// #21, resume: a full rebuild interrupted by a writer change goes on
 /// from where it had verified, not from the first extent. What it had
 /// verified stays covered: a write there afterwards (here one that fails
@@ -1457,22 +1472,9 @@ async fn a_repair_of_an_unacknowledged_write_makes_a_running_rebuild_start_over(
 #[tokio::test]
 async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
-    let rig = Rig::new(2).await;
-    with_n3_out(&rig).await;
+    let rig = with_n3_out_and_no_map().await;
     let mib = rig.engine.extent_size();
     let extents = SIZE / mib;
-    // No map of n3 anywhere: its rebuild is a full one.
-    for i in 0..2 {
-        let stamp = replica_ha::replica::Stamp {
-            term: Term(5),
-            generation: 1,
-        };
-        rig.replicas[i]
-            .store()
-            .close_missed(stamp, NodeId(3))
-            .await
-            .unwrap();
-    }
     for extent in [1, 9, extents - 2] {
         rig.engine
             .write_at(extent * mib, block(9), false)
@@ -1556,21 +1558,9 @@ async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
 #[tokio::test]
 async fn a_full_pass_records_as_verified_only_what_all_its_copies_reached() {
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
-    let rig = Rig::new(2).await;
-    with_n3_out(&rig).await;
+    let rig = with_n3_out_and_no_map().await;
     let mib = rig.engine.extent_size();
     let extents = SIZE / mib;
-    for i in 0..2 {
-        let stamp = replica_ha::replica::Stamp {
-            term: Term(5),
-            generation: 1,
-        };
-        rig.replicas[i]
-            .store()
-            .close_missed(stamp, NodeId(3))
-            .await
-            .unwrap();
-    }
     // Every extent holds data; the first begins with the byte held.
     for extent in 0..extents {
         let byte = if extent == 0 { 0xab } else { 9 };
