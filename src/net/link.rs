@@ -94,7 +94,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// lost, so a caller that stops waiting must stop reading too.
     pub async fn next(&mut self) -> Result<Option<Frame>, ReadError> {
         loop {
-            if let Some(frame) = self.decoder.next(&mut self.buf)? {
+            if let Some(frame) = self.buffered()? {
                 return Ok(Some(frame));
             }
             if let Some(len) = self.decoder.awaited().filter(|len| *len >= ASIDE) {
@@ -103,13 +103,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 };
                 return Ok(Some(self.decoder.complete(payload)?));
             }
-            if self.buf.capacity() - self.buf.len() < READ_CHUNK / 4 {
+            if self.buf.capacity() - self.buf.len() < READ_CHUNK / 16 {
                 self.buf.reserve(READ_CHUNK);
             }
             if self.reader.read_buf(&mut self.buf).await? == 0 {
                 return Ok(None);
             }
         }
+    }
+
+    /// The next frame if the bytes received already hold it whole, without
+    /// waiting: a loop that must also watch for something else (a stop)
+    /// needs to wait on both only when this is `None`.
+    pub fn buffered(&mut self) -> Result<Option<Frame>, FrameError> {
+        self.decoder.next(&mut self.buf)
     }
 
     /// Receives a payload of `len` bytes into a buffer of its own, aligned

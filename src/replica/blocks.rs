@@ -47,7 +47,7 @@ use crate::ids::{Incarnation, Term};
 use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
 use crate::net::frame::{ErrorCode, FUA, Frame, Header, Kind, parse_hello};
-use crate::net::link::{FrameReader, send_frames};
+use crate::net::link::{FrameReader, ReadError, send_frames};
 use crate::volume::RangeError;
 
 /// The most requests one connection runs at once.
@@ -254,9 +254,13 @@ impl BlockServer {
                     break Ok(());
                 }
                 // Stopping drops a frame being read: the connection ends.
-                let read = tokio::select! {
-                    read = frames.next() => read,
-                    _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                // What is buffered already is taken without a select.
+                let read = match frames.buffered() {
+                    Ok(None) => tokio::select! {
+                        read = frames.next() => read,
+                        _ = stop.wait_for(|stop| *stop) => break Ok(()),
+                    },
+                    buffered => buffered.map_err(ReadError::from),
                 };
                 let frame = match read {
                     Ok(Some(frame)) => frame,
