@@ -235,8 +235,11 @@ impl BlockServer {
         let peer = accepted.peer().clone();
         let (reader, writer) = tokio::io::split(accepted);
         let (replies, outgoing) = mpsc::channel::<Frame>(IN_FLIGHT);
-        let mut sending = tokio::spawn(send_frames(writer, outgoing));
         let in_flight = Arc::new(Semaphore::new(IN_FLIGHT));
+        let running = Arc::clone(&in_flight);
+        let mut sending = tokio::spawn(send_frames(writer, outgoing, move || {
+            IN_FLIGHT - running.available_permits() > 1
+        }));
         let budget = Arc::new(Semaphore::new(BUDGET_KIB as usize));
         let mut frames = FrameReader::new(reader, BytesMut::with_capacity(64 * 1024));
         // Nothing is read from a connection the guard would not admit, and
