@@ -35,10 +35,11 @@
 //! after it can be trusted, and nothing of it is executed.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 
@@ -47,6 +48,9 @@ use super::wire::{self, Command, Request};
 use super::{ConnectionError, Export, MAX_REQUEST_LEN};
 use crate::volume::{Device, DeviceError, RangeError};
 
+/// The read buffer of a connection; a payload at least this large is read
+/// straight into its own buffer.
+const READ_BUFFER: usize = 64 * 1024;
 /// The bytes one connection may hold in flight (reads and writes).
 const BUDGET_BYTES: u64 = 128 * 1024 * 1024;
 /// The budget's unit: a request costs its length in units, at least one.
@@ -71,6 +75,23 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// next writer; reconnecting sooner would land here again, fail, and cost
 /// qemu a second of back-off.
 pub const LINGER: Duration = Duration::from_millis(400);
+
+/// Counts a spawned request as running until it is dropped: once its
+/// reply is queued, or it ends without one.
+struct Running(Arc<AtomicUsize>);
+
+impl Running {
+    fn start(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// Why a request got no data back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,7 +154,7 @@ fn chunked(session: Session, request: &Request) -> bool {
 
 /// Serves requests until the client disconnects or sends garbage.
 pub async fn run<R, W>(
-    mut reader: R,
+    reader: R,
     writer: W,
     export: Arc<Export>,
     session: Session,
@@ -142,14 +163,19 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    // Request headers and small payloads come out of one buffer: a busy
+    // client's requests then cost one receive for many, not two each.
+    let mut reader = BufReader::with_capacity(READ_BUFFER, reader);
     let (replies, queue) = mpsc::unbounded_channel();
     // Turns true once the session's gate closed; see the module docs.
     let (closed, watched) = watch::channel(false);
     let closed = Arc::new(closed);
-    let writer = tokio::spawn(write_replies(writer, queue, watched));
+    // Requests spawned and not yet answered.
+    let running = Arc::new(AtomicUsize::new(0));
+    let writer = tokio::spawn(write_replies(writer, queue, watched, Arc::clone(&running)));
     let budget = Arc::new(Semaphore::new(units(BUDGET_BYTES) as usize));
     let outcome = tokio::select! {
-        outcome = read_requests(&mut reader, &export, session, &budget, &replies, &closed) => outcome,
+        outcome = read_requests(&mut reader, &export, session, &budget, (&replies, &running), &closed) => outcome,
         () = gate_closed(export.device.as_ref(), session, &closed) => {
             tracing::info!(
                 term = ?session.term.map(|term| term.0),
@@ -201,7 +227,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
     export: &Arc<Export>,
     session: Session,
     budget: &Arc<Semaphore>,
-    replies: &mpsc::UnboundedSender<Reply>,
+    (replies, running): (&mpsc::UnboundedSender<Reply>, &Arc<AtomicUsize>),
     closed: &Arc<watch::Sender<bool>>,
 ) -> Result<(), ConnectionError> {
     loop {
@@ -235,6 +261,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
         };
         let export = Arc::clone(export);
         let (replies, closed) = (replies.clone(), Arc::clone(closed));
+        let running = Running::start(running);
         tokio::spawn(async move {
             let device = export.device.as_ref();
             let result = match export.executing.acquire_many(units).await {
@@ -257,6 +284,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
             if error != 0 {
                 tracing::debug!(?request, error, "NBD request failed");
             }
+            drop(running);
             let _ = replies.send(Reply {
                 cookie: request.cookie,
                 error,
@@ -288,8 +316,16 @@ async fn read_payload<R: AsyncRead + Unpin>(
         }
         return Ok(Err(wire::EINVAL));
     }
-    let mut buf = BytesMut::zeroed(len as usize);
-    reader.read_exact(&mut buf).await?;
+    // Read into spare capacity: zeroing a buffer first costs as much as
+    // filling it.
+    let len = len as usize;
+    let mut buf = BytesMut::with_capacity(len);
+    while buf.len() < len {
+        let want = len - buf.len();
+        if reader.read_buf(&mut (&mut buf).limit(want)).await? == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+    }
     Ok(Ok(buf.freeze()))
 }
 
@@ -549,6 +585,7 @@ async fn write_replies<W: AsyncWrite + Unpin>(
     writer: W,
     mut queue: mpsc::UnboundedReceiver<Reply>,
     mut closed: watch::Receiver<bool>,
+    running: Arc<AtomicUsize>,
 ) -> std::io::Result<()> {
     let mut writer = BufWriter::with_capacity(256 * 1024, writer);
     let mut grace_ends: Option<Instant> = None;
@@ -613,6 +650,11 @@ async fn write_replies<W: AsyncWrite + Unpin>(
                     writer.write_all(data).await?;
                 }
             }
+        }
+        if queue.is_empty() && running.load(Ordering::Acquire) > 0 {
+            // Other requests are about to answer: let them, and send their
+            // replies in the same write.
+            tokio::task::yield_now().await;
         }
         if queue.is_empty() {
             writer.flush().await?;
