@@ -1168,6 +1168,16 @@ const DIRECT_IO: usize = 4 << 20;
 /// at once) can never dirty a folio the direct write must drop from the
 /// cache, which the kernel could not do, leaving stale bytes cached.
 const FOLIO_ALIGN: u64 = 2 << 20;
+/// The largest piece a write hands the page cache at once. The kernel
+/// gives a buffered write a folio as large as the write (up to 2 MiB), and
+/// ext4 then walks every 4 KiB block of that folio on each later small
+/// write into it. Measured on a 6.18 kernel, three replicas on one disk:
+/// after 1 MiB sequential writes, random 4 KiB writes into the same range
+/// ran at QD1 p50 194–208 µs and 13.5k IOPS at QD32, until the cache was
+/// dropped; written in these pieces, 146 µs and 23–24k IOPS. It costs
+/// large buffered writes a few more system calls (1 MiB writes at QD8:
+/// about 5% less throughput).
+const CACHED_PIECE: u64 = 64 * 1024;
 /// The alignment of a direct write's memory: the largest logical block
 /// size of a common disk.
 const MEMORY_ALIGN: usize = 4096;
@@ -1202,11 +1212,11 @@ fn open_direct(path: &Path) -> Option<File> {
 /// [`FOLIO_ALIGN`]).
 fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> std::io::Result<()> {
     let (Some(direct), Some(part)) = (direct, direct_part(offset, data.len())) else {
-        return file.write_all_at(data, offset);
+        return write_cached(file, data, offset);
     };
     let (head, rest) = data.split_at((part.start - offset) as usize);
     let (middle, tail) = rest.split_at((part.end - part.start) as usize);
-    file.write_all_at(head, offset)?;
+    write_cached(file, head, offset)?;
     let refused =
         |err: &std::io::Error| err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error());
     // A payload the block channel received apart is aligned already (see
@@ -1215,11 +1225,11 @@ fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> s
         match direct.write_all_at(middle, part.start) {
             Err(err) if refused(&err) => {
                 tracing::debug!(%err, "a direct write was refused; writing through the cache");
-                file.write_all_at(middle, part.start)?;
+                write_cached(file, middle, part.start)?;
             }
             done => done?,
         }
-        return file.write_all_at(tail, part.end);
+        return write_cached(file, tail, part.end);
     }
     // Otherwise through one aligned buffer of DIRECT_IO bytes, reused for
     // each piece of the middle: an aligned copy of the whole would double
@@ -1238,14 +1248,29 @@ fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> s
             Err(err) if refused(&err) => {
                 tracing::debug!(%err, "a direct write was refused; writing through the cache");
                 let done = (at - part.start) as usize;
-                file.write_all_at(&middle[done..], at)?;
+                write_cached(file, &middle[done..], at)?;
                 break;
             }
             done => done?,
         }
         at += piece.len() as u64;
     }
-    file.write_all_at(tail, part.end)
+    write_cached(file, tail, part.end)
+}
+
+/// Writes `data` at `offset` through the page cache in pieces that end on
+/// [`CACHED_PIECE`] boundaries of the file.
+fn write_cached(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
+    let mut at = offset;
+    let mut rest = data;
+    while !rest.is_empty() {
+        let room = (CACHED_PIECE - at % CACHED_PIECE) as usize;
+        let (piece, after) = rest.split_at(room.min(rest.len()));
+        file.write_all_at(piece, at)?;
+        at += piece.len() as u64;
+        rest = after;
+    }
+    Ok(())
 }
 
 /// Reads exactly `len` bytes at `offset` into a new buffer, which it does
@@ -1672,6 +1697,36 @@ mod tests {
     /// of its range (even dirty) is not served afterwards, its unaligned
     /// ends go through the cache, and the bytes are on the disk once
     /// flushed.
+    #[test]
+    fn a_cached_write_in_pieces_lands_whole_at_any_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("data"))
+            .unwrap();
+        let piece = CACHED_PIECE as usize;
+        // Within one piece, across one boundary, across many, from one.
+        for (offset, len) in [
+            (100, 10),
+            (piece as u64 - 7, 20),
+            (3, 5 * piece + 11),
+            (0, 2 * piece),
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 + offset as usize) as u8).collect();
+            write_cached(&file, &data, offset).unwrap();
+            let mut got = vec![0u8; len];
+            file.read_exact_at(&mut got, offset).unwrap();
+            assert!(
+                got == data,
+                "{len} bytes at {offset}: not the bytes written"
+            );
+        }
+        write_cached(&file, &[], 5).unwrap();
+    }
+
     #[tokio::test]
     async fn large_writes_bypass_the_cache_and_read_back_coherently() {
         let dir = tempfile::tempdir().unwrap();
