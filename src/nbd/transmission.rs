@@ -5,9 +5,11 @@
 //! bytes whose range holds holes on the serving copy answers them with
 //! `OFFSET_HOLE` chunks and reads and sends only the data between them.
 //!
-//! One loop reads request headers (and write payloads) in order and spawns
-//! each request; one task writes the replies as they finish, in any order
-//! (the client matches them by cookie). A byte budget bounds what one
+//! One loop reads request headers (and write payloads) in order, from one
+//! buffer, and spawns each request; one task writes the replies as they
+//! finish, in any order (the client matches them by cookie), and flushes
+//! them when none is queued and no spawned request is still running (it
+//! yields once for those first, so their replies share the send). A byte budget bounds what one
 //! connection may hold in flight: a request waits for budget before its
 //! payload is read, so a fast client cannot make the server buffer without
 //! limit.

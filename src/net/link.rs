@@ -15,8 +15,10 @@
 //!
 //! **Batching.** Frames to send queue on a channel; the writer task takes
 //! every frame queued at that moment (up to [`BATCH_BYTES`]) and writes
-//! them with vectored writes, headers and payloads side by side. A payload
-//! is the caller's `Bytes`, never copied here.
+//! them with vectored writes, headers and payloads side by side. While
+//! other requests are in flight it first yields once, so that frames about
+//! to be queued join the batch; a lone request's frame goes at once. A
+//! payload is the caller's `Bytes`, never copied here.
 
 use std::collections::HashMap;
 use std::io::IoSlice;
