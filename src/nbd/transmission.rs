@@ -8,10 +8,11 @@
 //! One loop reads request headers (and write payloads) in order, from one
 //! buffer, and spawns each request; one task writes the replies as they
 //! finish, in any order (the client matches them by cookie), and flushes
-//! them when none is queued and no spawned request is still running (it
-//! yields once for those first, so their replies share the send). A byte budget bounds what one
-//! connection may hold in flight: a request waits for budget before its
-//! payload is read, so a fast client cannot make the server buffer without
+//! them when none is queued; while spawned requests are still running it
+//! first yields once, so the replies of those about to finish share the
+//! send. A byte budget bounds what one connection may hold in flight: a
+//! request waits for budget before its payload is read, so a fast client
+//! cannot make the server buffer without
 //! limit.
 //!
 //! **A closed gate closes the session (design C1).** A writable session is
