@@ -12,8 +12,7 @@
 //! first yields once, so the replies of those about to finish share the
 //! send. A byte budget bounds what one connection may hold in flight: a
 //! request waits for budget before its payload is read, so a fast client
-//! cannot make the server buffer without
-//! limit.
+//! cannot make the server buffer without limit.
 //!
 //! **A closed gate closes the session (design C1).** A writable session is
 //! bound to the term the gate was open for at the handshake. It is served
