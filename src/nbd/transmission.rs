@@ -50,8 +50,9 @@ use super::wire::{self, Command, Request};
 use super::{ConnectionError, Export, MAX_REQUEST_LEN};
 use crate::volume::{Device, DeviceError, RangeError};
 
-/// The read buffer of a connection; a payload at least this large is read
-/// straight into its own buffer.
+/// The read buffer of a connection. A payload's bytes past what the buffer
+/// holds already are read straight into the payload's own buffer while at
+/// least this many remain.
 const READ_BUFFER: usize = 64 * 1024;
 /// The bytes one connection may hold in flight (reads and writes).
 const BUDGET_BYTES: u64 = 128 * 1024 * 1024;
@@ -78,8 +79,8 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// qemu a second of back-off.
 pub const LINGER: Duration = Duration::from_millis(400);
 
-/// Counts a spawned request as running until it is dropped: once its
-/// reply is queued, or it ends without one.
+/// Counts a spawned request as running until it is dropped: just before
+/// its reply is queued, or when it ends without one.
 struct Running(Arc<AtomicUsize>);
 
 impl Running {

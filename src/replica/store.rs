@@ -1261,16 +1261,27 @@ fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> s
 /// Writes `data` at `offset` through the page cache in pieces that end on
 /// [`CACHED_PIECE`] boundaries of the file.
 fn write_cached(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
-    let mut at = offset;
-    let mut rest = data;
-    while !rest.is_empty() {
-        let room = (CACHED_PIECE - at % CACHED_PIECE) as usize;
-        let (piece, after) = rest.split_at(room.min(rest.len()));
-        file.write_all_at(piece, at)?;
-        at += piece.len() as u64;
-        rest = after;
+    for piece in cached_pieces(offset, data.len()) {
+        file.write_all_at(&data[piece.clone()], offset + piece.start as u64)?;
     }
     Ok(())
+}
+
+/// The pieces, as ranges of the data, in which [`write_cached`] writes
+/// `len` bytes at `offset`: each ends on a [`CACHED_PIECE`] boundary of the
+/// file or at the end of the data.
+fn cached_pieces(offset: u64, len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        if done >= len {
+            return None;
+        }
+        let at = offset + done as u64;
+        let room = (CACHED_PIECE - at % CACHED_PIECE) as usize;
+        let piece = done..done + room.min(len - done);
+        done = piece.end;
+        Some(piece)
+    })
 }
 
 /// Reads exactly `len` bytes at `offset` into a new buffer, which it does
@@ -1693,10 +1704,6 @@ mod tests {
         assert!(format!("{store:?}").contains("ReplicaStore"));
     }
 
-    /// Most of a large write bypasses the page cache: what the cache held
-    /// of its range (even dirty) is not served afterwards, its unaligned
-    /// ends go through the cache, and the bytes are on the disk once
-    /// flushed.
     #[test]
     fn a_cached_write_in_pieces_lands_whole_at_any_offset() {
         let dir = tempfile::tempdir().unwrap();
@@ -1715,6 +1722,19 @@ mod tests {
             (3, 5 * piece + 11),
             (0, 2 * piece),
         ] {
+            // The pieces cover the data in order, none crosses a boundary.
+            let mut next = 0;
+            for cut in cached_pieces(offset, len) {
+                assert_eq!(cut.start, next, "{len} bytes at {offset}: a gap or overlap");
+                let (first, last) = (offset + cut.start as u64, offset + cut.end as u64 - 1);
+                assert_eq!(
+                    first / CACHED_PIECE,
+                    last / CACHED_PIECE,
+                    "{cut:?} crosses a boundary"
+                );
+                next = cut.end;
+            }
+            assert_eq!(next, len, "{len} bytes at {offset}: not all written");
             let data: Vec<u8> = (0..len).map(|i| (i * 31 + offset as usize) as u8).collect();
             write_cached(&file, &data, offset).unwrap();
             let mut got = vec![0u8; len];
@@ -1727,6 +1747,10 @@ mod tests {
         write_cached(&file, &[], 5).unwrap();
     }
 
+    /// Most of a large write bypasses the page cache: what the cache held
+    /// of its range (even dirty) is not served afterwards, its unaligned
+    /// ends go through the cache, and the bytes are on the disk once
+    /// flushed.
     #[tokio::test]
     async fn large_writes_bypass_the_cache_and_read_back_coherently() {
         let dir = tempfile::tempdir().unwrap();
