@@ -162,6 +162,7 @@ async fn a_seeded_fault_campaign_keeps_every_safety_rule() {
         report(&outcome);
         outcomes.push(outcome);
     }
+    remove_scratch_files();
     let table = summary(&outcomes);
     eprintln!("{table}");
     if let Ok(path) = std::env::var("CHAOS_SUMMARY") {
@@ -673,38 +674,51 @@ async fn replace(cluster: &Cluster, id: u64) {
 /// The file in a node's data dir that the fsync shim reads.
 const FSYNC_DELAY: &str = "fsync-delay-ms";
 
+/// The fsync shim and the fill image, once made (in the temporary
+/// directory, named by the test process; removed when the campaign ends).
+static FSYNC_SHIM: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+static FILL_IMAGE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Removes the fsync shim and the fill image, if they were made.
+fn remove_scratch_files() {
+    let shim = FSYNC_SHIM.get().and_then(Option::as_ref);
+    for path in shim.into_iter().chain(FILL_IMAGE.get()) {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 /// Builds the fsync shim (`fsync_shim.c`) once per test process with the C
 /// compiler; `None`, with a note, when there is none (the slow-fsync fault
 /// then becomes a pause).
 fn fsync_shim() -> Option<std::path::PathBuf> {
-    static SHIM: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
-    SHIM.get_or_init(|| {
-        let source =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/fsync_shim.c");
-        let out =
-            std::env::temp_dir().join(format!("replica-ha-fsync-shim-{}.so", std::process::id()));
-        let built = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
-            .arg(&out)
-            .arg(&source)
-            .arg("-ldl")
-            .output();
-        match built {
-            Ok(o) if o.status.success() => Some(out),
-            Ok(o) => {
-                eprintln!(
-                    "chaos: no fsync shim ({}); slow-fsync pauses instead",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
+    FSYNC_SHIM
+        .get_or_init(|| {
+            let source =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chaos/fsync_shim.c");
+            let out = std::env::temp_dir()
+                .join(format!("replica-ha-fsync-shim-{}.so", std::process::id()));
+            let built = std::process::Command::new("cc")
+                .args(["-shared", "-fPIC", "-O2", "-o"])
+                .arg(&out)
+                .arg(&source)
+                .arg("-ldl")
+                .output();
+            match built {
+                Ok(o) if o.status.success() => Some(out),
+                Ok(o) => {
+                    eprintln!(
+                        "chaos: no fsync shim ({}); slow-fsync pauses instead",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    );
+                    None
+                }
+                Err(err) => {
+                    eprintln!("chaos: no fsync shim (cc: {err}); slow-fsync pauses instead");
+                    None
+                }
             }
-            Err(err) => {
-                eprintln!("chaos: no fsync shim (cc: {err}); slow-fsync pauses instead");
-                None
-            }
-        }
-    })
-    .clone()
+        })
+        .clone()
 }
 
 /// Streams into the fill region of node `id`'s export for about `hold`:
@@ -737,8 +751,7 @@ fn stream_into(cluster: &Cluster, id: u64, hold: Duration) -> Option<std::proces
 /// A 32 MiB image of pseudo-random bytes for the fill fault, made once
 /// per test process.
 fn fill_image() -> std::path::PathBuf {
-    static IMAGE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    IMAGE
+    FILL_IMAGE
         .get_or_init(|| {
             let path =
                 std::env::temp_dir().join(format!("replica-ha-fill-{}.img", std::process::id()));
