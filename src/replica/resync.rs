@@ -716,12 +716,7 @@ impl Resyncer {
     /// not those done, so that copies start evenly spaced rather than a
     /// few at once and then a long wait.
     fn held_back(&self, since: Instant, bytes: u64) -> Option<Duration> {
-        if self.config.rate == 0 {
-            return None;
-        }
-        let due = Duration::from_secs_f64(bytes as f64 / self.config.rate as f64);
-        due.checked_sub(since.elapsed())
-            .filter(|wait| !wait.is_zero())
+        rate_wait(self.config.rate, since.elapsed(), bytes)
     }
 
     fn report(&self, pass: &Pass) {
@@ -774,9 +769,34 @@ impl Resyncer {
     }
 }
 
+/// How long to wait, `elapsed` after a pass began with `bytes` begun
+/// since, to keep to `rate` bytes per second (0: no limit); `None` if not
+/// at all.
+fn rate_wait(rate: u64, elapsed: Duration, bytes: u64) -> Option<Duration> {
+    if rate == 0 {
+        return None;
+    }
+    let due = Duration::from_secs_f64(bytes as f64 / rate as f64);
+    due.checked_sub(elapsed).filter(|wait| !wait.is_zero())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::with_data;
+    use super::{rate_wait, with_data};
+    use std::time::Duration;
+
+    #[test]
+    fn the_rate_cap_holds_a_copy_back_until_the_bytes_begun_are_due() {
+        let (mib, secs) = (1u64 << 20, Duration::from_secs_f64);
+        // 2 MiB begun at 1 MiB/s: due at 2 s.
+        assert_eq!(rate_wait(mib, secs(0.5), 2 * mib), Some(secs(1.5)));
+        assert_eq!(rate_wait(mib, secs(2.0), 2 * mib), None);
+        assert_eq!(rate_wait(mib, secs(3.0), 2 * mib), None);
+        // Nothing begun yet: the first copy starts at once.
+        assert_eq!(rate_wait(mib, secs(0.0), 0), None);
+        // No limit.
+        assert_eq!(rate_wait(0, secs(0.0), 1 << 40), None);
+    }
     use crate::volume::Extent;
 
     fn run(len: u64, hole: bool) -> Extent {
