@@ -637,31 +637,36 @@ mod tests {
         drop(echo.await.unwrap());
     }
 
+    /// With other requests in flight (`busy`) or not, whether the writer
+    /// yields first or not.
     #[tokio::test]
     async fn a_batch_arrives_whole_and_in_order() {
-        let (client, mut server) = tokio::io::duplex(1024);
-        let (tx, rx) = mpsc::channel(16);
-        let frames: Vec<Frame> = (0..10u64)
-            .map(|i| Frame::new(Header::new(Kind::Ok, i), Bytes::from(vec![i as u8; 1000])))
-            .collect();
-        for frame in &frames {
-            tx.send(frame.clone()).await.unwrap();
-        }
-        drop(tx);
-        let sending = tokio::spawn(send_frames(client, rx, || false));
-        let mut buf = BytesMut::new();
-        server.read_buf(&mut buf).await.unwrap();
-        let mut got = Vec::new();
-        let mut decoder = Decoder::default();
-        while got.len() < frames.len() {
-            match decoder.next(&mut buf).unwrap() {
-                Some(frame) => got.push(frame),
-                None => {
-                    server.read_buf(&mut buf).await.unwrap();
+        for busy in [false, true] {
+            let (client, mut server) = tokio::io::duplex(1024);
+            let (tx, rx) = mpsc::channel(16);
+            let frames: Vec<Frame> = (0..10u64)
+                .map(|i| Frame::new(Header::new(Kind::Ok, i), Bytes::from(vec![i as u8; 1000])))
+                .collect();
+            for frame in &frames {
+                tx.send(frame.clone()).await.unwrap();
+            }
+            drop(tx);
+            let sending = tokio::spawn(send_frames(client, rx, move || busy));
+            let mut buf = BytesMut::new();
+            server.read_buf(&mut buf).await.unwrap();
+            let mut got = Vec::new();
+            let mut decoder = Decoder::default();
+            while got.len() < frames.len() {
+                match decoder.next(&mut buf).unwrap() {
+                    Some(frame) => got.push(frame),
+                    None => {
+                        let read = server.read_buf(&mut buf).await.unwrap();
+                        assert!(read > 0, "busy {busy}: the stream ended after {got:?}");
+                    }
                 }
             }
+            assert_eq!(got, frames);
+            sending.await.unwrap().unwrap();
         }
-        assert_eq!(got, frames);
-        sending.await.unwrap().unwrap();
     }
 }
