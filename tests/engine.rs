@@ -619,6 +619,63 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
     );
 }
 
+/// A replaced node's copy leaves the in-sync set even at `min_in_sync` 3
+/// of 3, and the engine's view with it (S5, S8): writes are then refused
+/// as too few, never acknowledged by two, until the rebuild brings the
+/// copy back. A node leaving the cluster is still refused there, and a
+/// replace that would leave no copy to rebuild from is refused too.
+#[tokio::test]
+async fn a_replaced_copy_leaves_the_in_sync_set_below_min_in_sync_and_writes_wait() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::{Leaving, MembershipError};
+    let rig = Rig::new(3).await;
+    rig.engine.activate(Term(2)).await.unwrap();
+    rig.engine.write_at(0, block(1), false).await.unwrap();
+    assert!(matches!(
+        rig.engine.leave_in_sync(NodeId(3), Leaving::Cluster).await,
+        Err(MembershipError::TooFew {
+            remaining: 2,
+            need: 3
+        })
+    ));
+    rig.engine
+        .leave_in_sync(NodeId(3), Leaving::Replaced)
+        .await
+        .unwrap();
+    let two = set(&[NodeId(1), NodeId(2)]);
+    assert_eq!(rig.committed().await, two);
+    assert_eq!(rig.engine.in_sync(), two, "the view follows the commit");
+    assert_eq!(
+        rig.engine.write_at(4096, block(2), false).await,
+        Err(DeviceError::InsufficientReplicas { have: 2, need: 3 })
+    );
+    assert!(
+        rig.on(2, 4096, 4096).await != block(2),
+        "the write went to the replaced copy"
+    );
+    let resync = Resyncer::new(Arc::clone(&rig.engine), ResyncConfig::default());
+    resync
+        .rebuild(&(Arc::clone(&rig.replicas[2]) as Arc<dyn Replica>))
+        .await
+        .unwrap();
+    assert_eq!(rig.committed().await, set(&IDS));
+    rig.engine.write_at(4096, block(2), false).await.unwrap();
+    assert_eq!(rig.on(2, 0, 4096).await, block(1), "rebuilt");
+
+    let lone = Rig::new(1).await;
+    lone.engine.activate(Term(2)).await.unwrap();
+    for id in [NodeId(2), NodeId(3)] {
+        lone.engine.leave_in_sync(id, Leaving::Replaced).await.unwrap();
+    }
+    assert!(matches!(
+        lone.engine.leave_in_sync(NodeId(1), Leaving::Replaced).await,
+        Err(MembershipError::TooFew {
+            remaining: 0,
+            need: 1
+        })
+    ));
+}
+
 /// S6 kept cheap: once a term's acknowledged writes are durable on every
 /// in-sync replica, their marks are retired during the term; an extent
 /// with an unacknowledged write stays marked for the next promotion.

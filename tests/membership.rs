@@ -94,32 +94,14 @@ async fn a_wiped_follower_waits_and_members_replace_rebuilds_it() {
     let wiped = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
     let (stop, client) = start_client(&cluster, &[1, 2, 3]);
     cluster.wait_for_writes(writer, 50, WAIT).await;
-    let before = cluster.status(wiped).await.unwrap().incarnation;
     let uuid = cluster.status(writer).await.unwrap().cluster_uuid;
     assert_eq!(uuid.len(), 36, "the cluster has a uuid: {uuid:?}");
-    cluster.kill(wiped);
-    cluster.wipe(wiped);
-    cluster.spawn(wiped);
-    wait_not_member(&cluster, wiped, "replaced disk: waiting to be re-added").await;
-    let waiting = cluster.status(wiped).await.unwrap();
-    assert_ne!(
-        waiting.incarnation, before,
-        "a new data dir, a new incarnation"
-    );
-    assert_eq!(waiting.term, 0, "the waiting node took no part in any vote");
+    let incarnation = wipe_and_wait(&mut cluster, wiped).await;
     // The writer carries on without it.
     let (still, still_term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     assert_eq!((still, still_term), (writer, term));
     cluster.wait_for_writes(writer, 50, WAIT).await;
-    let (ok, out, err) = cluster
-        .cli(writer, &["members", "replace", "--id", &wiped.to_string()])
-        .await;
-    assert!(ok, "members replace failed: {out}{err}");
-    assert!(out.contains("rebuilt in full"), "{out}");
-    cluster
-        .wait_status(wiped, WAIT, "a member again", |s| s.not_member.is_empty())
-        .await;
-    cluster.wait_in_sync(writer, wiped, true, WAIT).await;
+    replace_and_rebuild(&cluster, writer, wiped).await;
     assert_eq!(
         cluster.status(wiped).await.unwrap().cluster_uuid,
         uuid,
@@ -137,9 +119,78 @@ async fn a_wiped_follower_waits_and_members_replace_rebuilds_it() {
         .find(|l| l.starts_with(&wiped.to_string()))
         .unwrap_or_default();
     assert!(
-        line.contains(&format!("{:010x}", waiting.incarnation)) && line.contains("voter"),
+        line.contains(&format!("{incarnation:010x}")) && line.contains("voter"),
         "{out}"
     );
+}
+
+/// At `min_in_sync` equal to the members (3 of 3), a lost disk leaves too
+/// few in sync to acknowledge a write, and the writer may not drop the
+/// old incarnation from the in-sync set the usual way. `members replace`
+/// must go on all the same, for it is what brings the third copy back:
+/// the writes held meanwhile then complete, and none acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replace_goes_on_when_every_member_must_be_in_sync() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster
+        .extra_args
+        .extend(["--min-in-sync".into(), "3".into()]);
+    for id in [1, 2, 3] {
+        cluster.spawn(id);
+    }
+    let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let wiped = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let (stop, client) = start_client(&cluster, &[1, 2, 3]);
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    wipe_and_wait(&mut cluster, wiped).await;
+    assert!(
+        cluster.in_sync(writer).await.contains(&wiped),
+        "below min_in_sync the lost replica stays in the set: writes wait"
+    );
+    replace_and_rebuild(&cluster, writer, wiped).await;
+    assert_eq!(
+        cluster.wait_for_writer(&[1, 2, 3], WAIT).await,
+        (writer, term),
+        "the replace changed no writer"
+    );
+    cluster.wait_for_writes(writer, 50, WAIT).await;
+    stop.send_replace(true);
+    let acked = client.await.unwrap();
+    check_acked(&cluster, writer, &acked).await;
+    assert_identical(&cluster, &[1, 2, 3]).await;
+}
+
+/// Kills node `id`, wipes its data dir and starts it again; waits until
+/// it says it waits to be re-added, as a new incarnation that took part in
+/// no vote. Returns that incarnation.
+async fn wipe_and_wait(cluster: &mut Cluster, id: u64) -> u64 {
+    let before = cluster.status(id).await.unwrap().incarnation;
+    cluster.kill(id);
+    cluster.wipe(id);
+    cluster.spawn(id);
+    wait_not_member(cluster, id, "replaced disk: waiting to be re-added").await;
+    let waiting = cluster.status(id).await.unwrap();
+    assert_ne!(
+        waiting.incarnation, before,
+        "a new data dir, a new incarnation"
+    );
+    assert_eq!(waiting.term, 0, "the waiting node took no part in any vote");
+    waiting.incarnation
+}
+
+/// `members replace --id ID` on `writer`, then waits until node `id` is a
+/// member again and `writer` counts it in sync.
+async fn replace_and_rebuild(cluster: &Cluster, writer: u64, id: u64) {
+    let (ok, out, err) = cluster
+        .cli(writer, &["members", "replace", "--id", &id.to_string()])
+        .await;
+    assert!(ok, "members replace failed: {out}{err}");
+    assert!(out.contains("rebuilt in full"), "{out}");
+    cluster
+        .wait_status(id, WAIT, "a member again", |s| s.not_member.is_empty())
+        .await;
+    cluster.wait_in_sync(writer, id, true, WAIT).await;
 }
 
 /// Grow from three nodes to five and shrink back to three while a client

@@ -6,9 +6,11 @@
 //! active writer (it holds the lease, so its in-sync changes commit in its
 //! term), one at a time, in an order that keeps S5 and S8:
 //!
-//! - **replace N**: N's replica leaves the in-sync set (committed) before
-//!   anything else, so the empty copy of the new incarnation can never
-//!   count as the old one; the new incarnation joins as a learner, catches
+//! - **replace N**: N's replica leaves the in-sync set (committed, and the
+//!   writer's view with it) before anything else, so the empty copy of the
+//!   new incarnation can never count as the old one. This goes on below
+//!   `min_in_sync` (writes are then held until the rebuild ends), for the
+//!   lost copy comes back no other way. The new incarnation joins as a learner, catches
 //!   up on Raft, and the voters are swapped (old out, new in) in one joint
 //!   change. Its replica is then rebuilt in full by the resync, which
 //!   returns it to the in-sync set only when every extent matches.
@@ -42,7 +44,9 @@ use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
 use crate::replica::remote::RemoteReplica;
-use crate::replica::{Engine, MembershipError as EngineMembershipError, Replica, ReplicaSet};
+use crate::replica::{
+    Engine, Leaving, MembershipError as EngineMembershipError, Replica, ReplicaSet,
+};
 
 /// How long one membership entry may take to commit.
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -162,33 +166,37 @@ impl Membership {
 
     /// Drops `node`'s replica from the in-sync set through a committed
     /// change, if it is in it. The active engine commits it, so that its
-    /// own view drops the node at once: were it to learn of the removal
-    /// only when the node's replica leaves the set, it would open a
-    /// missed-write map of a node that is gone. An engine not yet active
-    /// reads the committed set when it becomes so; one that would keep
-    /// fewer than `min_in_sync` refuses, and the change is committed
-    /// without it (a replace must go on: it is what brings a copy back).
-    /// Its view may then name the node until a write drops it; the map
-    /// that opens is closed by the resyncer's sweep.
-    async fn leave_in_sync(&self, term: Term, node: NodeId) -> Result<(), MembershipError> {
+    /// own view drops the node at once (see [`crate::replica::engine::Engine::leave_in_sync`],
+    /// which also says how far `why` lets the set shrink). An engine not
+    /// active reads the committed set when it becomes so; in case it read
+    /// it just before this commit, it is told to forget the node after.
+    async fn leave_in_sync(
+        &self,
+        term: Term,
+        node: NodeId,
+        why: Leaving,
+    ) -> Result<(), MembershipError> {
         let failed = |err: &dyn std::fmt::Display| {
             MembershipError::Failed(format!("dropping node {node} from the in-sync set: {err}"))
         };
-        match self.engine.leave_in_sync(node).await {
+        match self.engine.leave_in_sync(node, why).await {
             Ok(()) => return Ok(()),
-            // Too few would remain: a replace (the caller that gets here;
-            // remove checks first) is what brings a copy back, so the
-            // removal is committed without the engine.
-            Err(EngineMembershipError::Inactive | EngineMembershipError::TooFew { .. }) => {}
+            Err(EngineMembershipError::Inactive) => {}
             Err(err) => return Err(failed(&err)),
         }
         let in_sync = self.coordinator.state_machine().current().control.in_sync;
         if in_sync.contains(&node) {
+            if in_sync.len() == 1 {
+                return Err(MembershipError::Refused(format!(
+                    "node {node} holds the only in-sync copy: nothing could rebuild it"
+                )));
+            }
             self.coordinator
                 .remove(term, &BTreeSet::from([node]))
                 .await
                 .map_err(|err| failed(&err))?;
         }
+        self.engine.forget_in_sync(node).await;
         Ok(())
     }
 
@@ -322,7 +330,7 @@ impl Membership {
         };
         let addr = self.address(node);
         tracing::info!(%node, %new, "replacing a node's incarnation");
-        self.leave_in_sync(term, node).await?;
+        self.leave_in_sync(term, node, Leaving::Replaced).await?;
         self.add_learner(new, addr).await?;
         self.swap_in(node, new).await?;
         tracing::info!(%node, %new, "replaced; the resync rebuilds its replica in full");
@@ -450,7 +458,7 @@ impl Membership {
                 addr: self.address(to),
             });
         }
-        self.leave_in_sync(term, node).await?;
+        self.leave_in_sync(term, node, Leaving::Cluster).await?;
         let change = if voters.contains(&member) {
             openraft::ChangeMembers::RemoveVoters(BTreeSet::from([member]))
         } else {

@@ -137,6 +137,17 @@ pub enum MembershipError {
     Commit(#[from] InSyncError),
 }
 
+/// Why a replica leaves the in-sync set through [`Engine::leave_in_sync`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leaving {
+    /// Its node leaves the cluster: refused below `min_in_sync`.
+    Cluster,
+    /// Its node's disk was replaced: goes on below `min_in_sync` (not below
+    /// one), since the copy is lost either way and only its rebuild brings
+    /// one back.
+    Replaced,
+}
+
 /// What a rebuild compares, from the missed-write map ([`Engine::missed_plan`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RebuildPlan {
@@ -689,19 +700,26 @@ impl Engine {
     /// in-sync set, its removal from that set is committed first (see
     /// [`Engine::leave_in_sync`]). A rebuild of it is abandoned.
     pub async fn remove_replica(&self, id: NodeId) -> Result<Arc<dyn Replica>, MembershipError> {
-        self.leave_in_sync(id).await?;
+        self.leave_in_sync(id, Leaving::Cluster).await?;
         let removed = self.replicas.remove(id)?;
         Ok(removed)
     }
 
-    /// Takes replica `id` out of the in-sync set for good (its node is
-    /// leaving the cluster): the removal is committed on behalf of the
-    /// active term, so no write is acknowledged without it before (S5),
-    /// and this engine's own view follows at once. Refused if fewer than
-    /// `min_in_sync` members would remain. A rebuild of it is abandoned.
-    /// No missed-write map is opened: a node that leaves the cluster comes
-    /// back only by being added again, with a full rebuild.
-    pub async fn leave_in_sync(&self, id: NodeId) -> Result<(), MembershipError> {
+    /// Takes replica `id` out of the in-sync set for good: the removal is
+    /// committed on behalf of the active term, so no write is acknowledged
+    /// without it before (S5), and this engine's own view follows at once.
+    /// A rebuild of it is abandoned. No missed-write map is opened: the
+    /// copy comes back only through a full rebuild.
+    ///
+    /// `why` says how far the set may shrink. A node that leaves the
+    /// cluster is refused if fewer than `min_in_sync` members would remain.
+    /// A replaced node's copy is gone whatever is decided here, so its
+    /// removal goes on below `min_in_sync`: writes are then held (C2)
+    /// until the rebuild brings the new incarnation back. Either way the
+    /// view never goes on naming a node the committed set dropped: were it
+    /// to, its new incarnation, empty, would take writes and count for S5
+    /// (S8), and a set below `min_in_sync` would acknowledge them.
+    pub async fn leave_in_sync(&self, id: NodeId, why: Leaving) -> Result<(), MembershipError> {
         let _serialized = self.shrink.lock().await;
         let (term, in_sync) = {
             let state = self.lock();
@@ -710,11 +728,13 @@ impl Engine {
         let committed = self.tracker.in_sync().await?;
         if committed.contains(&id) || in_sync.contains(&id) {
             let remaining = committed.iter().filter(|m| **m != id).count();
-            if remaining < self.config.volume.min_in_sync {
-                return Err(MembershipError::TooFew {
-                    remaining,
-                    need: self.config.volume.min_in_sync,
-                });
+            let need = match why {
+                Leaving::Cluster => self.config.volume.min_in_sync,
+                // A copy to rebuild the new incarnation from.
+                Leaving::Replaced => 1,
+            };
+            if remaining < need {
+                return Err(MembershipError::TooFew { remaining, need });
             }
             let term = term.ok_or(MembershipError::Inactive)?;
             let ids: BTreeSet<NodeId> = [id].into();
@@ -725,6 +745,16 @@ impl Engine {
         }
         self.abort_rebuild(id);
         Ok(())
+    }
+
+    /// Drops `id` from this engine's view of the in-sync set, whose removal
+    /// was committed without it (it was not active then; it may have read
+    /// the set just before the commit).
+    pub async fn forget_in_sync(&self, id: NodeId) {
+        let _serialized = self.shrink.lock().await;
+        let mut state = self.lock();
+        state.in_sync.remove(&id);
+        state.degraded.remove(&id);
     }
 
     /// Reads the floors the node's fencer finds (see [`FloorBook`]).

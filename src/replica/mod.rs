@@ -46,7 +46,9 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{Engine, EngineConfig, MembershipError, RebuildError, RebuildPlan, ResizeError};
+pub use engine::{
+    Engine, EngineConfig, Leaving, MembershipError, RebuildError, RebuildPlan, ResizeError,
+};
 pub use set::{ReplicaSet, SetError};
 pub use store::{ReplicaStore, StoreIdentity};
 
