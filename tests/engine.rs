@@ -665,15 +665,71 @@ async fn a_replaced_copy_leaves_the_in_sync_set_below_min_in_sync_and_writes_wai
     let lone = Rig::new(1).await;
     lone.engine.activate(Term(2)).await.unwrap();
     for id in [NodeId(2), NodeId(3)] {
-        lone.engine.leave_in_sync(id, Leaving::Replaced).await.unwrap();
+        lone.engine
+            .leave_in_sync(id, Leaving::Replaced)
+            .await
+            .unwrap();
     }
     assert!(matches!(
-        lone.engine.leave_in_sync(NodeId(1), Leaving::Replaced).await,
+        lone.engine
+            .leave_in_sync(NodeId(1), Leaving::Replaced)
+            .await,
         Err(MembershipError::TooFew {
             remaining: 0,
             need: 1
         })
     ));
+}
+
+/// A write in flight when a replaced copy leaves the in-sync set below
+/// `min_in_sync` is not acknowledged, though every replica it went to took
+/// it: the set that must hold it is now too small (S5).
+#[tokio::test]
+async fn a_write_in_flight_when_the_set_shrinks_below_min_in_sync_is_not_acknowledged() {
+    use replica_ha::replica::Leaving;
+    let rig = Rig::new(3).await;
+    rig.engine.activate(Term(2)).await.unwrap();
+    rig.replicas[2].set(Fault::HoldWritesOf(0xab));
+    let engine = Arc::clone(&rig.engine);
+    let write = tokio::spawn(async move { engine.write_at(0, block(0xab), false).await });
+    rig.replicas[2].wait_held(1).await;
+    rig.engine
+        .leave_in_sync(NodeId(3), Leaving::Replaced)
+        .await
+        .unwrap();
+    rig.replicas[2].release(1);
+    assert_eq!(
+        write.await.unwrap(),
+        Err(DeviceError::InsufficientReplicas { have: 2, need: 3 })
+    );
+}
+
+/// A rebuild whose copy leaves the set for good while the rebuild
+/// finishes (here, while it flushes the target) does not bring it back.
+#[tokio::test]
+async fn a_rebuild_abandoned_while_it_finishes_does_not_return_the_copy() {
+    use replica_ha::replica::{Leaving, RebuildError};
+    let rig = Rig::new(1).await;
+    rig.engine.activate(Term(2)).await.unwrap();
+    rig.engine
+        .leave_in_sync(NodeId(3), Leaving::Cluster)
+        .await
+        .unwrap();
+    rig.engine.begin_rebuild(NodeId(3)).await.unwrap();
+    rig.replicas[2].set(Fault::HoldFlushes);
+    let engine = Arc::clone(&rig.engine);
+    let finish = tokio::spawn(async move { engine.finish_rebuild(NodeId(3)).await });
+    rig.replicas[2].wait_held(1).await;
+    rig.engine
+        .leave_in_sync(NodeId(3), Leaving::Cluster)
+        .await
+        .unwrap();
+    rig.replicas[2].release(1);
+    assert!(matches!(
+        finish.await.unwrap(),
+        Err(RebuildError::Abandoned(NodeId(3)))
+    ));
+    assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
 }
 
 /// S6 kept cheap: once a term's acknowledged writes are durable on every

@@ -39,7 +39,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use crate::admin::{MembersChanges, MembershipError};
-use crate::ha::{Controller, Coordinator, InSyncTracker};
+use crate::ha::{Controller, Coordinator};
 use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
@@ -75,6 +75,11 @@ const REBUILD_WAIT: Duration = Duration::from_secs(3600);
 
 /// How long `add` waits for the new node to announce itself.
 const ANNOUNCE_WAIT: Duration = Duration::from_secs(10);
+
+/// How long a change that needs the active writer waits for this node's
+/// promotion to finish, and how often it looks.
+const ACTIVE_WAIT: Duration = Duration::from_secs(10);
+const ACTIVE_POLL: Duration = Duration::from_millis(50);
 
 /// What membership changes need of the node.
 pub struct Membership {
@@ -164,40 +169,36 @@ impl Membership {
         applied.control.volume.map_or(1, |v| v.min_in_sync)
     }
 
-    /// Drops `node`'s replica from the in-sync set through a committed
-    /// change, if it is in it. The active engine commits it, so that its
-    /// own view drops the node at once (see [`crate::replica::engine::Engine::leave_in_sync`],
-    /// which also says how far `why` lets the set shrink). An engine not
-    /// active reads the committed set when it becomes so; in case it read
-    /// it just before this commit, it is told to forget the node after.
-    async fn leave_in_sync(
-        &self,
-        term: Term,
-        node: NodeId,
-        why: Leaving,
-    ) -> Result<(), MembershipError> {
-        let failed = |err: &dyn std::fmt::Display| {
-            MembershipError::Failed(format!("dropping node {node} from the in-sync set: {err}"))
-        };
-        match self.engine.leave_in_sync(node, why).await {
-            Ok(()) => return Ok(()),
-            Err(EngineMembershipError::Inactive) => {}
-            Err(err) => return Err(failed(&err)),
-        }
-        let in_sync = self.coordinator.state_machine().current().control.in_sync;
-        if in_sync.contains(&node) {
-            if in_sync.len() == 1 {
-                return Err(MembershipError::Refused(format!(
-                    "node {node} holds the only in-sync copy: nothing could rebuild it"
-                )));
+    /// Drops `node`'s replica from the in-sync set, if it is in it, through
+    /// the active engine: it commits the change and moves its own view
+    /// with it (see [`crate::replica::engine::Engine::leave_in_sync`],
+    /// which also says how far `why` lets the set shrink). While this node
+    /// leads but its promotion has not finished (the engine is not active;
+    /// just after a hand-over, say), waits for it up to [`ACTIVE_WAIT`]: a
+    /// change committed behind the engine's back would leave its view
+    /// naming the node.
+    async fn leave_in_sync(&self, node: NodeId, why: Leaving) -> Result<(), MembershipError> {
+        let deadline = Instant::now() + ACTIVE_WAIT;
+        loop {
+            match self.engine.leave_in_sync(node, why).await {
+                Ok(()) => return Ok(()),
+                Err(EngineMembershipError::Inactive) if Instant::now() < deadline => {
+                    self.writer_term()?;
+                    tokio::time::sleep(ACTIVE_POLL).await;
+                }
+                Err(EngineMembershipError::Inactive) => {
+                    return Err(MembershipError::InProgress(format!(
+                        "this node leads but has not become the active writer within \
+                         {ACTIVE_WAIT:?} (its promotion runs); try again"
+                    )));
+                }
+                Err(err) => {
+                    return Err(MembershipError::Failed(format!(
+                        "dropping node {node} from the in-sync set: {err}"
+                    )));
+                }
             }
-            self.coordinator
-                .remove(term, &BTreeSet::from([node]))
-                .await
-                .map_err(|err| failed(&err))?;
         }
-        self.engine.forget_in_sync(node).await;
-        Ok(())
     }
 
     /// Adds `member` as a learner at `addr` and waits until it caught up.
@@ -304,7 +305,7 @@ impl Membership {
     /// as a learner is taken as the one to swap in.
     async fn replace_node(&self, node: NodeId) -> Outcome {
         let _busy = self.one_at_a_time()?;
-        let term = self.writer_term()?;
+        self.writer_term()?;
         let known = self.incarnations(node);
         if known.is_empty() {
             return Err(MembershipError::Unknown(node));
@@ -330,7 +331,7 @@ impl Membership {
         };
         let addr = self.address(node);
         tracing::info!(%node, %new, "replacing a node's incarnation");
-        self.leave_in_sync(term, node, Leaving::Replaced).await?;
+        self.leave_in_sync(node, Leaving::Replaced).await?;
         self.add_learner(new, addr).await?;
         self.swap_in(node, new).await?;
         tracing::info!(%node, %new, "replaced; the resync rebuilds its replica in full");
@@ -374,6 +375,12 @@ impl Membership {
                  {addr}, with this cluster's id, certificates and a peer list that names this node?"
             )));
         };
+        if resumed.is_none() {
+            // A node not in the cluster holds no in-sync copy. Should the
+            // set still name it (it was removed while its rebuild ended),
+            // its new incarnation must not count as that copy (S8).
+            self.leave_in_sync(node, Leaving::Replaced).await?;
+        }
         tracing::info!(%node, %member, %addr, "adding a node");
         self.add_learner(member, addr).await?;
         // The replica set follows the applied membership: the new replica
@@ -423,7 +430,7 @@ impl Membership {
 
     async fn remove_node(&self, node: NodeId) -> Outcome {
         let _busy = self.one_at_a_time()?;
-        let term = self.writer_term()?;
+        self.writer_term()?;
         let Some(member) = self.coordinator.book().member(node) else {
             return Err(MembershipError::Unknown(node));
         };
@@ -458,7 +465,7 @@ impl Membership {
                 addr: self.address(to),
             });
         }
-        self.leave_in_sync(term, node, Leaving::Cluster).await?;
+        self.leave_in_sync(node, Leaving::Cluster).await?;
         let change = if voters.contains(&member) {
             openraft::ChangeMembers::RemoveVoters(BTreeSet::from([member]))
         } else {

@@ -747,16 +747,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Drops `id` from this engine's view of the in-sync set, whose removal
-    /// was committed without it (it was not active then; it may have read
-    /// the set just before the commit).
-    pub async fn forget_in_sync(&self, id: NodeId) {
-        let _serialized = self.shrink.lock().await;
-        let mut state = self.lock();
-        state.in_sync.remove(&id);
-        state.degraded.remove(&id);
-    }
-
     /// Reads the floors the node's fencer finds (see [`FloorBook`]).
     pub fn with_floor_book(mut self, floors: Arc<FloorBook>) -> Self {
         self.floors = floors;
@@ -1587,6 +1577,11 @@ impl Engine {
         // of [`Engine::settle`], and with resizes: a resize that committed
         // meanwhile did not grow this copy.
         let _serialized = self.shrink.lock().await;
+        // Abandoned while this waited (the copy left the set for good, see
+        // `leave_in_sync`): it must not return.
+        if !self.lock().rebuilding.contains_key(&id) {
+            return Err(RebuildError::Abandoned(id));
+        }
         self.grow_target(id)
             .await
             .inspect_err(|_| self.abort_rebuild(id))?;
@@ -2421,6 +2416,9 @@ impl Device for Engine {
 #[async_trait]
 impl WriterEngine for Engine {
     async fn activate(&self, term: Term) -> Result<(), DeviceError> {
+        // Serialized with in-sync changes: one committed after the set was
+        // read here must not be overwritten by the set read before it.
+        let _serialized = self.shrink.lock().await;
         let committed = self
             .tracker
             .in_sync()

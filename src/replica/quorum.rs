@@ -9,7 +9,8 @@
 //!   keeps (S11): the one a majority holds, else the writer's.
 //! - [`judge`]: what the engine does with the outcomes of one mirrored
 //!   request (S5): acknowledge it only when every member of the committed
-//!   in-sync set has it; a member that failed it (or that is no longer in
+//!   in-sync set has it and the set has at least `min_in_sync` members
+//!   (it may have shrunk while the request was out); a member that failed it (or that is no longer in
 //!   the [`super::set::ReplicaSet`]) must be removed by a commit first, and
 //!   only if at least `min_in_sync` members remain.
 
@@ -38,8 +39,8 @@ pub enum Verdict {
     /// enough would remain without them: commit their removal, then
     /// acknowledge only if [`all_succeeded`] on the committed set.
     Remove(BTreeSet<NodeId>),
-    /// Without the failed members fewer than `need` would remain: the
-    /// request is not acknowledged, and nothing is removed.
+    /// Without the failed members (if any) fewer than `need` would remain:
+    /// the request is not acknowledged, and nothing is removed.
     TooFew {
         have: usize,
         need: usize,
@@ -68,9 +69,9 @@ pub fn judge(
         .filter(|id| outcomes.get(*id) != Some(&true))
         .cloned()
         .collect();
-    if failed.is_empty() {
-        return Verdict::Acknowledge;
-    }
+    // Checked even when nothing failed: the set may have shrunk below
+    // `min_in_sync` while the request was in flight (a replaced copy
+    // leaves it whatever `min_in_sync` says).
     let have = in_sync.len() - failed.len();
     if have < min_in_sync {
         return Verdict::TooFew {
@@ -78,6 +79,9 @@ pub fn judge(
             need: min_in_sync,
             failed,
         };
+    }
+    if failed.is_empty() {
+        return Verdict::Acknowledge;
     }
     Verdict::Remove(failed)
 }
@@ -197,6 +201,20 @@ mod tests {
                     have: 2,
                     need: 3,
                     failed: ids("c"),
+                },
+            ),
+            // The set shrank below min_in_sync while the request was out
+            // (a replaced copy left it): every member has it, yet it is
+            // not acknowledged.
+            (
+                "a b",
+                "a b c",
+                "a+ b+ c+",
+                3,
+                Verdict::TooFew {
+                    have: 2,
+                    need: 3,
+                    failed: ids(""),
                 },
             ),
         ];

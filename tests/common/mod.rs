@@ -49,6 +49,9 @@ pub enum Fault {
     /// Writes whose data begins with this byte are held until
     /// [`FaultyReplica::release`], then pass; everything else passes.
     HoldWritesOf(u8),
+    /// Flushes are held (and counted as held) until
+    /// [`FaultyReplica::release`], then pass; everything else passes.
+    HoldFlushes,
 }
 
 /// A local replica with a switchable fault.
@@ -124,7 +127,10 @@ impl FaultyReplica {
                 Err(ReplicaError::Unavailable("injected".into()))
             }
             Fault::FailWritesAt(_) => Ok(()),
-            Fault::SlowFlushes(_) | Fault::DelayWritesOf(..) | Fault::HoldWritesOf(_) => Ok(()),
+            Fault::SlowFlushes(_)
+            | Fault::DelayWritesOf(..)
+            | Fault::HoldWritesOf(_)
+            | Fault::HoldFlushes => Ok(()),
             Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
             Fault::HoldWrites { pass } => {
                 self.held.send_modify(|n| *n += 1);
@@ -204,6 +210,14 @@ impl Replica for FaultyReplica {
         let stall = *self.fault.lock().unwrap();
         if let Fault::SlowFlushes(stall) = stall {
             tokio::time::sleep(stall).await;
+        }
+        if stall == Fault::HoldFlushes {
+            self.held.send_modify(|n| *n += 1);
+            self.released
+                .acquire()
+                .await
+                .expect("the semaphore is never closed")
+                .forget();
         }
         self.gate(None).await?;
         self.inner.flush(stamp).await
