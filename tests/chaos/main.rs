@@ -17,6 +17,7 @@
 //! `CHAOS_KEEP=1` keeps every schedule's evidence, not only a failed one's.
 //! `CHAOS_ATTACH=1` runs the clients through `replica-ha attach` (design
 //! C3) instead of letting them find the writer themselves.
+//! `CHAOS_MIN_IN_SYNC=M` starts the nodes with `--min-in-sync M`.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -147,12 +148,15 @@ async fn a_seeded_fault_campaign_keeps_every_safety_rule() {
         .map(str::to_string)
         .collect();
     eprintln!(
-        "chaos: base seed {seed}, {schedules} schedule(s) of {faults} fault(s){}",
+        "chaos: base seed {seed}, {schedules} schedule(s) of {faults} fault(s){}{}",
         if only.is_empty() {
             String::new()
         } else {
             format!(" among {only:?}")
-        }
+        },
+        std::env::var("CHAOS_MIN_IN_SYNC")
+            .map(|min| format!(", min_in_sync {min}"))
+            .unwrap_or_default()
     );
     let mut outcomes = Vec::new();
     for i in 0..schedules {
@@ -301,6 +305,9 @@ async fn start_attach(cluster: &Cluster) -> (std::process::Child, std::net::Sock
 async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     let mut cluster = Cluster::new(NODES);
     cluster.extra_args = vec!["--size".into(), (SIZE + FILL).to_string()];
+    if let Ok(min) = std::env::var("CHAOS_MIN_IN_SYNC") {
+        cluster.extra_args.extend(["--min-in-sync".into(), min]);
+    }
     let through_attach = std::env::var_os("CHAOS_ATTACH").is_some();
     if through_attach {
         cluster
