@@ -732,6 +732,59 @@ async fn a_rebuild_abandoned_while_it_finishes_does_not_return_the_copy() {
     assert_eq!(rig.committed().await, set(&[NodeId(1), NodeId(2)]));
 }
 
+/// A replica that loses power (and with it a write it acknowledged but had
+/// not flushed) and starts again is not counted on: at `min_in_sync` 3 of
+/// 3 the flush after it is not acknowledged on the strength of its empty
+/// copy, the copy leaves the in-sync set though that leaves two, and the
+/// rebuild (which compares its marks) gives the write back before it
+/// counts again. Without the session check the flush would be
+/// acknowledged while the copy lacked the write (S5).
+#[tokio::test]
+async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it() {
+    use common::power::PowerCutReplica;
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
+    let n2 = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
+    let n3 = PowerCutReplica::new(NodeId(3), store(dir.path(), NodeId(3)).await).await;
+    let replicas: Vec<Arc<dyn Replica>> = vec![n1.clone(), n2.clone(), n3.clone()];
+    let tracker = LoggingTracker::new(&IDS, Arc::default());
+    let engine = Arc::new(
+        Engine::new(
+            EngineConfig {
+                local_id: NodeId(1),
+                replica_timeout: SHORT,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 3),
+            },
+            replicas,
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    engine.activate(Term(3)).await.unwrap();
+    engine.write_at(0, block(7), false).await.unwrap();
+    n3.power_cut().await;
+    n3.restart();
+    assert!(n3.store().read(0, 4096).await.unwrap() != block(7));
+    assert_eq!(
+        engine.flush().await,
+        Err(DeviceError::InsufficientReplicas { have: 2, need: 3 })
+    );
+    assert_eq!(
+        tracker.in_sync().await.unwrap(),
+        set(&[NodeId(1), NodeId(2)])
+    );
+    let resync = Resyncer::new(Arc::clone(&engine), ResyncConfig::default());
+    resync
+        .rebuild(&(n3.clone() as Arc<dyn Replica>))
+        .await
+        .unwrap();
+    assert_eq!(tracker.in_sync().await.unwrap(), set(&IDS));
+    assert_eq!(n3.store().read(0, 4096).await.unwrap(), block(7));
+    engine.flush().await.unwrap();
+}
+
 /// S6 kept cheap: once a term's acknowledged writes are durable on every
 /// in-sync replica, their marks are retired during the term; an extent
 /// with an unacknowledged write stays marked for the next promotion.

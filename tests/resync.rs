@@ -141,6 +141,54 @@ async fn verify_identical_up_to(cluster: &Cluster, a: u64, b: u64, size: u64) {
     }
 }
 
+/// A follower whose process restarts while nothing is written (so no
+/// write fails on it meanwhile) is not counted on as before: its store was
+/// opened again, and writes it had not flushed could have gone with the
+/// page cache (on a power cut; a SIGKILL keeps them, but the writer cannot
+/// tell the two apart). The writer notices the new session at the next
+/// write, drops the copy and rebuilds it before it counts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_restarted_while_idle_is_rebuilt_before_it_counts_again() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", &SIZE.to_string()]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let follower = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let block = |byte: u8| Bytes::from(vec![byte; 4096]);
+    cluster.write(writer, 0, block(1)).await.unwrap();
+    cluster.wait_in_sync(writer, follower, true, WAIT).await;
+    let rebuilds = |cluster: &Cluster| cluster.log(writer).matches("resync finished").count();
+    let before = rebuilds(&cluster);
+    cluster.kill(follower);
+    cluster.spawn(follower);
+    cluster
+        .wait_status(follower, WAIT, "the follower is back", |s| s.term > 0)
+        .await;
+    cluster.write(writer, MIB, block(2)).await.unwrap();
+    // No write failed on the follower while it was down: only its new
+    // session can make the writer rebuild it.
+    let deadline = Instant::now() + WAIT;
+    while rebuilds(&cluster) == before {
+        assert!(
+            Instant::now() < deadline,
+            "node {follower} restarted and was never rebuilt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        cluster
+            .log(writer)
+            .contains("replica restarted: not counted on until it is rebuilt")
+    );
+    cluster.wait_in_sync(writer, follower, true, WAIT).await;
+    for (offset, byte) in [(0, 1), (MIB, 2)] {
+        assert_eq!(
+            cluster.read(writer, offset, 4096).await.unwrap(),
+            block(byte)
+        );
+    }
+    verify_identical(&cluster, writer).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
     let _one = one_cluster_at_a_time().await;

@@ -207,6 +207,8 @@ pub struct Link {
     next_id: AtomicU64,
     /// The reader and writer tasks, stopped when the link is dropped.
     tasks: [AbortHandle; 2],
+    /// The server's store session (see [`Link::session`]).
+    session: Option<u64>,
 }
 
 impl Drop for Link {
@@ -255,15 +257,23 @@ impl Link {
                 .map_err(|e| failed(e.to_string()))?
                 .ok_or_else(|| failed("the peer closed the connection".to_string()))?;
             match reply.header.kind {
-                Kind::Ok => Ok(frames.into_parts()),
+                Kind::Ok => Ok((frames.into_parts(), session_of(&reply.payload))),
                 Kind::Refused => Err(LinkError::Refused(reply)),
                 other => Err(failed(format!("unexpected {other:?} frame"))),
             }
         })
         .await
         .map_err(|_| failed(format!("no answer within {timeout:?}")))??;
-        let (stream, buf) = opened;
-        Ok(Self::start(stream, buf))
+        let ((stream, buf), session) = opened;
+        let mut link = Self::start(stream, buf);
+        link.session = session;
+        Ok(link)
+    }
+
+    /// The session of the store at the other end, as its `Hello` reply
+    /// named it (`None` from a server that names none).
+    pub fn session(&self) -> Option<u64> {
+        self.session
     }
 
     /// Runs the link's reader and writer tasks over `stream`, whose reader
@@ -297,6 +307,7 @@ impl Link {
             shared,
             next_id: AtomicU64::new(1),
             tasks: [writing.abort_handle(), reading.abort_handle()],
+            session: None,
         }
     }
 
@@ -349,6 +360,13 @@ impl Link {
             }
         }
     }
+}
+
+/// The store session a `Hello` reply's payload names: exactly 8 bytes,
+/// big-endian, not 0.
+fn session_of(payload: &[u8]) -> Option<u64> {
+    let bytes: [u8; 8] = payload.try_into().ok()?;
+    Some(u64::from_be_bytes(bytes)).filter(|session| *session != 0)
 }
 
 /// Removes a call's pending entry when the call ends, however it ends.

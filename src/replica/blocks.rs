@@ -7,7 +7,11 @@
 //!   listener's TLS handshake; every frame is then admitted by the members'
 //!   [`PeerGuard`] (the member list can change while a connection lives).
 //! - **Identity.** The first frame must be a `Hello` naming this replica's
-//!   cluster and volume; anything else closes the connection.
+//!   cluster and volume; anything else closes the connection. The `Ok`
+//!   that answers it carries the store's session (8 bytes, big-endian;
+//!   [`crate::replica::store::ReplicaStore::session`]), by which the
+//!   writer tells a replica that restarted (and may have lost writes it
+//!   had not flushed) from one it merely reconnected to.
 //! - **S8.** Every request names the incarnation it is for; one meant for
 //!   another incarnation is refused and changes nothing.
 //! - **S2, S3, S6, range.** The store checks the stamp, drains, marks and
@@ -119,7 +123,7 @@ pub fn refusal_of(id: u64, err: &ReplicaError) -> Frame {
         ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
             ErrorCode::IdentityMismatch
         }
-        ReplicaError::Unavailable(_) => ErrorCode::Unavailable,
+        ReplicaError::Unavailable(_) | ReplicaError::Restarted(_) => ErrorCode::Unavailable,
         ReplicaError::Io(_) => ErrorCode::Io,
     };
     header.flags = code as u16;
@@ -282,7 +286,11 @@ impl BlockServer {
                         Ok(()) => {
                             hello = true;
                             frames.limit(None);
-                            let ok = Frame::new(Header::new(Kind::Ok, id), Bytes::new());
+                            // Its payload: the store's session, which tells
+                            // the writer whether this replica restarted.
+                            let session =
+                                Bytes::copy_from_slice(&self.store.session().to_be_bytes());
+                            let ok = Frame::new(Header::new(Kind::Ok, id), session);
                             let _ = replies.send(ok).await;
                             continue;
                         }

@@ -1020,6 +1020,12 @@ impl Engine {
         // `disown_if_lost`) must not land after the comparison: a flush with
         // the target's current stamp drains it or makes it refused.
         let target = self.target(id)?;
+        // Out of the set, a restarted copy may be counted on again: this
+        // rebuild compares what it may have lost (its marks, the maps).
+        if let Err(cause) = target.accept_restart().await {
+            self.abort_rebuild(id);
+            return Err(RebuildError::replica("reaching", id, cause));
+        }
         let drained = self
             .stamped(term, &target, |stamp| target.flush(stamp))
             .await;
@@ -2275,7 +2281,13 @@ impl Engine {
                 })
                 .collect()
         };
-        let to_remove = match quorum::judge(&current, &self.replicas.ids(), &succeeded, need) {
+        let restarted: BTreeSet<NodeId> = outcomes
+            .iter()
+            .filter(|(_, outcome)| matches!(outcome, Err(ReplicaError::Restarted(_))))
+            .map(|(id, _)| *id)
+            .collect();
+        let verdict = quorum::judge(&current, &self.replicas.ids(), &succeeded, &restarted, need);
+        let to_remove = match verdict {
             Verdict::Acknowledge => return Ok(Settled::Acknowledged),
             Verdict::SendTo(ids) => {
                 let missing = ids.iter().filter_map(|id| self.replica(*id)).collect();

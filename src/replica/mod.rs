@@ -224,6 +224,12 @@ pub enum ReplicaError {
     /// The replica could not be reached, or did not answer in time.
     #[error("replica unavailable: {0}")]
     Unavailable(String),
+    /// The replica restarted since the writer began to count on it: writes
+    /// it took and had not flushed may be gone, so it is not counted until
+    /// a rebuild has compared it (see [`Replica::accept_restart`]). Found
+    /// by the writer's side of the block channel; never sent on the wire.
+    #[error("replica restarted: {0}")]
+    Restarted(String),
     /// The replica's disk or metadata failed.
     #[error("replica I/O error: {0}")]
     Io(String),
@@ -300,6 +306,17 @@ pub(crate) fn sample_refusals() -> Vec<(ReplicaError, Stamp)> {
 pub trait Replica: Send + Sync {
     /// The id of the node that holds this copy.
     fn id(&self) -> NodeId;
+
+    /// Counts on this copy's current session from now on, after reaching
+    /// it: requests failed as [`ReplicaError::Restarted`] since it restarted
+    /// go on, and a restart after this call is noticed again. The engine
+    /// calls it only for a copy out of the in-sync set, as a rebuild of it
+    /// begins: the rebuild compares what the copy may have lost. A copy
+    /// that cannot restart under the writer (one in this process) has
+    /// nothing to do.
+    async fn accept_restart(&self) -> Result<(), ReplicaError> {
+        Ok(())
+    }
 
     /// Which parts of `[offset, offset + len)` of this copy hold data and
     /// which are holes (see [`crate::volume::Device::allocation`]). The

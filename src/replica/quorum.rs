@@ -49,11 +49,18 @@ pub enum Verdict {
 }
 
 /// Judges one request. `outcomes` holds, for each replica it was sent to,
-/// whether that replica succeeded; `members` is the replica set now.
+/// whether that replica succeeded; `members` is the replica set now;
+/// `restarted` names replicas that failed because they restarted, whose
+/// copies may have lost acknowledged writes. Those leave the set even
+/// below `min_in_sync` (one copy must stay): counted on, they would let a
+/// later flush be acknowledged over writes they no longer hold; kept
+/// without being counted, they would hold writes for ever, since only a
+/// copy out of the set is rebuilt.
 pub fn judge(
     in_sync: &BTreeSet<NodeId>,
     members: &BTreeSet<NodeId>,
     outcomes: &BTreeMap<NodeId, bool>,
+    restarted: &BTreeSet<NodeId>,
     min_in_sync: usize,
 ) -> Verdict {
     let unsent: BTreeSet<NodeId> = in_sync
@@ -74,6 +81,10 @@ pub fn judge(
     // leaves it whatever `min_in_sync` says).
     let have = in_sync.len() - failed.len();
     if have < min_in_sync {
+        let lost: BTreeSet<NodeId> = failed.intersection(restarted).cloned().collect();
+        if !lost.is_empty() && lost.len() < in_sync.len() {
+            return Verdict::Remove(lost);
+        }
         return Verdict::TooFew {
             have,
             need: min_in_sync,
@@ -219,10 +230,66 @@ mod tests {
             ),
         ];
         for (in_sync, members, sent, min, want) in table {
-            let got = judge(&ids(in_sync), &ids(members), &outcomes(sent), min);
+            let got = judge(
+                &ids(in_sync),
+                &ids(members),
+                &outcomes(sent),
+                &BTreeSet::new(),
+                min,
+            );
             assert_eq!(
                 got, want,
                 "in-sync {in_sync}, set {members}, outcomes {sent}, min {min}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_restarted_copy_leaves_even_below_min_in_sync_but_one_copy_stays() {
+        // (in-sync, outcomes, restarted, min_in_sync, verdict)
+        let table: Vec<(&str, &str, &str, usize, Verdict)> = vec![
+            // Enough remain: removed like any failure.
+            ("a b c", "a+ b+ c-", "c", 2, Verdict::Remove(ids("c"))),
+            // Too few would remain: the restarted copy leaves all the same;
+            // the other failure stays, as a failure below min_in_sync does.
+            ("a b c", "a+ b+ c-", "c", 3, Verdict::Remove(ids("c"))),
+            ("a b c", "a+ b- c-", "c", 2, Verdict::Remove(ids("c"))),
+            // Not restarted: kept, nothing acknowledged.
+            (
+                "a b c",
+                "a+ b+ c-",
+                "",
+                3,
+                Verdict::TooFew {
+                    have: 2,
+                    need: 3,
+                    failed: ids("c"),
+                },
+            ),
+            // The last copies do not all leave.
+            (
+                "a b",
+                "a- b-",
+                "a b",
+                1,
+                Verdict::TooFew {
+                    have: 0,
+                    need: 1,
+                    failed: ids("a b"),
+                },
+            ),
+        ];
+        for (in_sync, sent, restarted, min, want) in table {
+            let got = judge(
+                &ids(in_sync),
+                &ids(in_sync),
+                &outcomes(sent),
+                &ids(restarted),
+                min,
+            );
+            assert_eq!(
+                got, want,
+                "in-sync {in_sync}, outcomes {sent}, restarted {restarted}, min {min}"
             );
         }
     }

@@ -48,6 +48,20 @@ pub struct RemoteReplica {
     /// after one fails.
     links: [tokio::sync::Mutex<Option<Arc<Link>>>; LINKS],
     next_link: AtomicUsize,
+    /// The store session the block channel found, and whether it changed
+    /// since the writer began to count on this copy (see
+    /// [`RemoteReplica::note_session`]).
+    session: std::sync::Mutex<Session>,
+}
+
+/// What a [`RemoteReplica`] knows of its store's sessions.
+#[derive(Debug, Default)]
+struct Session {
+    /// The session last seen; `None` before the first link (or from a
+    /// server that names none).
+    seen: Option<u64>,
+    /// The session changed, and no rebuild has accepted it yet.
+    restarted: Option<(u64, u64)>,
 }
 
 impl RemoteReplica {
@@ -72,6 +86,7 @@ impl RemoteReplica {
             timeout,
             links: Default::default(),
             next_link: AtomicUsize::new(0),
+            session: Default::default(),
         }
     }
 
@@ -139,9 +154,37 @@ impl RemoteReplica {
                 LinkError::Refused(refusal) => blocks::error_of(&refusal, Term::ZERO),
                 err => self.lost(&err),
             })?;
+        self.note_session(link.session());
         let link = Arc::new(link);
         *slot = Some(Arc::clone(&link));
         Ok(link)
+    }
+
+    /// Notes the session a new link found. A session other than the one
+    /// seen before means the replica's store was opened again: its process
+    /// restarted, perhaps its machine, and with it the page cache that held
+    /// writes it had acknowledged but not flushed. From then on every block
+    /// request fails as [`ReplicaError::Restarted`], so the engine drops the
+    /// copy and a rebuild compares it (its S6 marks name every extent it
+    /// may have lost) before it counts again.
+    fn note_session(&self, now: Option<u64>) {
+        let Some(now) = now else { return };
+        let mut session = super::lock(&self.session);
+        if let Some(before) = session.seen.filter(|before| *before != now) {
+            tracing::warn!(replica = %self.id, before = format_args!("{before:016x}"), now = format_args!("{now:016x}"), "replica restarted: not counted on until it is rebuilt");
+            session.restarted = Some((before, now));
+        }
+        session.seen = Some(now);
+    }
+
+    /// The error every block request gets while a restart is not accepted.
+    fn restarted(&self) -> Option<ReplicaError> {
+        let (before, now) = super::lock(&self.session).restarted?;
+        Some(ReplicaError::Restarted(format!(
+            "node {}'s replica was opened again (session {before:016x}, now {now:016x}); \
+             writes it had not flushed may be lost, so it is not counted on until it is rebuilt",
+            self.id
+        )))
     }
 
     /// The error of a block-channel call that got no reply; the next call
@@ -166,6 +209,9 @@ impl RemoteReplica {
         header.incarnation = self.channels.incarnation(self.id).0;
         fill(&mut header);
         let link = self.link().await?;
+        if let Some(err) = self.restarted() {
+            return Err(err);
+        }
         match link.call(header, payload, self.timeout).await {
             Ok(reply) if reply.header.kind == Kind::Ok => Ok(reply),
             Ok(refusal) => Err(blocks::error_of(&refusal, stamp)),
@@ -210,6 +256,15 @@ impl RemoteReplica {
 impl Replica for RemoteReplica {
     fn id(&self) -> NodeId {
         self.id
+    }
+
+    async fn accept_restart(&self) -> Result<(), ReplicaError> {
+        // A link open now: its session is the one counted on.
+        self.link().await?;
+        if super::lock(&self.session).restarted.take().is_some() {
+            tracing::info!(replica = %self.id, "a rebuild counts on the restarted replica's new session");
+        }
+        Ok(())
     }
 
     async fn allocation(

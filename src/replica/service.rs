@@ -100,7 +100,7 @@ pub fn status_of(err: &ReplicaError) -> Status {
         ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
             Status::failed_precondition(message)
         }
-        ReplicaError::Unavailable(_) => Status::unavailable(message),
+        ReplicaError::Unavailable(_) | ReplicaError::Restarted(_) => Status::unavailable(message),
         ReplicaError::Io(_) => Status::internal(message),
     }
 }

@@ -176,6 +176,9 @@ pub struct ReplicaStore {
     /// Every change to the data file is counted here, and the digests of
     /// the marked extents hashed ahead of a failover are kept here.
     predigests: Arc<DigestCache>,
+    /// Drawn at random each time the store is opened (see
+    /// [`ReplicaStore::session`]).
+    session: u64,
     /// Tests slow the data I/O down to hold requests in flight.
     #[cfg(test)]
     io_delay: Mutex<std::time::Duration>,
@@ -314,9 +317,18 @@ impl ReplicaStore {
             stale_accepts: AtomicU64::new(stale_accepts),
             first_touch_marks: AtomicU64::new(0),
             predigests: Arc::default(),
+            session: new_session(),
             #[cfg(test)]
             io_delay: Mutex::default(),
         })
+    }
+
+    /// This opening of the store, never 0. A writer that sees it change
+    /// knows the replica restarted: writes it took before and had not
+    /// flushed may be gone with the page cache (a power cut, a kernel
+    /// crash), so it no longer counts on the copy until it is rebuilt.
+    pub fn session(&self) -> u64 {
+        self.session
     }
 
     /// The identity this store was opened with.
@@ -1299,6 +1311,17 @@ fn read_at(file: &File, len: usize, offset: u64) -> std::io::Result<Vec<u8>> {
     }
     buf.truncate(len);
     Ok(buf)
+}
+
+/// A number drawn at random for one opening of a store, never 0: the
+/// standard library seeds each `RandomState` from the operating system's
+/// randomness, and the time and process id are hashed in as well.
+fn new_session() -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    std::process::id().hash(&mut hasher);
+    std::time::SystemTime::now().hash(&mut hasher);
+    hasher.finish().max(1)
 }
 
 /// Where a piece of file I/O runs.

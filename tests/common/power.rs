@@ -21,6 +21,9 @@ use replica_ha::replica::{
 pub struct PowerCutReplica {
     inner: LocalReplica,
     state: Mutex<Durability>,
+    /// Set by [`PowerCutReplica::restart`]: block requests fail as a
+    /// restarted remote replica's do, until a rebuild accepts it.
+    restarted: std::sync::atomic::AtomicBool,
 }
 
 struct Durability {
@@ -46,6 +49,7 @@ impl PowerCutReplica {
             offset += len;
         }
         Arc::new(Self {
+            restarted: Default::default(),
             inner: LocalReplica::new(id, store),
             state: Mutex::new(Durability {
                 image,
@@ -99,6 +103,25 @@ impl PowerCutReplica {
     }
 }
 
+impl PowerCutReplica {
+    /// The replica's process starts again after [`PowerCutReplica::power_cut`]:
+    /// its store has a new session, which the writer's side of the block
+    /// channel notices, so every block request fails as
+    /// [`ReplicaError::Restarted`] until [`Replica::accept_restart`].
+    pub fn restart(&self) {
+        self.restarted
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn check_session(&self) -> Result<(), ReplicaError> {
+        if self.restarted.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(ReplicaError::Restarted("the store was opened again".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
 fn apply(image: &mut [u8], offset: u64, data: &[u8]) {
     image[offset as usize..offset as usize + data.len()].copy_from_slice(data);
 }
@@ -108,6 +131,11 @@ impl Replica for PowerCutReplica {
     fn id(&self) -> NodeId {
         self.inner.id()
     }
+    async fn accept_restart(&self) -> Result<(), ReplicaError> {
+        self.restarted
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
     async fn write(
         &self,
         stamp: Stamp,
@@ -115,6 +143,7 @@ impl Replica for PowerCutReplica {
         data: Bytes,
         fua: bool,
     ) -> Result<(), ReplicaError> {
+        self.check_session()?;
         self.inner.write(stamp, offset, data.clone(), fua).await?;
         let mut state = self.state.lock().unwrap();
         if fua {
@@ -126,6 +155,7 @@ impl Replica for PowerCutReplica {
     }
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
         // Like a write of zeroes that is not forced to the disk.
+        self.check_session()?;
         self.inner.discard(stamp, offset, len).await?;
         let zeroes = Bytes::from(vec![0u8; len as usize]);
         self.state.lock().unwrap().pending.push((offset, zeroes));
@@ -133,12 +163,15 @@ impl Replica for PowerCutReplica {
     }
     async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
         // Marks go to the metadata Db, which a power cut keeps (flushed).
+        self.check_session()?;
         self.inner.mark_ahead(stamp, offset, len).await
     }
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
+        self.check_session()?;
         self.inner.read(offset, len).await
     }
     async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
+        self.check_session()?;
         let covered = self.state.lock().unwrap().pending.len();
         self.inner.flush(stamp).await?;
         let mut state = self.state.lock().unwrap();
