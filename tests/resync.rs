@@ -141,6 +141,70 @@ async fn verify_identical_up_to(cluster: &Cluster, a: u64, b: u64, size: u64) {
     }
 }
 
+/// A node that was the writer before judges a copy by what its own fence
+/// finds, not by the session it saw in its earlier term: a follower that
+/// restarted under the other writer (which rebuilt it) is neither stalled
+/// on at the promotion nor rebuilt again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_again_counts_on_the_copies_its_fence_found() {
+    let _one = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", &SIZE.to_string()]).await;
+    let (first, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let [second, follower] = {
+        let others: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != first).collect();
+        [others[0], others[1]]
+    };
+    let block = |byte: u8| Bytes::from(vec![byte; 4096]);
+    // `second` writes once, so it has seen the follower's session.
+    transfer(&cluster, first, second).await;
+    cluster.write(second, 0, block(1)).await.unwrap();
+    transfer(&cluster, second, first).await;
+    // Under `first`, the follower restarts and is rebuilt.
+    let rebuilds = |cluster: &Cluster, id: u64| cluster.log(id).matches("resync finished").count();
+    let before = rebuilds(&cluster, first);
+    cluster.kill(follower);
+    cluster.spawn(follower);
+    cluster
+        .wait_status(follower, WAIT, "the follower is back", |s| s.term > 0)
+        .await;
+    cluster.write(first, MIB, block(2)).await.unwrap();
+    let deadline = Instant::now() + WAIT;
+    while rebuilds(&cluster, first) == before {
+        assert!(
+            Instant::now() < deadline,
+            "node {follower} was never rebuilt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.wait_in_sync(first, follower, true, WAIT).await;
+    // `second` again: its fence finds the follower's new session.
+    transfer(&cluster, first, second).await;
+    for i in 0..20u64 {
+        cluster
+            .write(second, 2 * MIB + i * 4096, block(3))
+            .await
+            .unwrap();
+    }
+    assert!(
+        !cluster
+            .log(second)
+            .contains("replica restarted: not counted on until it is rebuilt"),
+        "node {second} judged node {follower} by the session of its earlier term"
+    );
+    assert!(cluster.in_sync(second).await.contains(&follower));
+    verify_identical(&cluster, second).await;
+}
+
+/// Hands the writer's role from `from` to `to` and waits until `to` writes.
+async fn transfer(cluster: &Cluster, from: u64, to: u64) {
+    let (ok, out, err) = cluster
+        .cli(from, &["transfer", "--to", &to.to_string()])
+        .await;
+    assert!(ok, "transfer {from} -> {to}: {out}{err}");
+    let (now, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    assert_eq!(now, to);
+}
+
 /// A follower whose process restarts while nothing is written (so no
 /// write fails on it meanwhile) is not counted on as before: its store was
 /// opened again, and writes it had not flushed could have gone with the

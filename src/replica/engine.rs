@@ -998,6 +998,18 @@ impl Engine {
     /// the term the rebuild runs under, once every write that began without
     /// it has finished.
     pub async fn begin_rebuild(&self, id: NodeId) -> Result<Term, RebuildError> {
+        // Out of the set, a restarted copy may be counted on again: this
+        // rebuild compares what it may have lost (its marks, the maps).
+        // Before it takes client writes as a rebuild target: one failed as
+        // restarted would spoil the rebuild.
+        let target = self.target(id)?;
+        if self.lock().in_sync.contains(&id) {
+            return Err(RebuildError::InSync(id));
+        }
+        target
+            .accept_restart()
+            .await
+            .map_err(|cause| RebuildError::replica("reaching", id, cause))?;
         let term = {
             let mut state = self.lock();
             let term = state.term.ok_or(RebuildError::Inactive)?;
@@ -1019,13 +1031,6 @@ impl Engine {
         // A request to the target whose outcome was lost (see
         // `disown_if_lost`) must not land after the comparison: a flush with
         // the target's current stamp drains it or makes it refused.
-        let target = self.target(id)?;
-        // Out of the set, a restarted copy may be counted on again: this
-        // rebuild compares what it may have lost (its marks, the maps).
-        if let Err(cause) = target.accept_restart().await {
-            self.abort_rebuild(id);
-            return Err(RebuildError::replica("reaching", id, cause));
-        }
         let drained = self
             .stamped(term, &target, |stamp| target.flush(stamp))
             .await;

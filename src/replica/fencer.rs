@@ -137,7 +137,13 @@ impl TokenFencer {
     ) -> Result<BTreeMap<NodeId, FenceReply>, FenceError> {
         let replies = self
             .replicas
-            .fan_out(members, self.timeout, |replica| replica.fence(term))
+            .fan_out(members, self.timeout, |replica| async move {
+                let reply = replica.fence(term).await?;
+                if reply.floor == term {
+                    replica.count_on_session(reply.session);
+                }
+                Ok(reply)
+            })
             .await;
         let mut fenced = BTreeMap::new();
         for (id, reply) in replies {

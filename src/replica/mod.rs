@@ -175,6 +175,9 @@ pub struct FenceReply {
     pub dirty: Vec<DirtyExtent>,
     /// The extent size the marks are counted in.
     pub extent_size: u64,
+    /// The store's session ([`store::ReplicaStore::session`]); 0 from a
+    /// replica that does not say.
+    pub session: u64,
 }
 
 /// What a replica reports about itself, for status.
@@ -317,6 +320,16 @@ pub trait Replica: Send + Sync {
     async fn accept_restart(&self) -> Result<(), ReplicaError> {
         Ok(())
     }
+
+    /// Counts on this copy as of store session `session` (0: unknown; the
+    /// next block connection then sets it), forgetting any restart seen
+    /// before. A new writer's fence calls it for every copy that took the
+    /// fence: the promotion's convergence then compares what each copy
+    /// holds now, and a restart after the fence is noticed. Without it a
+    /// writer would judge a copy by the session it saw in an earlier term
+    /// (and stall its fence on a restart the promotion handles anyway), or
+    /// trust whatever session its first connection found.
+    fn count_on_session(&self, _session: u64) {}
 
     /// Which parts of `[offset, offset + len)` of this copy hold data and
     /// which are holes (see [`crate::volume::Device::allocation`]). The

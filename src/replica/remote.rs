@@ -258,6 +258,12 @@ impl Replica for RemoteReplica {
         self.id
     }
 
+    fn count_on_session(&self, session: u64) {
+        let mut now = super::lock(&self.session);
+        now.seen = Some(session).filter(|session| *session != 0);
+        now.restarted = None;
+    }
+
     async fn accept_restart(&self) -> Result<(), ReplicaError> {
         // A link open now: its session is the one counted on.
         self.link().await?;
@@ -387,6 +393,7 @@ impl Replica for RemoteReplica {
                 })
                 .collect(),
             extent_size: reply.extent_size,
+            session: reply.session,
         })
     }
 

@@ -380,6 +380,7 @@ impl ReplicaRpc for ReplicaService {
             dirty: reply.dirty.iter().map(to_pb).collect(),
             extent_size: reply.extent_size,
             generation: reply.generation,
+            session: reply.session,
         }))
     }
 

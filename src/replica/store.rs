@@ -536,6 +536,7 @@ impl ReplicaStore {
             generation: floor.generation,
             dirty: self.dirty_extents()?,
             extent_size: self.identity.extent_size,
+            session: self.session,
         })
     }
 
