@@ -38,7 +38,7 @@
 //! | request too large | `TooLarge` | length in `length`, maximum in `offset` |
 //! | out of range | `OutOfRange` | `offset`, `length`, volume size in `generation` |
 //! | identity mismatch, invalid identity | `IdentityMismatch` | |
-//! | unavailable | `Unavailable` | |
+//! | unavailable; restarted (found by the writer, never sent) | `Unavailable` | |
 //! | disk or metadata I/O | `Io` | |
 
 use std::sync::Arc;

@@ -18,7 +18,7 @@
 //! | request too large | `INVALID_ARGUMENT`, its length and the maximum in `x-range-len` and `x-range-max` |
 //! | out of range | `OUT_OF_RANGE`, offset, length and volume size in `x-range-offset`, `x-range-len`, `x-range-size` |
 //! | identity mismatch | `FAILED_PRECONDITION` |
-//! | unavailable | `UNAVAILABLE` |
+//! | unavailable; restarted (found by the writer, never sent) | `UNAVAILABLE` |
 //! | disk or metadata I/O | `INTERNAL` |
 //!
 //! Back on the client, every refusal becomes the same error again (a range
