@@ -655,6 +655,18 @@ mod tests {
         drop(echo.await.unwrap());
     }
 
+    /// A `Hello` reply names a session only as 8 bytes, not 0; an older
+    /// server's empty reply names none.
+    #[test]
+    fn a_hello_reply_names_a_session_only_as_eight_nonzero_bytes() {
+        assert_eq!(session_of(&7u64.to_be_bytes()), Some(7));
+        assert_eq!(session_of(&u64::MAX.to_be_bytes()), Some(u64::MAX));
+        assert_eq!(session_of(&[]), None);
+        assert_eq!(session_of(&0u64.to_be_bytes()), None);
+        assert_eq!(session_of(&[1; 7]), None);
+        assert_eq!(session_of(&[1; 9]), None);
+    }
+
     /// With other requests in flight (`busy`) or not, whether the writer
     /// yields first or not.
     #[tokio::test]
