@@ -363,6 +363,12 @@ impl Membership {
                 "address {addr:?} is not HOST:PORT"
             )));
         }
+        if resumed.is_none() {
+            // A node not in the cluster holds no in-sync copy. Should the
+            // set still name it (it was removed while its rebuild ended),
+            // its new incarnation must not count as that copy (S8).
+            self.leave_in_sync(node, Leaving::Replaced).await?;
+        }
         self.transport.admit_member(node);
         let announced = match resumed {
             Some(learner) => Some(learner),
@@ -375,12 +381,6 @@ impl Membership {
                  {addr}, with this cluster's id, certificates and a peer list that names this node?"
             )));
         };
-        if resumed.is_none() {
-            // A node not in the cluster holds no in-sync copy. Should the
-            // set still name it (it was removed while its rebuild ended),
-            // its new incarnation must not count as that copy (S8).
-            self.leave_in_sync(node, Leaving::Replaced).await?;
-        }
         tracing::info!(%node, %member, %addr, "adding a node");
         self.add_learner(member, addr).await?;
         // The replica set follows the applied membership: the new replica

@@ -998,16 +998,10 @@ impl Engine {
     /// the term the rebuild runs under, once every write that began without
     /// it has finished.
     pub async fn begin_rebuild(&self, id: NodeId) -> Result<Term, RebuildError> {
-        // Out of the set, a restarted copy may be counted on again: this
-        // rebuild compares what it may have lost (its marks, the maps).
-        // Before it takes client writes as a rebuild target: one failed as
-        // restarted would spoil the rebuild.
+        // Its session known first: see `accept_restart` below.
         let target = self.target(id)?;
-        if self.lock().in_sync.contains(&id) {
-            return Err(RebuildError::InSync(id));
-        }
         target
-            .accept_restart()
+            .reach()
             .await
             .map_err(|cause| RebuildError::replica("reaching", id, cause))?;
         let term = {
@@ -1025,6 +1019,13 @@ impl Engine {
             let rebuild = state.rebuilding.entry(id).or_default();
             rebuild.failed = false;
             rebuild.copied.extend(orphans);
+            // Out of the set, a restarted copy may be counted on again: the
+            // comparison that follows covers what it may have lost (its
+            // marks, the maps). Decided here, under the lock that just
+            // checked it is out of the set and made it a target, so neither
+            // a copy in sync is accepted nor a write fails on it as
+            // restarted in between.
+            target.accept_restart();
             term
         };
         self.barrier().await;
@@ -2459,7 +2460,7 @@ impl WriterEngine for Engine {
             .floors
             .of_term(term)
             .into_iter()
-            .map(|(id, floor)| (id, (floor.generation + 1).max(FIRST_GENERATION)))
+            .map(|(id, floor)| (id, floor.generation.saturating_add(1).max(FIRST_GENERATION)))
             .collect();
         state.activity = Activity {
             // What the promotion's convergence copied and left marked.

@@ -310,16 +310,21 @@ pub trait Replica: Send + Sync {
     /// The id of the node that holds this copy.
     fn id(&self) -> NodeId;
 
-    /// Counts on this copy's current session from now on, after reaching
-    /// it: requests failed as [`ReplicaError::Restarted`] since it restarted
-    /// go on, and a restart after this call is noticed again. The engine
-    /// calls it only for a copy out of the in-sync set, as a rebuild of it
-    /// begins: the rebuild compares what the copy may have lost. A copy
-    /// that cannot restart under the writer (one in this process) has
-    /// nothing to do.
-    async fn accept_restart(&self) -> Result<(), ReplicaError> {
+    /// Opens a connection to this copy if none is open, so that its
+    /// current session is known (see [`Replica::accept_restart`]).
+    async fn reach(&self) -> Result<(), ReplicaError> {
         Ok(())
     }
+
+    /// Counts on this copy's current session from now on: requests failed
+    /// as [`ReplicaError::Restarted`] since it restarted go on, and a
+    /// restart after this call is noticed again. The engine calls it, after
+    /// [`Replica::reach`], only for a copy out of the in-sync set, in the
+    /// same step that makes it a rebuild target (so no write fails on it
+    /// as restarted in between); the rebuild then compares what the copy
+    /// may have lost. A copy that cannot restart under the writer (one in
+    /// this process) has nothing to do.
+    fn accept_restart(&self) {}
 
     /// Counts on this copy as of store session `session` (0: unknown; the
     /// next block connection then sets it), forgetting any restart seen

@@ -264,13 +264,14 @@ impl Replica for RemoteReplica {
         now.restarted = None;
     }
 
-    async fn accept_restart(&self) -> Result<(), ReplicaError> {
-        // A link open now: its session is the one counted on.
-        self.link().await?;
+    async fn reach(&self) -> Result<(), ReplicaError> {
+        self.link().await.map(|_| ())
+    }
+
+    fn accept_restart(&self) {
         if super::lock(&self.session).restarted.take().is_some() {
             tracing::info!(replica = %self.id, "a rebuild counts on the restarted replica's new session");
         }
-        Ok(())
     }
 
     async fn allocation(

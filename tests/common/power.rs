@@ -131,10 +131,9 @@ impl Replica for PowerCutReplica {
     fn id(&self) -> NodeId {
         self.inner.id()
     }
-    async fn accept_restart(&self) -> Result<(), ReplicaError> {
+    fn accept_restart(&self) {
         self.restarted
             .store(false, std::sync::atomic::Ordering::SeqCst);
-        Ok(())
     }
     async fn write(
         &self,
