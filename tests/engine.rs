@@ -486,32 +486,46 @@ async fn a_write_that_fails_on_a_replica_whose_return_just_committed_is_not_ackn
     }
 }
 
-/// S5 and S7 for a rebuild: copied extents are durable on the target before
-/// its return is committed, so a power cut right after the return loses no
-/// acknowledged byte.
-#[tokio::test]
-async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
+/// An engine (node 1, `min_in_sync`) over two faultable replicas and a
+/// third, node 3, that can lose power; `in_sync` committed. Returns the
+/// directory to keep, node 3, the tracker and the engine.
+async fn power_cut_rig(
+    in_sync: &[NodeId],
+    min_in_sync: usize,
+) -> (
+    tempfile::TempDir,
+    Arc<common::power::PowerCutReplica>,
+    Arc<LoggingTracker>,
+    Arc<Engine>,
+) {
     use common::power::PowerCutReplica;
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let n1 = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
     let n2 = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
     let n3 = PowerCutReplica::new(NodeId(3), store(dir.path(), NodeId(3)).await).await;
-    let replicas: Vec<Arc<dyn Replica>> = vec![n1.clone(), n2.clone(), n3.clone()];
-    let tracker = LoggingTracker::new(&[NodeId(1), NodeId(2)], Arc::default());
-    let engine = Arc::new(
-        Engine::new(
-            EngineConfig {
-                local_id: NodeId(1),
-                replica_timeout: SHORT,
-                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
-            },
-            replicas.clone(),
-            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        )
-        .unwrap(),
-    );
+    let replicas: Vec<Arc<dyn Replica>> = vec![n1, n2, n3.clone()];
+    let tracker = LoggingTracker::new(in_sync, Arc::default());
+    let engine = Engine::new(
+        EngineConfig {
+            local_id: NodeId(1),
+            replica_timeout: SHORT,
+            volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, min_in_sync),
+        },
+        replicas,
+        Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+    )
+    .unwrap();
+    (dir, n3, tracker, Arc::new(engine))
+}
+
+/// S5 and S7 for a rebuild: copied extents are durable on the target before
+/// its return is committed, so a power cut right after the return loses no
+/// acknowledged byte.
+#[tokio::test]
+async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
+    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    let (_dir, n3, tracker, engine) = power_cut_rig(&[NodeId(1), NodeId(2)], 2).await;
     engine.activate(Term(3)).await.unwrap();
     let data = |i: u64| Bytes::from(vec![0x10 + i as u8; 64 << 10]);
     for i in 0..4u64 {
@@ -741,27 +755,8 @@ async fn a_rebuild_abandoned_while_it_finishes_does_not_return_the_copy() {
 /// acknowledged while the copy lacked the write (S5).
 #[tokio::test]
 async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it() {
-    use common::power::PowerCutReplica;
     use replica_ha::replica::resync::{ResyncConfig, Resyncer};
-    common::init_tracing();
-    let dir = tempfile::tempdir().unwrap();
-    let n1 = FaultyReplica::new(NodeId(1), store(dir.path(), NodeId(1)).await);
-    let n2 = FaultyReplica::new(NodeId(2), store(dir.path(), NodeId(2)).await);
-    let n3 = PowerCutReplica::new(NodeId(3), store(dir.path(), NodeId(3)).await).await;
-    let replicas: Vec<Arc<dyn Replica>> = vec![n1.clone(), n2.clone(), n3.clone()];
-    let tracker = LoggingTracker::new(&IDS, Arc::default());
-    let engine = Arc::new(
-        Engine::new(
-            EngineConfig {
-                local_id: NodeId(1),
-                replica_timeout: SHORT,
-                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 3),
-            },
-            replicas,
-            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
-        )
-        .unwrap(),
-    );
+    let (_dir, n3, tracker, engine) = power_cut_rig(&IDS, 3).await;
     engine.activate(Term(3)).await.unwrap();
     engine.write_at(0, block(7), false).await.unwrap();
     n3.power_cut().await;

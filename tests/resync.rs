@@ -160,22 +160,7 @@ async fn a_writer_again_counts_on_the_copies_its_fence_found() {
     cluster.write(second, 0, block(1)).await.unwrap();
     transfer(&cluster, second, first).await;
     // Under `first`, the follower restarts and is rebuilt.
-    let rebuilds = |cluster: &Cluster, id: u64| cluster.log(id).matches("resync finished").count();
-    let before = rebuilds(&cluster, first);
-    cluster.kill(follower);
-    cluster.spawn(follower);
-    cluster
-        .wait_status(follower, WAIT, "the follower is back", |s| s.term > 0)
-        .await;
-    cluster.write(first, MIB, block(2)).await.unwrap();
-    let deadline = Instant::now() + WAIT;
-    while rebuilds(&cluster, first) == before {
-        assert!(
-            Instant::now() < deadline,
-            "node {follower} was never rebuilt"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    restart_idle_and_wait_rebuilt(&mut cluster, first, follower, block(2)).await;
     cluster.wait_in_sync(first, follower, true, WAIT).await;
     // `second` again: its fence finds the follower's new session.
     transfer(&cluster, first, second).await;
@@ -193,6 +178,34 @@ async fn a_writer_again_counts_on_the_copies_its_fence_found() {
     );
     assert!(cluster.in_sync(second).await.contains(&follower));
     verify_identical(&cluster, second).await;
+}
+
+/// SIGKILLs `follower` and starts it again with nothing written meanwhile,
+/// writes `data` at 1 MiB through `writer` once it is back, and waits
+/// until `writer` has rebuilt it. No write failed on the follower while it
+/// was down: only its new store session can make the writer rebuild it.
+async fn restart_idle_and_wait_rebuilt(
+    cluster: &mut Cluster,
+    writer: u64,
+    follower: u64,
+    data: Bytes,
+) {
+    let rebuilds = |cluster: &Cluster| cluster.log(writer).matches("resync finished").count();
+    let before = rebuilds(cluster);
+    cluster.kill(follower);
+    cluster.spawn(follower);
+    cluster
+        .wait_status(follower, WAIT, "the follower is back", |s| s.term > 0)
+        .await;
+    cluster.write(writer, MIB, data).await.unwrap();
+    let deadline = Instant::now() + WAIT;
+    while rebuilds(cluster) == before {
+        assert!(
+            Instant::now() < deadline,
+            "node {follower} restarted and was never rebuilt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Hands the writer's role from `from` to `to` and waits until `to` writes.
@@ -220,24 +233,7 @@ async fn a_follower_that_restarted_while_idle_is_rebuilt_before_it_counts_again(
     let block = |byte: u8| Bytes::from(vec![byte; 4096]);
     cluster.write(writer, 0, block(1)).await.unwrap();
     cluster.wait_in_sync(writer, follower, true, WAIT).await;
-    let rebuilds = |cluster: &Cluster| cluster.log(writer).matches("resync finished").count();
-    let before = rebuilds(&cluster);
-    cluster.kill(follower);
-    cluster.spawn(follower);
-    cluster
-        .wait_status(follower, WAIT, "the follower is back", |s| s.term > 0)
-        .await;
-    cluster.write(writer, MIB, block(2)).await.unwrap();
-    // No write failed on the follower while it was down: only its new
-    // session can make the writer rebuild it.
-    let deadline = Instant::now() + WAIT;
-    while rebuilds(&cluster) == before {
-        assert!(
-            Instant::now() < deadline,
-            "node {follower} restarted and was never rebuilt"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    restart_idle_and_wait_rebuilt(&mut cluster, writer, follower, block(2)).await;
     assert!(
         cluster
             .log(writer)

@@ -106,6 +106,16 @@ impl FaultyReplica {
         self.released.add_permits(count);
     }
 
+    /// Counts one request as held and waits for [`FaultyReplica::release`].
+    async fn hold(&self) {
+        self.held.send_modify(|n| *n += 1);
+        self.released
+            .acquire()
+            .await
+            .expect("the semaphore is never closed")
+            .forget();
+    }
+
     pub fn set(&self, fault: Fault) {
         *self.fault.lock().unwrap() = fault;
     }
@@ -133,12 +143,7 @@ impl FaultyReplica {
             | Fault::HoldFlushes => Ok(()),
             Fault::HoldWrites { .. } if write_offset.is_none() => Ok(()),
             Fault::HoldWrites { pass } => {
-                self.held.send_modify(|n| *n += 1);
-                self.released
-                    .acquire()
-                    .await
-                    .expect("the semaphore is never closed")
-                    .forget();
+                self.hold().await;
                 if pass {
                     Ok(())
                 } else {
@@ -182,12 +187,7 @@ impl Replica for FaultyReplica {
                 tokio::time::sleep(delay).await;
             }
             Fault::HoldWritesOf(byte) if data.first() == Some(&byte) => {
-                self.held.send_modify(|n| *n += 1);
-                self.released
-                    .acquire()
-                    .await
-                    .expect("the semaphore is never closed")
-                    .forget();
+                self.hold().await;
             }
             _ => {}
         }
@@ -212,12 +212,7 @@ impl Replica for FaultyReplica {
             tokio::time::sleep(stall).await;
         }
         if stall == Fault::HoldFlushes {
-            self.held.send_modify(|n| *n += 1);
-            self.released
-                .acquire()
-                .await
-                .expect("the semaphore is never closed")
-                .forget();
+            self.hold().await;
         }
         self.gate(None).await?;
         self.inner.flush(stamp).await
