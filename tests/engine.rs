@@ -780,6 +780,49 @@ async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it(
     engine.flush().await.unwrap();
 }
 
+/// First touches of extents that meet mark retirements that never stop
+/// (as a writer's passes do under a sequential flood): every write is acknowledged and no copy leaves the in-sync
+/// set. Before, a mark that overlapped retirements eight times failed the
+/// write on that copy, and the writer dropped its own copy (#36).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retirements_overlapping_every_mark_cost_no_copy() {
+    let rig = Rig::new(2).await;
+    rig.engine.activate(Term(3)).await.unwrap();
+    let own = Arc::clone(rig.replicas[0].store());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let retiring = tokio::spawn({
+        let stop = Arc::clone(&stop);
+        async move {
+            let mut passes = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let floor = own.floor_stamp().await;
+                // Far from the stream; only the overlap matters.
+                if own.retire_marks(floor, floor.term, &[15]).await.is_ok() {
+                    passes += 1;
+                }
+                tokio::task::yield_now().await;
+            }
+            passes
+        }
+    });
+    // Out of order, so no mark ahead spares a write its own mark.
+    for extent in (0..15u64).map(|i| i * 7 % 15) {
+        let offset = extent << 20;
+        rig.engine
+            .write_at(offset, Bytes::from(vec![9; 4096]), false)
+            .await
+            .unwrap_or_else(|err| panic!("the write at {offset} failed: {err}"));
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(retiring.await.unwrap() > 15, "the retirements did not run");
+    assert_eq!(
+        rig.committed().await,
+        set(&IDS),
+        "a copy left the in-sync set"
+    );
+    assert_eq!(rig.states(), vec![ReplicaState::InSync; 3]);
+}
+
 /// S6 kept cheap: once a term's acknowledged writes are durable on every
 /// in-sync replica, their marks are retired during the term; an extent
 /// with an unacknowledged write stays marked for the next promotion.

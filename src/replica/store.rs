@@ -51,7 +51,7 @@
 use super::meta::{Meta, MetaSlot};
 use super::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps, Unverified};
 use crate::ids::{Incarnation, NodeId};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -946,20 +946,19 @@ impl ReplicaStore {
         });
         let meta = self.meta.get()?;
         // One step for `mark`: the marks leave memory and the Db together,
-        // and a mark whose flush this overlapped is placed again (see
-        // `Marked`).
+        // and a mark still being placed keeps its key (see `Marked`).
         let mut marked = self.lock_marked();
         let mut keys = Vec::new();
         for key in meta.dirty.range(..=end.as_slice()).keys() {
             let key = key.map_err(|e| self.meta.failed(e))?;
-            if wanted.contains(&decode_dirty(&key)?.extent) {
+            let mark = decode_dirty(&key)?;
+            if wanted.contains(&mark.extent) && !marked.placing.contains_key(&mark) {
                 keys.push(key);
             }
         }
         marked
             .set
             .retain(|mark| mark.term > through || !wanted.contains(&mark.extent));
-        marked.retirements += 1;
         crate::sled_ops::remove_all(&meta.dirty, &keys).map_err(|e| self.meta.failed(e))?;
         Ok(keys.len())
     }
@@ -1077,56 +1076,50 @@ impl ReplicaStore {
         }
         let size = self.identity.extent_size;
         let (first, last) = (offset / size, (offset + len - 1) / size);
-        for _ in 0..MARK_ATTEMPTS {
-            let (missing, retirements): (Vec<DirtyExtent>, u64) = {
-                let marked = self.lock_marked();
-                let missing = (first..=last)
-                    .map(|extent| DirtyExtent { term, extent })
-                    .filter(|mark| !marked.set.contains(mark))
-                    .collect();
-                (missing, marked.retirements)
-            };
-            // The absent members' maps take a write first, in the same
-            // flush (see [`super::missed`]).
-            let needed = match touch {
-                Touch::Write => self.missed.needed(first, last),
-                Touch::Ahead => missed::Needed::default(),
-            };
-            if missing.is_empty() && needed.entries.is_empty() {
-                return Ok(());
-            }
-            let empty: &[u8] = &[];
-            let pairs = missing.iter().map(|mark| (encode_dirty(mark), empty));
-            let meta = self.meta.get()?;
-            crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
-            let entries = needed
-                .entries
-                .iter()
-                .map(|(node, extent)| (missed::entry_key(*node, *extent), empty));
-            crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
-            meta.flusher
-                .flush()
-                .await
-                .map_err(|e| self.meta.failed(e))?;
+        // What is not durable yet is claimed before its keys go in, so no
+        // retirement removes them until they are published below (see
+        // `Marked`): a write never waits on, or loses to, a retirement.
+        let placing = {
             let mut marked = self.lock_marked();
-            if marked.retirements != retirements {
-                // A retirement ran meanwhile and may have removed what was
-                // just inserted: mark again rather than trust it.
-                continue;
+            let missing: Vec<DirtyExtent> = (first..=last)
+                .map(|extent| DirtyExtent { term, extent })
+                .filter(|mark| !marked.set.contains(mark))
+                .collect();
+            marked.claim(&missing);
+            Placing {
+                store: self,
+                marks: missing,
             }
-            if touch == Touch::Write {
-                self.first_touch_marks
-                    .fetch_add(missing.len() as u64, Ordering::Relaxed);
-            }
-            marked.set.extend(missing);
-            drop(marked);
-            self.missed.flushed(needed);
+        };
+        // The absent members' maps take a write first, in the same flush
+        // (see [`super::missed`]).
+        let needed = match touch {
+            Touch::Write => self.missed.needed(first, last),
+            Touch::Ahead => missed::Needed::default(),
+        };
+        if placing.marks.is_empty() && needed.entries.is_empty() {
             return Ok(());
         }
-        Err(ReplicaError::Unavailable(format!(
-            "extents {first}..={last} could not be marked: retirements overlapped \
-             {MARK_ATTEMPTS} attempts"
-        )))
+        let empty: &[u8] = &[];
+        let pairs = placing.marks.iter().map(|mark| (encode_dirty(mark), empty));
+        let meta = self.meta.get()?;
+        crate::sled_ops::insert_all(&meta.dirty, pairs).map_err(|e| self.meta.failed(e))?;
+        let entries = needed
+            .entries
+            .iter()
+            .map(|(node, extent)| (missed::entry_key(*node, *extent), empty));
+        crate::sled_ops::insert_all(&meta.missed, entries).map_err(|e| self.meta.failed(e))?;
+        meta.flusher
+            .flush()
+            .await
+            .map_err(|e| self.meta.failed(e))?;
+        if touch == Touch::Write {
+            self.first_touch_marks
+                .fetch_add(placing.marks.len() as u64, Ordering::Relaxed);
+        }
+        placing.publish();
+        self.missed.flushed(needed);
+        Ok(())
     }
 
     fn lock_marked(&self) -> std::sync::MutexGuard<'_, Marked> {
@@ -1136,19 +1129,66 @@ impl ReplicaStore {
     }
 }
 
-/// The dirty marks known to be durable, and how many retirements have
-/// removed marks: [`ReplicaStore::mark`] publishes what it flushed only if
-/// no retirement ran since it looked. A retirement removes marks from this
-/// set and from the Db in one step under the lock, so one that overlapped
-/// a mark's flush may have removed the mark's fresh key.
+/// The dirty marks known to be durable, and the marks being placed: their
+/// keys are in the Db (or about to be) and their flush has not finished.
+/// A retirement removes marks from `set` and from the Db in one step under
+/// the lock, and leaves the keys of marks being placed alone, so a mark is
+/// never lost between its insert and its publication (S6), and a write
+/// never waits for a retirement of other extents, however many run (a
+/// count of retirements that forced a mark to start over livelocked under
+/// a sequential stream, whose writer then dropped its own copy).
 #[derive(Debug, Default)]
 struct Marked {
     set: HashSet<DirtyExtent>,
-    retirements: u64,
+    placing: HashMap<DirtyExtent, usize>,
 }
 
-/// How many times [`ReplicaStore::mark`] tries before it gives up.
-const MARK_ATTEMPTS: usize = 8;
+impl Marked {
+    fn claim(&mut self, marks: &[DirtyExtent]) {
+        for mark in marks {
+            *self.placing.entry(*mark).or_default() += 1;
+        }
+    }
+
+    fn release(&mut self, marks: &[DirtyExtent]) {
+        for mark in marks {
+            if let Some(count) = self.placing.get_mut(mark) {
+                *count -= 1;
+                if *count == 0 {
+                    self.placing.remove(mark);
+                }
+            }
+        }
+    }
+}
+
+/// Marks one call of [`ReplicaStore::mark`] is placing. Dropped without
+/// [`Placing::publish`] (an error, a cancelled request), it gives up its
+/// claim and the marks do not count as durable; a key it left in the Db is
+/// a mark too many, which costs a comparison, never safety.
+struct Placing<'a> {
+    store: &'a ReplicaStore,
+    marks: Vec<DirtyExtent>,
+}
+
+impl Placing<'_> {
+    /// The marks are durable: they count from now on, in the same step
+    /// that gives up the claim, so no retirement can slip in between.
+    fn publish(mut self) {
+        let marks = std::mem::take(&mut self.marks);
+        let mut marked = self.store.lock_marked();
+        marked.release(&marks);
+        marked.set.extend(marks);
+    }
+}
+
+impl Drop for Placing<'_> {
+    fn drop(&mut self) {
+        if !self.marks.is_empty() {
+            self.store.lock_marked().release(&self.marks);
+        }
+    }
+}
 
 /// Why extents are being marked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1992,6 +2032,57 @@ mod tests {
                 "a write to extent {extent} was applied with no durable mark: {durable:?}"
             );
         }
+    }
+
+    /// Retirements of other extents that never stop overlap every mark's
+    /// flush: the writes still succeed, each with a durable mark (the
+    /// writer once dropped its own copy when a sequential stream's marks
+    /// kept starting over, #36). A retirement of the very extent being
+    /// marked is the test above.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_is_never_refused_for_retirements_that_overlap_its_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()).await);
+        let mib = DEFAULT_EXTENT_SIZE;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let retiring = {
+            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut passes = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    // Extents 4..8, at the writer's current term (a newer
+                    // one may refuse it: that pass then does not count).
+                    let floor = store.floor_stamp().await;
+                    let extent = 4 + passes % 4;
+                    if store
+                        .retire_marks(floor, floor.term, &[extent])
+                        .await
+                        .is_ok()
+                    {
+                        passes += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                passes
+            })
+        };
+        // Each term's first write to an extent places a mark.
+        for term in (2..12).map(Term) {
+            for extent in 0u64..4 {
+                store
+                    .write(term, extent * mib, block(9, 4096), false)
+                    .await
+                    .unwrap_or_else(|err| panic!("the write to extent {extent} failed: {err}"));
+                let durable = store.dirty_extents().unwrap();
+                assert!(
+                    durable.contains(&DirtyExtent { term, extent }),
+                    "extent {extent} was written in {term} with no durable mark"
+                );
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        let passes = retiring.await.unwrap();
+        assert!(passes > 20, "retirements ran {passes} times only");
     }
 
     #[tokio::test]
