@@ -22,6 +22,8 @@ use replica_ha::raft::{
 };
 use tokio::time::Instant;
 
+mod common;
+
 /// The sled log store, with appends that wait while `stalled` is set (a
 /// log fsync that takes as long as the test wants).
 #[derive(Clone)]
@@ -102,16 +104,35 @@ struct TestNode {
 }
 
 async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
+    start_cluster_via(timing, false).await.0
+}
+
+/// [`start_cluster`]; with `proxied`, each node is reached by the others
+/// through a proxy of its own, returned in node order.
+async fn start_cluster_via(
+    timing: RaftTiming,
+    proxied: bool,
+) -> (BTreeMap<NodeId, TestNode>, Vec<common::proxy::Proxy>) {
     let ids: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
+    let mut proxies = Vec::new();
     let mut listeners = BTreeMap::new();
     for id in ids {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         listeners.insert(id, listener);
     }
-    let addrs: BTreeMap<NodeId, String> = listeners
-        .iter()
-        .map(|(id, l)| (*id, l.local_addr().unwrap().to_string()))
-        .collect();
+    let mut addrs: BTreeMap<NodeId, String> = BTreeMap::new();
+    for (id, listener) in &listeners {
+        let addr = listener.local_addr().unwrap();
+        let reached = if proxied {
+            let proxy = common::proxy::Proxy::start(addr).await;
+            let at = proxy.addr;
+            proxies.push(proxy);
+            at
+        } else {
+            addr
+        };
+        addrs.insert(*id, reached.to_string());
+    }
     let mut nodes = BTreeMap::new();
     for (id, listener) in listeners {
         let dir = tempfile::tempdir().unwrap();
@@ -178,7 +199,7 @@ async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
             },
         );
     }
-    nodes
+    (nodes, proxies)
 }
 
 /// The node that holds a lease now, with its term.
@@ -251,6 +272,44 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
     old.stalled.store(false, Ordering::SeqCst);
     let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
 
+    for node in nodes.values() {
+        for task in &node.tasks {
+            task.abort();
+        }
+        let _ = node.raft.shutdown().await;
+    }
+}
+
+/// S4 without false alarms: followers whose replies come later than a
+/// heartbeat interval (80 ms a round trip, openraft waits 50 ms) still
+/// acknowledge the leader, so its lease holds without a break, at one
+/// term. Before, every such reply was dropped with its call, no
+/// acknowledgement counted, and the writer's lease lapsed under a client
+/// that saturated the machine (#36).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_heartbeat_replies_still_keep_the_lease() {
+    let timing = RaftTiming::default();
+    let (nodes, proxies) = start_cluster_via(timing, true).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (leader, term) = loop {
+        if let Some(holder) = lease_holder(&nodes) {
+            break holder;
+        }
+        assert!(Instant::now() < deadline, "no leader");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    for proxy in &proxies {
+        proxy.set_delay(Duration::from_millis(40));
+    }
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert_eq!(
+            lease_holder(&nodes),
+            Some((leader, term)),
+            "the lease lapsed with every follower answering late"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     for node in nodes.values() {
         for task in &node.tasks {
             task.abort();

@@ -14,9 +14,16 @@
 //!   once a committed membership change names it (see [`crate::members`]).
 //! - One lazily connected channel per peer, built by [`crate::net`] inside
 //!   the Raft runtime ([`super::runtime`]) when one is set, so its
-//!   connection is driven there; each call carries openraft's hard deadline
-//!   (one heartbeat interval). A call that ran out of time is reported as a
-//!   network error: openraft just tries again at the next heartbeat. Only a
+//!   connection is driven there; openraft waits one heartbeat interval for
+//!   each call. A call that ran out of time is reported as a network error:
+//!   openraft just tries again at the next heartbeat. An AppendEntries call
+//!   goes on in a task of its own past openraft's wait, up to
+//!   `election_timeout_max`, so a reply that comes late still counts as an
+//!   acknowledgement by its send time. (Measured under a saturating client
+//!   on two cores: followers' replies took over 50 ms for long enough that
+//!   none counted, the lease ran out while both followers still took every
+//!   heartbeat, and the writer closed its sessions at an unchanged term.)
+//!   Only a
 //!   peer that cannot be reached at all is reported as `Unreachable`, and
 //!   openraft then backs off for [`UNREACHABLE_BACKOFF`], not its default
 //!   500 ms. (Measured under nbdcopy's default flood: one heartbeat reply
@@ -658,12 +665,39 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<MemberId>, openraft::error::Infallible> {
         let (term, sent_at) = (Term(rpc.vote.leader_id().get_term()), Instant::now());
-        let response: AppendEntriesResponse<MemberId> =
-            self.call(Rpc::Append, &rpc, option.hard_ttl()).await?;
-        if accepts_leader(&response) {
-            self.peers.record_ack(self.target, term, sent_at);
+        // The call runs as a task of its own with a budget of its own: when
+        // openraft stops waiting (one heartbeat interval, `option`), the
+        // reply may still come, and if it accepts us it still counts for the
+        // lease by its send time (see the module docs, acknowledgements).
+        let call = {
+            let client = PeerClient {
+                target: self.target,
+                peers: Arc::clone(&self.peers),
+            };
+            let budget = self.peers.election_timeout_max.max(option.hard_ttl());
+            tokio::spawn(async move {
+                let response: RpcResult<AppendEntriesResponse<MemberId>, _> =
+                    client.call(Rpc::Append, &rpc, budget).await;
+                if let Ok(response) = &response {
+                    if accepts_leader(response) {
+                        client.peers.record_ack(client.target, term, sent_at);
+                    }
+                }
+                response
+            })
+        };
+        match tokio::time::timeout(option.hard_ttl(), call).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(join)) => Err(RPCError::Network(NetworkError::new(&NetErr(format!(
+                "the append call ended: {join}"
+            ))))),
+            // Slow, not gone: openraft tries again at the next heartbeat,
+            // while this call may still bring its acknowledgement.
+            Err(_) => Err(RPCError::Network(NetworkError::new(&NetErr(format!(
+                "no reply within {:?} (still awaited for the lease)",
+                option.hard_ttl()
+            ))))),
         }
-        Ok(response)
     }
 
     async fn install_snapshot(
