@@ -109,9 +109,10 @@ impl AdminService {
 pub fn device_status(err: DeviceError) -> Status {
     let message = err.to_string();
     match err {
-        DeviceError::NotLeader | DeviceError::LeaseExpired | DeviceError::Inactive => {
-            Status::failed_precondition(message)
-        }
+        DeviceError::NotLeader
+        | DeviceError::LeaseExpired
+        | DeviceError::Inactive
+        | DeviceError::Abandoned => Status::failed_precondition(message),
         DeviceError::StaleTerm { .. } => Status::failed_precondition(message),
         DeviceError::Range(RangeError::OutOfRange { .. }) => Status::out_of_range(message),
         DeviceError::Range(RangeError::TooLarge { .. }) => Status::invalid_argument(message),

@@ -18,7 +18,7 @@ use prometheus::TextEncoder;
 use prometheus::proto::{self, LabelPair, Metric, MetricFamily, MetricType};
 use tokio::time::Instant;
 
-use crate::volume::{Access, Device, DeviceError};
+use crate::volume::{Access, Bond, Change, Device, DeviceError};
 
 /// Upper bounds of the latency buckets, in seconds.
 const LATENCY_BUCKETS: [f64; 16] = [
@@ -78,6 +78,7 @@ impl DeviceMetrics {
             DeviceError::NotLeader
                 | DeviceError::LeaseExpired
                 | DeviceError::Inactive
+                | DeviceError::Abandoned
                 | DeviceError::StaleTerm { .. }
         ) {
             self.refused.fetch_add(1, Ordering::Relaxed);
@@ -122,35 +123,39 @@ impl Device for MeteredDevice {
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
-        let result = self.inner.discard(offset, len).await;
-        if let Err(err) = &result {
-            self.metrics.count_error(err);
-        }
-        result
+        self.change(Change::Discard { offset, len }, &Bond::default())
+            .await
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        let len = data.len() as u64;
+        self.change(Change::Write { offset, data, fua }, &Bond::default())
+            .await
+    }
+
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.change(Change::Flush, &Bond::default()).await
+    }
+
+    /// Counts the change and passes it on with its bond.
+    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError> {
+        let written = match &change {
+            Change::Write { data, .. } => Some(data.len() as u64),
+            Change::Discard { .. } | Change::Flush => None,
+        };
+        let flush = change == Change::Flush;
         let started = Instant::now();
-        let result = self.inner.write_at(offset, data, fua).await;
-        match &result {
-            Ok(()) => {
+        let result = self.inner.change(change, bond).await;
+        match (&result, written) {
+            (Ok(()), Some(len)) => {
                 self.metrics.write_latency.observe(started.elapsed());
                 self.metrics.writes.fetch_add(1, Ordering::Relaxed);
                 self.metrics.write_bytes.fetch_add(len, Ordering::Relaxed);
             }
-            Err(err) => self.metrics.count_error(err),
-        }
-        result
-    }
-
-    async fn flush(&self) -> Result<(), DeviceError> {
-        let result = self.inner.flush().await;
-        match &result {
-            Ok(()) => {
+            (Ok(()), None) if flush => {
                 self.metrics.flushes.fetch_add(1, Ordering::Relaxed);
             }
-            Err(err) => self.metrics.count_error(err),
+            (Ok(()), None) => {}
+            (Err(err), _) => self.metrics.count_error(err),
         }
         result
     }

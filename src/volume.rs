@@ -19,10 +19,19 @@
 //! write under the gate's term, only read, or nothing. The NBD server binds a
 //! read-write session to that term and ends the session once the device no
 //! longer grants it (design C1).
+//!
+//! [`Device::change`] is a write, discard or flush made on behalf of a
+//! [`Bond`]: the client session it came from and the writer's term it was
+//! admitted under. The write gate holds a request the in-sync set cannot
+//! take yet (C2) only while its bond holds; once the session ended or the
+//! term changed it abandons the request ([`DeviceError::Abandoned`]) before
+//! it is sent again, so a request the client has given up on and sent
+//! again never lands after what the client wrote since (C1, S3).
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 use crate::ids::{NodeId, Term};
 
@@ -102,6 +111,19 @@ pub trait Device: Send + Sync {
     /// Makes every write that returned Ok before this call durable.
     async fn flush(&self) -> Result<(), DeviceError>;
 
+    /// A write, discard or flush on behalf of `bond` (see the module
+    /// docs). A device that holds requests must override it and keep to
+    /// the bond; a wrapper must pass the bond on. The default runs the
+    /// change once, which keeps any bond.
+    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError> {
+        let _ = bond;
+        match change {
+            Change::Write { offset, data, fua } => self.write_at(offset, data, fua).await,
+            Change::Discard { offset, len } => self.discard(offset, len).await,
+            Change::Flush => self.flush().await,
+        }
+    }
+
     /// The size of the device in bytes.
     fn size(&self) -> u64;
 
@@ -129,6 +151,57 @@ pub trait Device: Send + Sync {
             Access::ReadOnly
         }
     }
+}
+
+/// What a request that changes the volume is bound to (see the module
+/// docs): the writer's term it may run under, and whether the session that
+/// sent it still stands. The default binds a request to the term of its
+/// first admission only.
+#[derive(Clone, Default)]
+pub struct Bond {
+    term: Option<Term>,
+    ended: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Bond {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bond")
+            .field("term", &self.term)
+            .field("ended", &self.ended())
+            .finish()
+    }
+}
+
+impl Bond {
+    /// A request of a session bound to `term` (if it is writable), which
+    /// stands until `ended` says it ended.
+    pub fn session(term: Option<Term>, ended: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self {
+            term,
+            ended: Some(Arc::new(ended)),
+        }
+    }
+
+    /// The term the request may run under, if its session names one.
+    pub fn term(&self) -> Option<Term> {
+        self.term
+    }
+
+    /// Whether the session the request came from has ended.
+    pub fn ended(&self) -> bool {
+        self.ended.as_ref().is_some_and(|ended| ended())
+    }
+}
+
+/// A request that changes the volume, as [`Device::change`] takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// [`Device::write_at`].
+    Write { offset: u64, data: Bytes, fua: bool },
+    /// [`Device::discard`].
+    Discard { offset: u64, len: u64 },
+    /// [`Device::flush`].
+    Flush,
 }
 
 /// The most runs one allocation query returns (the protocol suggests at
@@ -232,6 +305,11 @@ pub enum DeviceError {
     /// A local I/O error.
     #[error("I/O error: {0}")]
     Io(String),
+    /// A held request whose session ended, or whose writer's term
+    /// changed, before it could be sent again (see [`Bond`]): it was not
+    /// applied by this attempt, and gets no reply (C1).
+    #[error("abandoned: its session ended or the writer's term changed while it was held")]
+    Abandoned,
     /// The writer behind `attach` answered with this NBD error number.
     #[error("the writer answered with NBD error {errno}")]
     Remote { errno: u32 },

@@ -5,15 +5,18 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use replica_ha::ha::fake::{
     FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
 };
-use replica_ha::ha::{Controller, ControllerConfig, Coordinator, HaError, Role, Writer};
+use replica_ha::ha::{
+    Controller, ControllerConfig, Coordinator, HaError, Role, SUSPEND_RETRY, Writer,
+};
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::volume::{Device, DeviceError};
+use replica_ha::volume::{Bond, Change, Device, DeviceError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -752,4 +755,76 @@ async fn a_write_short_of_replicas_is_held_and_other_errors_are_not() {
         a.write().await,
         Err(DeviceError::Io("the disk failed".into()))
     );
+}
+
+/// A write held short of replicas, then `bond`'s session or term gone, a
+/// resend and a later write to the same block acknowledged: the held write
+/// must never land after them (#36: it retried under whichever term was
+/// open, and overwrote the later write).
+async fn a_held_write_left_behind(lapse: impl AsyncFnOnce(&FakeCluster, &Node, &AtomicBool)) {
+    common::init_tracing();
+    let cluster = FakeCluster::new(LEASE);
+    let script = FenceScript::new();
+    let a = Node::start_holding(&cluster, &script, NodeId(1), Duration::from_secs(30));
+    let term = cluster.elect(NodeId(1)).unwrap();
+    until("a leads", || a.role() == Role::Leader).await;
+    let device = a.controller.device();
+    let write = |data: &'static [u8]| Change::Write {
+        offset: 0,
+        data: Bytes::from_static(data),
+        fua: false,
+    };
+    let ended = Arc::new(AtomicBool::new(false));
+    let bond = {
+        let ended = Arc::clone(&ended);
+        Bond::session(Some(term), move || ended.load(Ordering::SeqCst))
+    };
+    a.engine.set_short(true);
+    let w0 = tokio::spawn({
+        let (device, write) = (device.clone(), write(b"old0"));
+        async move { device.change(write, &bond).await }
+    });
+    until("W0 is held", || device.suspension().waiting == 1).await;
+    lapse(&cluster, &a, &ended).await;
+    let now = device.open_term().expect("the gate is open again");
+    a.engine.set_short(false);
+    let fresh = Bond::session(Some(now), || false);
+    device.change(write(b"old0"), &fresh).await.unwrap();
+    device.change(write(b"new2"), &fresh).await.unwrap();
+    tokio::time::sleep(SUSPEND_RETRY * 4).await;
+    assert_eq!(w0.await.unwrap(), Err(DeviceError::Abandoned));
+    assert_eq!(
+        &a.engine.read_at(0, 4).await.unwrap()[..],
+        b"new2",
+        "the held write landed after a later acknowledged one"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_write_is_abandoned_when_its_writer_is_elected_again_at_a_newer_term() {
+    a_held_write_left_behind(async |cluster: &FakeCluster, a: &Node, _: &AtomicBool| {
+        let before = a.controller.device().open_term();
+        cluster.expire(true);
+        cluster.elect(NodeId(1)).unwrap();
+        until("a leads at a newer term", || {
+            a.role() == Role::Leader && a.controller.device().open_term() > before
+        })
+        .await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_write_is_abandoned_when_its_session_ends_though_the_term_stays() {
+    a_held_write_left_behind(
+        async |cluster: &FakeCluster, _: &Node, ended: &AtomicBool| {
+            // The lease lapses unobserved and is renewed: the gate stays open
+            // at the same term, but the session saw the lapse and closed.
+            cluster.expire(false);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            ended.store(true, Ordering::SeqCst);
+            cluster.renew();
+        },
+    )
+    .await;
 }

@@ -486,6 +486,8 @@ pub struct MemoryEngine {
     fail_activate: AtomicBool,
     /// Errors the next writes fail with, one each, before they touch data.
     fail_writes: Mutex<std::collections::VecDeque<DeviceError>>,
+    /// While set, every write fails short of replicas (the gate holds it).
+    short: AtomicBool,
 }
 
 impl MemoryEngine {
@@ -499,7 +501,14 @@ impl MemoryEngine {
             activate_delay: Mutex::default(),
             fail_activate: AtomicBool::new(false),
             fail_writes: Mutex::default(),
+            short: AtomicBool::new(false),
         })
+    }
+
+    /// While `short`, every write fails with too few in-sync replicas, as
+    /// below `min_in_sync` (the gate holds such writes, C2).
+    pub fn set_short(&self, short: bool) {
+        self.short.store(short, Ordering::SeqCst);
     }
 
     /// The active term.
@@ -574,6 +583,9 @@ impl Device for MemoryEngine {
         let term = self.term().ok_or(DeviceError::Inactive)?;
         if let Some(err) = lock(&self.fail_writes).pop_front() {
             return Err(err);
+        }
+        if self.short.load(Ordering::SeqCst) {
+            return Err(DeviceError::InsufficientReplicas { have: 1, need: 2 });
         }
         let delay = *lock(&self.delay);
         if !delay.is_zero() {

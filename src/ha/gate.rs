@@ -34,8 +34,13 @@
 //! held, not failed: it is tried
 //! again, each time through the gate again (so never past a closed gate or
 //! a lapsed lease), until it succeeds or the suspend timeout passes, and
-//! only then fails. Retrying is safe: the client has no answer yet, so it
-//! has sent nothing that depends on this write. [`ActiveDevice::suspension`]
+//! only then fails. Retrying is safe only while the client waits for this
+//! answer: a held request is bound to its [`Bond`] — the term it was first
+//! admitted under (its session's) and the session it came from — and is
+//! abandoned ([`DeviceError::Abandoned`], no reply) as soon as a retry
+//! finds the term changed or the session ended (#36: a client that
+//! reconnected and sent it again, then wrote the same block, would
+//! otherwise have the old copy land last, C1/S3). [`ActiveDevice::suspension`]
 //! says how many requests wait, since when, and why.
 //!
 //! A [`GateJournal`], when one is attached, is told of every opening and
@@ -54,7 +59,7 @@ use tokio::time::Instant;
 
 use super::{Coordinator, WriterEngine};
 use crate::ids::Term;
-use crate::volume::{Access, Device, DeviceError};
+use crate::volume::{Access, Bond, Change, Device, DeviceError};
 
 /// Receives the gate's history (see the module docs). Calls are made on the
 /// write path, so an implementation must be quick and must not block long.
@@ -201,27 +206,53 @@ impl ActiveDevice {
         self.suspended.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs `request` through the gate; while the engine cannot
-    /// acknowledge it for too few in-sync replicas, holds it and tries
-    /// again, through the gate each time, until the suspend timeout.
-    async fn held<F, Fut>(&self, request: F) -> Result<(), DeviceError>
-    where
-        F: Fn() -> Fut,
-        Fut: std::future::Future<Output = Result<(), DeviceError>>,
-    {
-        self.admit_and_record()?;
+    /// Runs `change` through the gate; while the engine cannot acknowledge
+    /// it for too few in-sync replicas, holds it and tries again, through
+    /// the gate each time, until the suspend timeout — and only while its
+    /// `bond` holds: the same term as its first admission (its session's,
+    /// if it names one) and a session that has not ended. Otherwise it is
+    /// abandoned before it is sent again (see the module docs).
+    async fn held(&self, change: &Change, bond: &Bond) -> Result<(), DeviceError> {
+        let admitted = self.admit_bound(bond, bond.term())?;
         let _passing = Passing::new(&self.in_flight);
         let deadline = Instant::now() + self.suspend_timeout;
         let mut held = None;
         loop {
-            match request().await {
+            match self.apply(change).await {
                 Err(err) if err.is_replica_shortfall() && Instant::now() < deadline => {
                     held.get_or_insert_with(|| Held::new(self, &err));
                     tokio::time::sleep_until((Instant::now() + SUSPEND_RETRY).min(deadline)).await;
-                    self.admit_and_record()?;
+                    self.admit_bound(bond, Some(admitted))?;
                 }
                 outcome => return outcome,
             }
+        }
+    }
+
+    /// Admits a request of `bond` (and tells the journal), at `term` if one
+    /// is given; returns the term it was admitted under. A request whose
+    /// session ended, or that another term would admit, is
+    /// [`DeviceError::Abandoned`].
+    fn admit_bound(&self, bond: &Bond, term: Option<Term>) -> Result<Term, DeviceError> {
+        let (open, deadline) = self.admit()?;
+        if bond.ended() || term.is_some_and(|term| term != open) {
+            tracing::debug!(?bond, %open, "a held request was abandoned");
+            return Err(DeviceError::Abandoned);
+        }
+        if let Some(journal) = self.journal.get() {
+            journal.admitted(open, deadline);
+        }
+        Ok(open)
+    }
+
+    /// One try of `change` on the engine.
+    async fn apply(&self, change: &Change) -> Result<(), DeviceError> {
+        match change {
+            Change::Write { offset, data, fua } => {
+                self.engine.write_at(*offset, data.clone(), *fua).await
+            }
+            Change::Discard { offset, len } => self.engine.discard(*offset, *len).await,
+            Change::Flush => self.engine.flush().await,
         }
     }
 
@@ -242,16 +273,6 @@ impl ActiveDevice {
     /// Until when a write would pass the gate, if one would now.
     pub fn writable_until(&self) -> Option<Instant> {
         self.admit().ok().map(|(_, deadline)| deadline)
-    }
-
-    /// [`ActiveDevice::admit`] for a request that will run: tells the
-    /// journal.
-    fn admit_and_record(&self) -> Result<(), DeviceError> {
-        let (term, deadline) = self.admit()?;
-        if let Some(journal) = self.journal.get() {
-            journal.admitted(term, deadline);
-        }
-        Ok(())
     }
 
     /// The gate's term and lease deadline if a write may pass now.
@@ -279,16 +300,21 @@ impl Device for ActiveDevice {
     }
 
     async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
-        self.held(|| self.engine.discard(offset, len)).await
+        self.held(&Change::Discard { offset, len }, &Bond::default())
+            .await
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        self.held(|| self.engine.write_at(offset, data.clone(), fua))
+        self.held(&Change::Write { offset, data, fua }, &Bond::default())
             .await
     }
 
     async fn flush(&self) -> Result<(), DeviceError> {
-        self.held(|| self.engine.flush()).await
+        self.held(&Change::Flush, &Bond::default()).await
+    }
+
+    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError> {
+        self.held(&change, bond).await
     }
 
     fn size(&self) -> u64 {

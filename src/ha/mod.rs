@@ -44,7 +44,7 @@ pub use controller::{Controller, ControllerConfig, Role, Status};
 pub use coordinator::{
     Coordinator, FenceError, Fencer, InSyncError, InSyncTracker, Leadership, Lease, Writer,
 };
-pub use gate::{ActiveDevice, GateJournal};
+pub use gate::{ActiveDevice, GateJournal, SUSPEND_RETRY};
 pub use reads::{LocalCopy, ReadGate};
 
 use crate::ids::{NodeId, Term};

@@ -15,6 +15,7 @@ use super::{ConnectionError, Export, handle};
 use crate::ha::fake::{MemoryCopy, MemoryEngine};
 use crate::ha::{ReadGate, WriterEngine};
 use crate::ids::Term;
+use crate::volume::{Bond, Change, DeviceError};
 
 const SIZE: usize = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -533,6 +534,89 @@ async fn a_read_on_a_session_whose_gate_closed_is_not_served() {
     assert_eq!(client.go().await & TFLAG_READ_ONLY, 0);
     assert_eq!(client.read(4, 0, 4).await, Ok(b"mine".to_vec()));
     client.finish().await.unwrap();
+}
+
+/// A writer whose writes are all held (as below `min_in_sync`) until the
+/// session that sent them ends: what it saw of each write's bond.
+struct HoldingDevice {
+    engine: Arc<MemoryEngine>,
+    /// The term of each held write's bond, and whether its end was seen.
+    held: std::sync::Mutex<Vec<(Option<Term>, bool)>>,
+}
+
+#[async_trait::async_trait]
+impl crate::volume::Device for HoldingDevice {
+    async fn read_at(&self, offset: u64, len: u64) -> Result<bytes::Bytes, DeviceError> {
+        self.engine.read_at(offset, len).await
+    }
+    async fn write_at(&self, _: u64, _: bytes::Bytes, _: bool) -> Result<(), DeviceError> {
+        unreachable!("the session writes through `change`, with its bond")
+    }
+    async fn discard(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
+        self.engine.discard(offset, len).await
+    }
+    async fn flush(&self) -> Result<(), DeviceError> {
+        self.engine.flush().await
+    }
+    fn size(&self) -> u64 {
+        self.engine.size()
+    }
+    fn access(&self) -> crate::volume::Access {
+        self.engine.access()
+    }
+    async fn change(&self, _: Change, bond: &Bond) -> Result<(), DeviceError> {
+        let index = {
+            let mut held = self.held.lock().unwrap();
+            held.push((bond.term(), false));
+            held.len() - 1
+        };
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while !bond.ended() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.held.lock().unwrap()[index].1 = bond.ended();
+        Err(DeviceError::Abandoned)
+    }
+}
+
+fn holding_server() -> (Arc<MemoryEngine>, Arc<HoldingDevice>, Client) {
+    let engine = MemoryEngine::new(SIZE);
+    futures::executor::block_on(engine.activate(Term(4))).unwrap();
+    let device = Arc::new(HoldingDevice {
+        engine: Arc::clone(&engine),
+        held: std::sync::Mutex::default(),
+    });
+    let export = Arc::new(Export::new("vol0", "test volume", device.clone()));
+    (engine, device, connect(&export))
+}
+
+/// C1: a write the gate holds is bound to its session and term, and its
+/// bond ends with the session — when the client hangs up, and when the
+/// gate closes — so it is not sent again after the client sent it
+/// elsewhere (the gate's side is `tests/controller.rs`).
+#[tokio::test]
+async fn a_held_write_learns_that_its_session_ended() {
+    for hang_up in [true, false] {
+        let (engine, device, mut client) = holding_server();
+        client.go().await;
+        client.send(1, 0, 1, 0, 4, b"held").await;
+        eventually("the write is held", || {
+            !device.held.lock().unwrap().is_empty()
+        })
+        .await;
+        if hang_up {
+            client.finish().await.unwrap();
+        } else {
+            engine.deactivate();
+            assert_eq!(replies_until_closed(&mut client).await, vec![]);
+            client.finish().await.unwrap();
+        }
+        eventually("the held write saw its session end", || {
+            device.held.lock().unwrap()[0].1
+        })
+        .await;
+        assert_eq!(device.held.lock().unwrap()[0].0, Some(Term(4)));
+    }
 }
 
 /// A passive node's export over the read gate: the engine (the writer's

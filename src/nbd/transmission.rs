@@ -27,7 +27,10 @@
 //! get [`CLOSE_GRACE`] to complete), then, [`LINGER`] after the gate
 //! closed, the connection closes, and the client retries the rest on the
 //! new writer. A write left unanswered may or
-//! may not have landed; sending it again is safe.
+//! may not have landed; sending it again is safe, because a write the gate
+//! holds (C2) is bound to the session and its term ([`Bond`]): once the
+//! session ends — its gate closed, the client hung up or sent `DISC` — it
+//! is not sent again, so it cannot land after what the client sent since.
 //!
 //! Every other error goes back as an NBD error code; see [`errno`]: range
 //! errors, `EINVAL`, `EPERM` for writes on a read-only session, and `EIO`
@@ -37,7 +40,7 @@
 //! after it can be trusted, and nothing of it is executed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -48,7 +51,7 @@ use tokio::time::Instant;
 use super::handshake::Session;
 use super::wire::{self, Command, Request};
 use super::{ConnectionError, Export, MAX_REQUEST_LEN};
-use crate::volume::{Device, DeviceError, RangeError};
+use crate::volume::{Bond, Change, Device, DeviceError, RangeError};
 
 /// The read buffer of a connection. A payload's bytes past what the buffer
 /// holds already are read straight into the payload's own buffer while at
@@ -177,8 +180,16 @@ where
     let running = Arc::new(AtomicUsize::new(0));
     let writer = tokio::spawn(write_replies(writer, queue, watched, Arc::clone(&running)));
     let budget = Arc::new(Semaphore::new(units(BUDGET_BYTES) as usize));
+    // Held requests stand only while the session does (C1; `Bond`).
+    let ended = Arc::new(AtomicBool::new(false));
+    let bond = {
+        let (gate_closed, ended) = (closed.subscribe(), Arc::clone(&ended));
+        Bond::session(session.term, move || {
+            *gate_closed.borrow() || ended.load(Ordering::Acquire)
+        })
+    };
     let outcome = tokio::select! {
-        outcome = read_requests(&mut reader, &export, session, &budget, (&replies, &running), &closed) => outcome,
+        outcome = read_requests(&mut reader, &export, session, &bond, &budget, (&replies, &running), &closed) => outcome,
         () = gate_closed(export.device.as_ref(), session, &closed) => {
             tracing::info!(
                 term = ?session.term.map(|term| term.0),
@@ -187,6 +198,9 @@ where
             Ok(())
         }
     };
+    // No more requests: a held one is not sent again (the client may
+    // already be sending it elsewhere).
+    ended.store(true, Ordering::Release);
     // In-flight requests hold clones of `replies`; the writer ends after the
     // last of them has answered (within the grace, once the gate closed).
     drop(replies);
@@ -229,6 +243,7 @@ async fn read_requests<R: AsyncRead + Unpin>(
     reader: &mut R,
     export: &Arc<Export>,
     session: Session,
+    bond: &Bond,
     budget: &Arc<Semaphore>,
     (replies, running): (&mpsc::UnboundedSender<Reply>, &Arc<AtomicUsize>),
     closed: &Arc<watch::Sender<bool>>,
@@ -263,12 +278,12 @@ async fn read_requests<R: AsyncRead + Unpin>(
             }
         };
         let export = Arc::clone(export);
-        let (replies, closed) = (replies.clone(), Arc::clone(closed));
+        let (replies, closed, bond) = (replies.clone(), Arc::clone(closed), bond.clone());
         let running = Running::start(running);
         tokio::spawn(async move {
             let device = export.device.as_ref();
             let result = match export.executing.acquire_many(units).await {
-                Ok(_executing) => execute(device, session, &request, payload).await,
+                Ok(_executing) => execute(device, session, &bond, &request, payload).await,
                 Err(_) => Err(Failure::Error(wire::EIO)),
             };
             let (error, answer) = match result {
@@ -365,6 +380,7 @@ pub(super) fn units(bytes: u64) -> u32 {
 async fn execute(
     device: &dyn Device,
     session: Session,
+    bond: &Bond,
     request: &Request,
     payload: Bytes,
 ) -> Result<Answer, Failure> {
@@ -390,19 +406,20 @@ async fn execute(
             .await
             .map(Answer::Data)
             .map_err(|e| Failure::of(&e, false)),
-        Command::Write => device
-            .write_at(offset, payload, request.fua())
-            .await
-            .map(|()| Answer::Done)
-            .map_err(|e| Failure::of(&e, true)),
+        Command::Write => {
+            let write = Change::Write {
+                offset,
+                data: payload,
+                fua: request.fua(),
+            };
+            change(device, bond, write).await.map(|()| Answer::Done)
+        }
         // A read-only connection wrote nothing, so it has nothing to flush.
         Command::Flush if !session.writable() => Ok(Answer::Done),
-        Command::Flush => device
-            .flush()
+        Command::Flush => change(device, bond, Change::Flush)
             .await
-            .map(|()| Answer::Done)
-            .map_err(|e| Failure::of(&e, true)),
-        Command::Trim => discard(device, offset, len, request.fua())
+            .map(|()| Answer::Done),
+        Command::Trim => discard(device, bond, offset, len, request.fua())
             .await
             .map(|()| Answer::Done),
         // Zeroes may be a hole unless the client said NO_HOLE; written
@@ -410,10 +427,12 @@ async fn execute(
         Command::WriteZeroes if request.fast_zero() && !request.may_punch() => {
             Err(Failure::Error(wire::ENOTSUP))
         }
-        Command::WriteZeroes if request.may_punch() => discard(device, offset, len, request.fua())
-            .await
-            .map(|()| Answer::Done),
-        Command::WriteZeroes => write_zeroes(device, offset, len, request.fua())
+        Command::WriteZeroes if request.may_punch() => {
+            discard(device, bond, offset, len, request.fua())
+                .await
+                .map(|()| Answer::Done)
+        }
+        Command::WriteZeroes => write_zeroes(device, bond, offset, len, request.fua())
             .await
             .map(|()| Answer::Done),
         // Reads are served from a replica's page cache already; the hint
@@ -514,14 +533,25 @@ async fn block_status(
 /// `TRIM`, and `WRITE_ZEROES` without `NO_HOLE`: the range is discarded on
 /// every in-sync replica (punched out of its file, so the space is freed)
 /// and reads back as zeroes. With FUA it is flushed before the answer.
-async fn discard(device: &dyn Device, offset: u64, len: u64, fua: bool) -> Result<(), Failure> {
-    check_span(device, offset, len)?;
+/// A write, discard or flush of the session's `bond`.
+async fn change(device: &dyn Device, bond: &Bond, change: Change) -> Result<(), Failure> {
     device
-        .discard(offset, len)
+        .change(change, bond)
         .await
-        .map_err(|e| Failure::of(&e, true))?;
+        .map_err(|e| Failure::of(&e, true))
+}
+
+async fn discard(
+    device: &dyn Device,
+    bond: &Bond,
+    offset: u64,
+    len: u64,
+    fua: bool,
+) -> Result<(), Failure> {
+    check_span(device, offset, len)?;
+    change(device, bond, Change::Discard { offset, len }).await?;
     if fua {
-        device.flush().await.map_err(|e| Failure::of(&e, true))?;
+        change(device, bond, Change::Flush).await?;
     }
     Ok(())
 }
@@ -529,6 +559,7 @@ async fn discard(device: &dyn Device, offset: u64, len: u64, fua: bool) -> Resul
 /// `WRITE_ZEROES` as ordinary replicated writes of zeroes, 1 MiB at a time.
 async fn write_zeroes(
     device: &dyn Device,
+    bond: &Bond,
     offset: u64,
     len: u64,
     fua: bool,
@@ -538,11 +569,17 @@ async fn write_zeroes(
     let mut at = offset;
     while at < end {
         let n = (end - at).min(ZEROES.len() as u64);
-        let chunk = Bytes::from_static(&ZEROES[..n as usize]);
-        device
-            .write_at(at, chunk, fua)
-            .await
-            .map_err(|e| Failure::of(&e, true))?;
+        let data = Bytes::from_static(&ZEROES[..n as usize]);
+        change(
+            device,
+            bond,
+            Change::Write {
+                offset: at,
+                data,
+                fua,
+            },
+        )
+        .await?;
         at += n;
     }
     Ok(())
@@ -568,6 +605,7 @@ pub fn errno(err: &DeviceError, write: bool) -> Option<u32> {
         DeviceError::NotLeader
         | DeviceError::LeaseExpired
         | DeviceError::Inactive
+        | DeviceError::Abandoned
         | DeviceError::StaleTerm { .. } => return None,
         DeviceError::Range(RangeError::OutOfRange { .. }) if write => wire::ENOSPC,
         DeviceError::Range(_) => wire::EINVAL,
