@@ -780,6 +780,72 @@ async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it(
     engine.flush().await.unwrap();
 }
 
+/// S5 against the scrub: five nodes, in-sync {1, 4, 5}, and 4 and 5 lose
+/// power with a write acknowledged and not flushed. Their old copies agree,
+/// so by digests alone they would outvote node 1's good one and the scrub
+/// would overwrite it (#36). A restarted copy is no vote and no source:
+/// its digests and its reads both name its new session and fail, so node
+/// 1 keeps the write, and the next flush drops the restarted copies.
+/// (The digests' own check is shown over gRPC in `replica_grpc.rs`.)
+#[tokio::test]
+async fn a_scrub_never_outvotes_a_good_copy_with_restarted_ones() {
+    use common::power::PowerCutReplica;
+    use replica_ha::replica::scrub::{ScrubConfig, Scrubber};
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut replicas: Vec<Arc<dyn Replica>> = Vec::new();
+    let mut cut = Vec::new();
+    for id in [1, 2, 3].map(NodeId) {
+        replicas.push(FaultyReplica::new(id, store(dir.path(), id).await));
+    }
+    for id in [4, 5].map(NodeId) {
+        let replica = PowerCutReplica::new(id, store(dir.path(), id).await).await;
+        cut.push(Arc::clone(&replica));
+        replicas.push(replica);
+    }
+    let n1 = Arc::clone(&replicas[0]);
+    let in_sync = [1, 4, 5].map(NodeId);
+    let tracker = LoggingTracker::new(&in_sync, Arc::default());
+    let engine = Arc::new(
+        Engine::new(
+            EngineConfig {
+                local_id: NodeId(1),
+                replica_timeout: SHORT,
+                volume: replica_ha::volume::VolumeSpec::new("test", "vol0", SIZE, 2),
+            },
+            replicas,
+            Arc::clone(&tracker) as Arc<dyn InSyncTracker>,
+        )
+        .unwrap(),
+    );
+    engine.activate(Term(3)).await.unwrap();
+    engine.write_at(0, block(7), false).await.unwrap();
+    for replica in &cut {
+        replica.power_cut().await;
+        replica.restart();
+    }
+    let scrubber = Scrubber::new(
+        Arc::clone(&engine),
+        ScrubConfig {
+            rate: 0,
+            keep_dir: None,
+        },
+    );
+    let report = tokio::time::timeout(Duration::from_secs(30), scrubber.pass(0))
+        .await
+        .expect("the pass ends");
+    assert!(
+        report.findings.is_empty(),
+        "the scrub judged by restarted copies: {:?}",
+        report.findings
+    );
+    assert_eq!(n1.read(0, 4096).await.unwrap(), block(7));
+    // The next flush drops the restarted copies, so the write is never
+    // called durable without them rebuilt.
+    assert!(engine.flush().await.is_err());
+    assert_eq!(tracker.in_sync().await.unwrap(), set(&[NodeId(1)]));
+}
+
 /// First touches of extents that meet mark retirements that never stop
 /// (as a writer's passes do under a sequential flood): every write is acknowledged and no copy leaves the in-sync
 /// set. Before, a mark that overlapped retirements eight times failed the

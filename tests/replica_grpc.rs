@@ -294,6 +294,55 @@ async fn the_engine_mirrors_through_remote_replicas() {
     );
 }
 
+/// S5 against the scrub and the convergence: digests name the store's
+/// session, so a copy whose store was opened again since the writer first
+/// counted on it gives no digests (no vote, no source) until a rebuild
+/// accepts it (#36: digests went over gRPC without the session check of
+/// block calls, and two restarted copies could outvote a good one).
+#[tokio::test]
+async fn digests_of_a_replica_that_restarted_are_refused_until_a_rebuild_accepts_it() {
+    let (before, after) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serve_on = |store: Arc<ReplicaStore>, listener: tokio::net::TcpListener| {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let served = tokio::spawn(async move {
+            let transport = replica_ha::net::Transport::default();
+            ReplicaService::new(store)
+                .serve(&transport, listener, stopped)
+                .await
+        });
+        (stop, served)
+    };
+    let (stop, served) = serve_on(store(before.path(), NodeId(2)).await, listener);
+    let replica = remote(addr, NodeId(2));
+    replica.digests(0, 4096).await.unwrap();
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("the first server stops")
+        .unwrap()
+        .unwrap();
+    // The same node, its store opened again: a new session.
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let (_stop, _served) = serve_on(store(after.path(), NodeId(2)).await, listener);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        match replica.digests(0, 4096).await {
+            Err(ReplicaError::Unavailable(_)) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(refused, Err(ReplicaError::Restarted(_))),
+        "a restarted copy's digests were counted: {refused:?}"
+    );
+    replica.accept_restart();
+    replica.digests(0, 4096).await.unwrap();
+}
+
 struct FenceRig {
     _dir: tempfile::TempDir,
     replicas: Vec<Arc<FaultyReplica>>,

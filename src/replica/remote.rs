@@ -467,6 +467,12 @@ impl Replica for RemoteReplica {
             .await
             .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
+        // Digests decide what a scrub or a convergence keeps: those of a
+        // copy that restarted since it was counted on are no vote (S5).
+        self.note_session(Some(reply.session).filter(|session| *session != 0));
+        if let Some(err) = self.restarted() {
+            return Err(err);
+        }
         Ok((reply.first_extent, reply.digests))
     }
 

@@ -431,6 +431,7 @@ impl ReplicaRpc for ReplicaService {
             extent_size: self.store.identity().extent_size,
             first_extent,
             digests: digests.iter().map(|d| d.to_vec().into()).collect(),
+            session: self.store.session(),
         }))
     }
 

@@ -105,9 +105,10 @@ impl PowerCutReplica {
 
 impl PowerCutReplica {
     /// The replica's process starts again after [`PowerCutReplica::power_cut`]:
-    /// its store has a new session, which the writer's side of the block
-    /// channel notices, so every block request fails as
-    /// [`ReplicaError::Restarted`] until [`Replica::accept_restart`].
+    /// its store has a new session, which the writer's side notices on the
+    /// block channel and in digest replies, so every block and digest
+    /// request fails as [`ReplicaError::Restarted`] until
+    /// [`Replica::accept_restart`].
     pub fn restart(&self) {
         self.restarted
             .store(true, std::sync::atomic::Ordering::SeqCst);
@@ -208,6 +209,8 @@ impl Replica for PowerCutReplica {
         self.inner.info().await
     }
     async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
+        // Digests name the store's session too (`RemoteReplica::digests`).
+        self.check_session()?;
         self.inner.digests(offset, len).await
     }
     async fn note_missed(
