@@ -27,8 +27,8 @@ use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ids::{NodeId, Term};
 use replica_ha::net::tls::Party;
 use replica_ha::net::{Limits, Tls, Transport};
-use replica_ha::replica::remote::RemoteReplica;
-use replica_ha::replica::service::ReplicaService;
+use replica_ha::replica::peer::remote::RemoteReplica;
+use replica_ha::replica::serve::service::ReplicaService;
 use replica_ha::replica::{
     Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
 };

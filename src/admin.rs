@@ -17,7 +17,7 @@
 //! client or node certificate; `TransferLeader`, `Write` and `Scrub` change
 //! the cluster or the volume and need a client certificate with role
 //! `admin`. `Scrub` asks the writer for a pass of its scrub (see
-//! `replica::scrub`), and with `now` waits for its findings.
+//! `replica::mirror::scrub`), and with `now` waits for its findings.
 //! `ChangeMembers` (admin) replaces, adds or removes a member through the
 //! node's [`MembersChanges`] (see `node::membership`).
 

@@ -15,9 +15,11 @@
 //!   shutdown, the gate journal;
 //! - [`raft`]: the embedded Raft group (openraft over gRPC and sled): the
 //!   writer's term, its lease, and the replicated volume state;
-//! - [`replica`]: the data plane — the on-disk replica store that enforces
-//!   the fencing token (S2, S3, S6, S7), the [`replica::Replica`] seam, the
-//!   mirroring [`replica::Engine`] (S5), the fencer and the resync;
+//! - [`replica`]: the data plane, in four wings: `disk` (the on-disk
+//!   replica store that enforces the fencing token, S2, S3, S6, S7),
+//!   `serve` (that store on the wire), `peer` (the writer's client of it)
+//!   and `mirror` (the mirroring [`replica::Engine`], S5, the fencer and
+//!   the resync), around the [`replica::Replica`] seam;
 //! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `InSyncTracker`,
 //!   `Controller` and the `ActiveDevice` gate (S1, S4) — pure logic over
 //!   traits;

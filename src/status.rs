@@ -21,8 +21,8 @@ use crate::metrics::DeviceMetrics;
 use crate::nbd::NbdStats;
 use crate::raft::coordinator::LogProgress;
 use crate::raft::{RaftCoordinator, WriterRecord};
-use crate::replica::resync::{Progress, Resyncer};
-use crate::replica::scrub::{ScrubStatus, Scrubber};
+use crate::replica::mirror::resync::{Progress, Resyncer};
+use crate::replica::mirror::scrub::{ScrubStatus, Scrubber};
 use crate::replica::{Engine, ReplicaInfo, ReplicaSet, ResizeError};
 use crate::volume::{Access, Device, DeviceError};
 

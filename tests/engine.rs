@@ -524,7 +524,7 @@ async fn power_cut_rig(
 /// acknowledged byte.
 #[tokio::test]
 async fn a_rebuilt_replica_keeps_every_acknowledged_byte_through_a_power_cut() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let (_dir, n3, tracker, engine) = power_cut_rig(&[NodeId(1), NodeId(2)], 2).await;
     engine.activate(Term(3)).await.unwrap();
     let data = |i: u64| Bytes::from(vec![0x10 + i as u8; 64 << 10]);
@@ -608,7 +608,7 @@ async fn a_dropped_write_never_lands_over_a_later_acknowledged_one() {
 /// and returned; W1 must not land on it afterwards.
 #[tokio::test]
 async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = Rig::new(2).await;
     rig.engine.activate(Term(4)).await.unwrap();
     rig.replicas[2].set(Fault::HoldWrites { pass: true });
@@ -640,7 +640,7 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
 /// replace that would leave no copy to rebuild from is refused too.
 #[tokio::test]
 async fn a_replaced_copy_leaves_the_in_sync_set_below_min_in_sync_and_writes_wait() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::{Leaving, MembershipError};
     let rig = Rig::new(3).await;
     rig.engine.activate(Term(2)).await.unwrap();
@@ -755,7 +755,7 @@ async fn a_rebuild_abandoned_while_it_finishes_does_not_return_the_copy() {
 /// acknowledged while the copy lacked the write (S5).
 #[tokio::test]
 async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let (_dir, n3, tracker, engine) = power_cut_rig(&IDS, 3).await;
     engine.activate(Term(3)).await.unwrap();
     engine.write_at(0, block(7), false).await.unwrap();
@@ -790,7 +790,7 @@ async fn a_replica_that_restarted_is_not_counted_on_until_a_rebuild_compares_it(
 #[tokio::test]
 async fn a_scrub_never_outvotes_a_good_copy_with_restarted_ones() {
     use common::power::PowerCutReplica;
-    use replica_ha::replica::scrub::{ScrubConfig, Scrubber};
+    use replica_ha::replica::mirror::scrub::{ScrubConfig, Scrubber};
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let mut replicas: Vec<Arc<dyn Replica>> = Vec::new();
@@ -958,7 +958,7 @@ async fn a_settling_writer_retires_its_recent_marks_at_once() {
 /// they waited long enough for it.
 #[tokio::test]
 async fn a_sequential_writer_marks_ahead_and_its_unreached_marks_are_retired() {
-    use replica_ha::replica::ahead::{AHEAD, AHEAD_PASSES};
+    use replica_ha::replica::mirror::ahead::{AHEAD, AHEAD_PASSES};
     let rig = Rig::new(3).await;
     let marker = tokio::spawn(Arc::clone(&rig.engine).run_mark_ahead());
     rig.engine.activate(Term(3)).await.unwrap();
@@ -1065,7 +1065,7 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
 /// is on every member of the committed in-sync set at the end.
 #[tokio::test]
 async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::{MembershipError, ReplicaSet};
     use std::sync::atomic::{AtomicBool, Ordering};
     common::init_tracing();
@@ -1218,7 +1218,7 @@ async fn an_in_sync_replica_that_left_the_set_is_removed_before_the_next_ack() {
 /// that differ, and the rebuilt replica equals the others.
 #[tokio::test]
 async fn the_engine_counts_extents_in_the_volumes_extent_size() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::{LocalReplica, ReplicaStore, StoreIdentity};
     use replica_ha::volume::VolumeSpec;
     common::init_tracing();
@@ -1415,7 +1415,7 @@ async fn a_scrub_repair_makes_a_running_rebuild_start_over() {
 /// extents it could not compare, instead of stalling on that replica.
 #[tokio::test]
 async fn a_scrub_pass_with_a_silent_replica_ends_and_reports_what_it_could_not_compare() {
-    use replica_ha::replica::scrub::{ScrubConfig, Scrubber};
+    use replica_ha::replica::mirror::scrub::{ScrubConfig, Scrubber};
     let rig = Rig::new(2).await;
     rig.engine.activate(Term(4)).await.unwrap();
     rig.replicas[1].set(Fault::Hang);
@@ -1620,7 +1620,7 @@ async fn a_replica_being_rebuilt_grows_with_the_resize() {
 /// the others everywhere. Once it is back, the map is closed.
 #[tokio::test]
 async fn a_rebuild_copies_what_the_missed_write_map_names() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
     let mib = rig.engine.extent_size();
@@ -1655,7 +1655,7 @@ async fn a_rebuild_copies_what_the_missed_write_map_names() {
 /// full rebuild, which compares every extent.
 #[tokio::test]
 async fn without_a_missed_write_map_the_rebuild_compares_every_extent() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
     rig.engine
@@ -1741,7 +1741,7 @@ async fn with_n3_out_and_no_map() -> Rig {
 /// and the next writer compares it again.
 #[tokio::test]
 async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = with_n3_out_and_no_map().await;
     let mib = rig.engine.extent_size();
     let extents = SIZE / mib;
@@ -1827,7 +1827,7 @@ async fn a_full_rebuild_resumes_on_the_next_writer_where_it_had_verified() {
 /// change would skip extents that were never copied.
 #[tokio::test]
 async fn a_full_pass_records_as_verified_only_what_all_its_copies_reached() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = with_n3_out_and_no_map().await;
     let mib = rig.engine.extent_size();
     let extents = SIZE / mib;
@@ -2036,7 +2036,7 @@ async fn an_inactive_engine_refuses_as_inactive_below_min_in_sync() {
 /// member's map is left alone.
 #[tokio::test]
 async fn a_removed_members_map_is_closed_and_a_members_map_kept() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     let rig = Rig::new(2).await;
     with_n3_out(&rig).await;
     rig.engine
@@ -2087,7 +2087,7 @@ async fn a_removed_members_map_is_closed_and_a_members_map_kept() {
 /// first), and opens its map then.
 #[tokio::test]
 async fn a_former_members_map_opened_after_the_sweep_is_closed() {
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let rig = Rig::new(2).await;
     rig.engine.activate(Term(5)).await.unwrap();

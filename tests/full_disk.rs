@@ -1,7 +1,7 @@
 //! A full disk is an error for the writes it stops, never a lasting state:
 //! once the disk has room again, the replica store takes writes, fences
 //! and mark changes as before, with its floor and marks intact (see
-//! `replica::meta`). Needs root, for a small tmpfs; without it the test
+//! `replica::disk::meta`). Needs root, for a small tmpfs; without it the test
 //! says so and does nothing.
 
 mod common;

@@ -8,7 +8,9 @@
 //! - fio writes sequentially in 1 MiB blocks at queue depth 8, then 32.
 //!
 //! Nothing here asserts a speed; the clients only have to finish, and the
-//! writer must not have lost its lease on the way.
+//! writer must not have lost its lease on the way, nor closed a session or
+//! dropped a copy. `cluster/flood` runs this test in a loop, each run on a
+//! fresh cluster, and keeps the output of any run that fails.
 
 mod common;
 
@@ -81,9 +83,27 @@ fn strip_ansi(line: &str) -> String {
     out
 }
 
+/// Lines of `log` that show a client or a copy paying for the load: a
+/// writable session closed under its client (a lease that lapsed for a
+/// moment) or a copy dropped from the in-sync set (#36: a mark that could
+/// not be placed cost the writer its own copy).
+fn client_or_copy_losses(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|line| {
+            [
+                "the session's gate closed",
+                "dropping replicas from the in-sync set",
+            ]
+            .iter()
+            .any(|sign| line.contains(sign))
+        })
+        .collect()
+}
+
 /// Fails if any node lost or changed leadership since the writer was
 /// promoted: a demotion at `term` or later in any log, any node in another
-/// term, or the writer no longer the active writer of `term`.
+/// term, or the writer no longer the active writer of `term`; or if a
+/// client lost its session or a copy left the in-sync set.
 async fn assert_still_leading(cluster: &Cluster, writer: u64, term: u64, after: &str) {
     for id in &cluster.ids {
         let log = cluster.log(*id);
@@ -91,6 +111,12 @@ async fn assert_still_leading(cluster: &Cluster, writer: u64, term: u64, after: 
         assert!(
             losses.is_empty(),
             "node {id} saw the writer of term {term} lose its lease during {after}:\n{}",
+            losses.join("\n")
+        );
+        let losses = client_or_copy_losses(&log);
+        assert!(
+            losses.is_empty(),
+            "node {id} closed a session or dropped a copy during {after}:\n{}",
             losses.join("\n")
         );
         let status = cluster.status(*id).await.expect("every node answers");

@@ -21,9 +21,9 @@ use replica_ha::ha::{Fencer, WriterEngine};
 use replica_ha::ids::{NodeId, Term};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
-use replica_ha::replica::fencer::TokenFencer;
-use replica_ha::replica::remote::RemoteReplica;
-use replica_ha::replica::service::ReplicaService;
+use replica_ha::replica::mirror::fencer::TokenFencer;
+use replica_ha::replica::peer::remote::RemoteReplica;
+use replica_ha::replica::serve::service::ReplicaService;
 use replica_ha::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     Stamp,

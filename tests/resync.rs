@@ -459,7 +459,11 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
     // back, with no mark, are the scrub's to find: tests/scrub.rs.)
     let store = replica_ha::replica::ReplicaStore::open(
         cluster.data_dir(follower).join("replica"),
-        replica_ha::replica::store::StoreIdentity::new(&cluster.cluster_id, "vol0", 128 * MIB),
+        replica_ha::replica::disk::store::StoreIdentity::new(
+            &cluster.cluster_id,
+            "vol0",
+            128 * MIB,
+        ),
     )
     .await
     .unwrap();

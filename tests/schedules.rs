@@ -30,7 +30,7 @@
 //! every extent of the volume must be the same on all three.
 //!
 //! A rebuild there compares only the extents the missed-write map names
-//! (see `replica::missed`), so this property is the map's oracle too: a
+//! (see `replica::disk::missed`), so this property is the map's oracle too: a
 //! rebuilt member that lacks a write the map failed to name breaks it.
 //!
 //! `PROPTEST_CASES=1000 cargo test --test schedules` runs a longer campaign.
@@ -351,9 +351,9 @@ mod engine_world {
     use replica_ha::ha::fake::MemoryInSync;
     use replica_ha::ha::{Fencer, InSyncTracker, WriterEngine};
     use replica_ha::ids::{NodeId, Term};
-    use replica_ha::replica::fencer::TokenFencer;
-    use replica_ha::replica::resync::{ResyncConfig, Resyncer};
-    use replica_ha::replica::set::ReplicaSet;
+    use replica_ha::replica::mirror::fencer::TokenFencer;
+    use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
+    use replica_ha::replica::mirror::set::ReplicaSet;
     use replica_ha::replica::{Engine, EngineConfig, FloorBook, Replica};
     use replica_ha::volume::{Device, VolumeSpec};
     use tokio::task::JoinHandle;

@@ -109,7 +109,7 @@ impl Kind {
 }
 
 /// Why a request was refused; the replica layer maps its errors to and
-/// from these (see `replica::blocks`).
+/// from these (see `replica::serve::blocks`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]
 pub enum ErrorCode {

@@ -194,7 +194,7 @@ async fn ask_peers(config: &NodeConfig, transport: &Transport, me: MemberId) -> 
             .iter()
             .filter(|(id, _)| **id != config.id)
             .map(|(id, addr)| async move {
-                let reply = crate::replica::channels::hello(
+                let reply = crate::replica::peer::channels::hello(
                     transport,
                     &config.cluster_id,
                     me,

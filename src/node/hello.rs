@@ -1,6 +1,6 @@
 //! The `Node` service on a node's gRPC listener: what a node tells its
 //! peers about itself: where its replica service listens (see
-//! `replica::channels`; a peer asks once, and again after a call failed in
+//! `replica::peer::channels`; a peer asks once, and again after a call failed in
 //! transport), its Raft member id, whether it holds Raft state, and which
 //! member its membership names for the asker (a node with no Raft state
 //! asks these before it forms a cluster or waits; see

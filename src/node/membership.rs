@@ -43,7 +43,7 @@ use crate::ha::{Controller, Coordinator};
 use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
-use crate::replica::remote::RemoteReplica;
+use crate::replica::peer::remote::RemoteReplica;
 use crate::replica::{
     Engine, Leaving, MembershipError as EngineMembershipError, Replica, ReplicaSet,
 };
@@ -171,7 +171,7 @@ impl Membership {
 
     /// Drops `node`'s replica from the in-sync set, if it is in it, through
     /// the active engine: it commits the change and moves its own view
-    /// with it (see [`crate::replica::engine::Engine::leave_in_sync`],
+    /// with it (see [`crate::replica::mirror::engine::Engine::leave_in_sync`],
     /// which also says how far `why` lets the set shrink). While this node
     /// leads but its promotion has not finished (the engine is not active;
     /// just after a hand-over, say), waits for it up to [`ACTIVE_WAIT`]: a
@@ -597,7 +597,7 @@ pub async fn follow_membership(
 /// Builds the replica of a member added at run time, reached through
 /// `channels`.
 pub fn remote_maker(
-    channels: Arc<crate::replica::channels::Channels>,
+    channels: Arc<crate::replica::peer::channels::Channels>,
     cluster_id: String,
     volume: String,
     timeout: Duration,

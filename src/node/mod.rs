@@ -67,7 +67,7 @@ use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine};
-use crate::replica::service::ReplicaService;
+use crate::replica::serve::service::ReplicaService;
 use crate::status::{NodeFacts, NodeParts, NodeView};
 use crate::volume::VolumeSpec;
 use hello::HelloService;
@@ -240,7 +240,7 @@ impl Node {
                         Arc::clone(channels),
                         config.cluster_id.clone(),
                         config.volume.clone(),
-                        crate::replica::liveness::longest_wait(volume::REPLICA_TIMEOUT),
+                        crate::replica::mirror::liveness::longest_wait(volume::REPLICA_TIMEOUT),
                     ),
                 ),
             );
@@ -718,7 +718,7 @@ fn spawn_background(
 
 /// While no leader has been heard for [`PREDIGEST_AFTER_HEARTBEATS`]
 /// heartbeat intervals, keeps the digests of this node's marked extents
-/// hashed ahead (see [`crate::replica::predigest`]): a failover is likely
+/// hashed ahead (see [`crate::replica::disk::predigest`]): a failover is likely
 /// coming, and its convergence then reads them instead of hashing. The
 /// failure detector waits `election_max` before it campaigns, so this runs
 /// in that wait, off the failover's path.

@@ -16,11 +16,11 @@ use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGa
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::net::Transport;
 use crate::raft::RaftCoordinator;
-use crate::replica::channels::Channels;
-use crate::replica::fencer::TokenFencer;
-use crate::replica::remote::RemoteReplica;
-use crate::replica::resync::{ResyncConfig, Resyncer};
-use crate::replica::scrub::{ScrubConfig, Scrubber};
+use crate::replica::mirror::fencer::TokenFencer;
+use crate::replica::mirror::resync::{ResyncConfig, Resyncer};
+use crate::replica::mirror::scrub::{ScrubConfig, Scrubber};
+use crate::replica::peer::channels::Channels;
+use crate::replica::peer::remote::RemoteReplica;
 use crate::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     StoreIdentity,
@@ -33,7 +33,7 @@ use crate::volume::{Device, VolumeSpec};
 pub const MARK_RETIREMENT: Duration = Duration::from_millis(200);
 
 /// How long a replica may stay silent (answer nothing while it has requests)
-/// before it counts as failed; see `replica::liveness`.
+/// before it counts as failed; see `replica::mirror::liveness`.
 pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long one fence attempt may take before the controller retries.
@@ -205,7 +205,7 @@ fn replica_set(
                 // The engine and the fencer give up on a silent replica
                 // after REPLICA_TIMEOUT; the transport allows a busy one to
                 // take as long as they may wait.
-                crate::replica::liveness::longest_wait(REPLICA_TIMEOUT),
+                crate::replica::mirror::liveness::longest_wait(REPLICA_TIMEOUT),
             );
             replicas.push(Arc::new(remote));
         }

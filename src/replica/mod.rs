@@ -1,60 +1,45 @@
 //! The data plane: copies of the volume and the engine that mirrors to them.
 //!
-//! - [`store`]: one node's copy on disk. It enforces the fencing token
-//!   (S2), drains older writes on a fence (S3), records the extents each term
-//!   touched (S6) and makes its metadata durable before it answers (S7).
-//! - [`Replica`]: the seam the engine writes through. [`LocalReplica`] calls a
-//!   store in-process; [`remote`] reaches a peer's store over gRPC. The
-//!   in-sync set is changed only through the core's
-//!   [`crate::ha::InSyncTracker`]: the engine may acknowledge a write that
-//!   skipped a replica only after its removal was committed (S5).
-//! - [`set`]: the [`ReplicaSet`], the volume's replicas by id, shared by
-//!   the engine, fencer, resync and status, and edited at run time; and
-//!   [`quorum`], the counting rules (S1, S5) as pure functions.
-//! - [`engine`]: the synchronous mirror, and [`order`], one order for
-//!   overlapping writes on every replica (S11).
-//! - [`service`] and [`remote`]: a store served over gRPC on the node's
-//!   data listener, and the [`Replica`] client that reaches it (S2 and S3
-//!   hold over the wire), dialling through [`channels`], the pool that
-//!   learns each peer's data address.
-//! - [`fencer`]: the token fencer and promotion reconcile (S1, S6).
-//! - [`resync`]: online rebuild of a replica that is out of sync (S5),
-//!   comparing what [`missed`], the missed-write maps, say it missed.
-//! - [`scrub`]: the writer's background comparison of the in-sync copies,
-//!   repairing one that differs (S11).
+//! Four wings, one per side of the wire, as Crucible splits its upstairs,
+//! downstairs and protocol:
+//!
+//! - [`disk`]: one node's copy on disk. Its store enforces the fencing
+//!   token (S2), drains older writes on a fence (S3), records the extents
+//!   each term touched (S6) and makes its metadata durable before it
+//!   answers (S7).
+//! - [`serve`]: that copy served to the writer: the block channel and the
+//!   replica gRPC service (S2, S3 and S8 hold over the wire).
+//! - [`peer`]: the writer's client of another node's copy.
+//! - [`mirror`]: the writer's side: the engine (S5, S11), the replica set
+//!   and quorum rules, the fencer (S1, S6), resync (C4) and scrub (S11).
+//!
+//! Beside them: the [`Replica`] seam the engine writes through
+//! ([`LocalReplica`] calls a store in-process; [`peer::remote`] reaches a
+//! peer's), [`Stamp`], [`ReplicaError`] and [`wire`], the one mapping of
+//! that error to the wire and back. The in-sync set is changed only
+//! through the core's [`crate::ha::InSyncTracker`]: the engine may
+//! acknowledge a write that skipped a replica only after its removal was
+//! committed (S5).
 
-pub mod ahead;
-pub mod blocks;
-pub mod channels;
-pub mod engine;
-pub mod fencer;
-pub mod liveness;
-pub mod meta;
-pub mod missed;
-pub mod order;
-pub mod predigest;
-pub mod quorum;
-pub mod remote;
-pub mod resync;
-pub mod scrub;
-pub mod service;
-pub mod set;
-pub mod store;
+pub mod disk;
+pub mod mirror;
+pub mod peer;
+pub mod serve;
 
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use engine::{
+pub use disk::store::{ReplicaStore, StoreIdentity};
+pub use mirror::engine::{
     Engine, EngineConfig, Leaving, MembershipError, RebuildError, RebuildPlan, ResizeError,
 };
-pub use set::{ReplicaSet, SetError};
-pub use store::{ReplicaStore, StoreIdentity};
+pub use mirror::set::{ReplicaSet, SetError};
 
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::volume::RangeError;
-use missed::MissedMap;
+use disk::missed::{self, MissedMap};
 use std::collections::BTreeMap;
 
 /// What a write or flush is stamped with: the writer's term, the fencing

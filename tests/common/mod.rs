@@ -262,7 +262,7 @@ impl Replica for FaultyReplica {
         &self,
         node: NodeId,
         from: u64,
-    ) -> Result<Option<replica_ha::replica::missed::MissedMap>, ReplicaError> {
+    ) -> Result<Option<replica_ha::replica::disk::missed::MissedMap>, ReplicaError> {
         self.gate(None).await?;
         self.inner.missed(node, from).await
     }
@@ -282,7 +282,7 @@ impl Replica for FaultyReplica {
         stamp: Stamp,
         node: NodeId,
         incarnation: replica_ha::ids::Incarnation,
-        change: replica_ha::replica::missed::Unverified,
+        change: replica_ha::replica::disk::missed::Unverified,
     ) -> Result<(), ReplicaError> {
         self.gate(None).await?;
         self.inner
@@ -423,14 +423,14 @@ pub fn fill_file_system(path: &std::path::Path) {
 /// Serves `service` alone, over the default transport, on a loopback port
 /// of its own; returns the address.
 pub async fn serve_replica(
-    service: replica_ha::replica::service::ReplicaService,
+    service: replica_ha::replica::serve::service::ReplicaService,
 ) -> std::net::SocketAddr {
     serve_replica_with(service, replica_ha::net::Transport::default()).await
 }
 
 /// [`serve_replica`] over `transport` (mutual TLS, for one).
 pub async fn serve_replica_with(
-    service: replica_ha::replica::service::ReplicaService,
+    service: replica_ha::replica::serve::service::ReplicaService,
     transport: replica_ha::net::Transport,
 ) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

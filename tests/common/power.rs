@@ -228,7 +228,7 @@ impl Replica for PowerCutReplica {
         &self,
         node: NodeId,
         from: u64,
-    ) -> Result<Option<replica_ha::replica::missed::MissedMap>, ReplicaError> {
+    ) -> Result<Option<replica_ha::replica::disk::missed::MissedMap>, ReplicaError> {
         self.inner.missed(node, from).await
     }
     async fn missed_maps(
@@ -245,7 +245,7 @@ impl Replica for PowerCutReplica {
         stamp: Stamp,
         node: NodeId,
         incarnation: replica_ha::ids::Incarnation,
-        change: replica_ha::replica::missed::Unverified,
+        change: replica_ha::replica::disk::missed::Unverified,
     ) -> Result<(), ReplicaError> {
         self.inner
             .set_unverified(stamp, node, incarnation, change)

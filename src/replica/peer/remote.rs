@@ -2,7 +2,7 @@
 //! and the fencer use for every copy but their own.
 //!
 //! Block data (writes, discards, reads, flushes) goes over the block
-//! channel ([`crate::net::link`], served by [`super::blocks`]), on
+//! channel ([`crate::net::link`], served by [`crate::replica::serve::blocks`]), on
 //! [`LINKS`] connections per replica used in turn; everything else (fence,
 //! digests, marks, maps, status) over the replica gRPC service. Both reach
 //! the peer's data listener and the same store checks.
@@ -11,7 +11,7 @@
 //! transport, is an error for that request (`Unavailable`): the engine then
 //! drops the replica through a committed in-sync change before it
 //! acknowledges anything that skipped it (S5), and disowns the request by
-//! raising the replica's generation (see [`super::Stamp`]), since the peer
+//! raising the replica's generation (see [`crate::replica::Stamp`]), since the peer
 //! may still apply it. A timeout is never taken for a success.
 
 use std::sync::Arc;
@@ -22,17 +22,17 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tonic::transport::Channel;
 
-use super::blocks;
-use super::channels::Channels;
-use super::missed::{MissedMap, Unverified};
-use super::service::error_of;
-use super::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::net::frame::{FUA, Frame, Header, Kind};
 use crate::net::link::{Link, LinkError};
 use crate::net::{Expect, Transport, TransportError};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
+use crate::replica::disk::missed::{MissedMap, Unverified};
+use crate::replica::peer::channels::Channels;
+use crate::replica::serve::blocks;
+use crate::replica::serve::service::error_of;
+use crate::replica::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use std::collections::BTreeMap;
 
 /// How many block-channel connections a remote replica keeps.
@@ -169,7 +169,7 @@ impl RemoteReplica {
     /// may have lost) before it counts again.
     fn note_session(&self, now: Option<u64>) {
         let Some(now) = now else { return };
-        let mut session = super::lock(&self.session);
+        let mut session = crate::replica::lock(&self.session);
         if let Some(before) = session.seen.filter(|before| *before != now) {
             tracing::warn!(replica = %self.id, before = format_args!("{before:016x}"), now = format_args!("{now:016x}"), "replica restarted: not counted on until it is rebuilt");
             session.restarted = Some((before, now));
@@ -179,7 +179,7 @@ impl RemoteReplica {
 
     /// The error every block request gets while a restart is not accepted.
     fn restarted(&self) -> Option<ReplicaError> {
-        let (before, now) = super::lock(&self.session).restarted?;
+        let (before, now) = crate::replica::lock(&self.session).restarted?;
         Some(ReplicaError::Restarted(format!(
             "node {}'s replica was opened again (session {before:016x}, now {now:016x}); \
              writes it had not flushed may be lost, so it is not counted on until it is rebuilt",
@@ -259,7 +259,7 @@ impl Replica for RemoteReplica {
     }
 
     fn count_on_session(&self, session: u64) {
-        let mut now = super::lock(&self.session);
+        let mut now = crate::replica::lock(&self.session);
         now.seen = Some(session).filter(|session| *session != 0);
         now.restarted = None;
     }
@@ -269,7 +269,11 @@ impl Replica for RemoteReplica {
     }
 
     fn accept_restart(&self) {
-        if super::lock(&self.session).restarted.take().is_some() {
+        if crate::replica::lock(&self.session)
+            .restarted
+            .take()
+            .is_some()
+        {
             tracing::info!(replica = %self.id, "a rebuild counts on the restarted replica's new session");
         }
     }

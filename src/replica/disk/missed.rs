@@ -74,7 +74,7 @@ use std::sync::Mutex;
 
 use crate::ids::{Incarnation, NodeId};
 
-use super::ReplicaError;
+use crate::replica::ReplicaError;
 
 /// At most this many extents in one note or one page of a map.
 pub const MAX_MISSED_EXTENTS: u64 = 65_536;

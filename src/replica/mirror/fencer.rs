@@ -46,11 +46,11 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use futures::future::join_all;
 
-use super::quorum;
-use super::set::ReplicaSet;
-use super::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{FenceError, Fencer, InSyncTracker, Writer};
 use crate::ids::{NodeId, Term};
+use crate::replica::mirror::quorum;
+use crate::replica::mirror::set::ReplicaSet;
+use crate::replica::{FenceReply, FloorBook, Replica, ReplicaError, Stamp};
 use crate::volume::VolumeSpec;
 
 /// The stamps the fencer of `term` sends each fenced replica. A member's
@@ -289,7 +289,7 @@ impl TokenFencer {
     }
 
     /// `call` to `replica`, given up on once the replica falls silent for
-    /// the timeout (see [`super::liveness`]).
+    /// the timeout (see [`crate::replica::mirror::liveness`]).
     async fn within<T>(
         &self,
         replica: &Arc<dyn Replica>,
@@ -416,7 +416,7 @@ impl TokenFencer {
 
 impl TokenFencer {
     /// Invariant M when the fencer drops unreached members (see
-    /// [`super::missed`]): before their removal commits, every member that
+    /// [`crate::replica::disk::missed`]): before their removal commits, every member that
     /// stays opens their missed-write maps with every extent any fenced
     /// replica holds a mark for — the dead writer's unacknowledged writes
     /// may have reached some copies and not the ones that leave.
@@ -440,7 +440,7 @@ impl TokenFencer {
         let stamps = stamps_for(term, fenced);
         for node in leaving {
             let incarnation = self.replicas.incarnation(*node);
-            for piece in super::missed::pieces(&marked) {
+            for piece in crate::replica::disk::missed::pieces(&marked) {
                 self.on_all("opening a missed-write map", &targets, |replica| {
                     let stamp = stamp_of(&stamps, replica.id());
                     async move { replica.note_missed(stamp, *node, incarnation, piece).await }

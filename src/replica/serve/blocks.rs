@@ -9,7 +9,7 @@
 //! - **Identity.** The first frame must be a `Hello` naming this replica's
 //!   cluster and volume; anything else closes the connection. The `Ok`
 //!   that answers it carries the store's session (8 bytes, big-endian;
-//!   [`crate::replica::store::ReplicaStore::session`]), by which the
+//!   [`crate::replica::disk::store::ReplicaStore::session`]), by which the
 //!   writer tells a replica that restarted (and may have lost writes it
 //!   had not flushed) from one it merely reconnected to.
 //! - **S8.** Every request names the incarnation it is for; one meant for
@@ -46,12 +46,12 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use super::{ReplicaError, ReplicaStore, Stamp};
 use crate::ids::{Incarnation, Term};
 use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
 use crate::net::frame::{ErrorCode, FUA, Frame, Header, Kind, parse_hello};
 use crate::net::link::{FrameReader, ReadError, send_frames};
+use crate::replica::{ReplicaError, ReplicaStore, Stamp};
 use crate::volume::RangeError;
 
 /// The most requests one connection runs at once.
@@ -379,10 +379,11 @@ impl BlockServer {
         };
         let done = |payload: Bytes| Frame::new(Header::new(Kind::Ok, h.id), payload);
         if h.incarnation != self.incarnation.0 {
-            let err = ReplicaError::IdentityMismatch(super::service::replaced_disk(
-                self.incarnation,
-                Incarnation(h.incarnation),
-            ));
+            let err =
+                ReplicaError::IdentityMismatch(crate::replica::serve::service::replaced_disk(
+                    self.incarnation,
+                    Incarnation(h.incarnation),
+                ));
             return refusal_of(h.id, &err);
         }
         let outcome = match h.kind {
@@ -425,7 +426,7 @@ mod tests {
             (ReplicaError::InvalidTerm, Stamp::term(Term(1))),
             (ReplicaError::Io("disk".into()), Stamp::term(Term(1))),
         ];
-        for (err, stamp) in super::super::sample_refusals().into_iter().chain(more) {
+        for (err, stamp) in crate::replica::sample_refusals().into_iter().chain(more) {
             let refusal = refusal_of(9, &err);
             assert_eq!(refusal.header.id, 9);
             let back = error_of(&refusal, stamp);

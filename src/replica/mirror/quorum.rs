@@ -11,7 +11,7 @@
 //!   request (S5): acknowledge it only when every member of the committed
 //!   in-sync set has it and the set has at least `min_in_sync` members
 //!   (it may have shrunk while the request was out); a member that failed it (or that is no longer in
-//!   the [`super::set::ReplicaSet`]) must be removed by a commit first, and
+//!   the [`crate::replica::mirror::set::ReplicaSet`]) must be removed by a commit first, and
 //!   only if at least `min_in_sync` members remain.
 
 use std::collections::{BTreeMap, BTreeSet};

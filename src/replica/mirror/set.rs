@@ -12,7 +12,7 @@
 //! when each replica last answered, so a replica that falls silent to the
 //! engine is silent to the fencer too, and every call to a member is
 //! bounded the same way ([`ReplicaSet::bounded`], [`ReplicaSet::fan_out`]),
-//! and the channel pool ([`super::channels`]) its remote members dial
+//! and the channel pool ([`crate::replica::peer::channels`]) its remote members dial
 //! through.
 //!
 //! Invariants:
@@ -22,7 +22,7 @@
 //!   acknowledged write: that is the committed in-sync set (S5). Removing a
 //!   replica that is still in the in-sync set does not let a write be
 //!   acknowledged without it; the engine counts it as failed until its
-//!   removal from the in-sync set is committed (see [`super::quorum`]),
+//!   removal from the in-sync set is committed (see [`crate::replica::mirror::quorum`]),
 //!   and the fencer counts it among the replicas an old writer may reach.
 //!   A replica's id is its node's [`NodeId`]: a new copy under an old id
 //!   is told apart only by the engine's checks above.
@@ -36,9 +36,9 @@ use futures::future::join_all;
 
 use crate::ids::NodeId;
 
-use super::channels::Channels;
-use super::liveness::Liveness;
-use super::{Replica, ReplicaError};
+use crate::replica::mirror::liveness::Liveness;
+use crate::replica::peer::channels::Channels;
+use crate::replica::{Replica, ReplicaError};
 
 /// See the module docs.
 pub struct ReplicaSet {
@@ -47,7 +47,7 @@ pub struct ReplicaSet {
     members: RwLock<Arc<Vec<Arc<dyn Replica>>>>,
     liveness: Liveness,
     /// The channels the remote members dial through, when the set was
-    /// given them (see [`super::channels`]).
+    /// given them (see [`crate::replica::peer::channels`]).
     channels: Option<Arc<Channels>>,
 }
 
@@ -188,7 +188,7 @@ impl ReplicaSet {
     }
 
     /// `call` to member `id`, given up on once the replica falls silent for
-    /// `timeout` (see [`super::liveness`]).
+    /// `timeout` (see [`crate::replica::mirror::liveness`]).
     pub async fn bounded<T>(
         &self,
         id: NodeId,

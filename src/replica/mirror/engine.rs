@@ -51,7 +51,7 @@
 //! fenced this one: the engine deactivates itself and fails the write, and
 //! never shrinks the set on that account.
 //!
-//! **S11, one order.** A write waits for its turn ([`super::order`]) before
+//! **S11, one order.** A write waits for its turn ([`crate::replica::mirror::order`]) before
 //! it takes its stripes: every earlier write that overlaps it must have
 //! finished on every replica first, so overlapping writes land in the same
 //! order everywhere. Copies (rebuild, repair) hold the stripe exclusively.
@@ -59,12 +59,12 @@
 //! Reads come from the local replica when it is in sync, else from the other
 //! in-sync replicas in turn.
 //!
-//! **Rebuilding** ([`super::resync`]). A replica outside the in-sync set can
+//! **Rebuilding** ([`crate::replica::mirror::resync`]). A replica outside the in-sync set can
 //! be rebuilt online: [`Engine::begin_rebuild`] makes it a write-only member
 //! (it receives every write, but its answers do not count for S5), and a
 //! barrier waits out the writes that began without it, and it is given the
 //! source's missed-write maps of other absent members (see
-//! [`super::missed`]; the engine opens a map for every member it drops
+//! [`crate::replica::disk::missed`]; the engine opens a map for every member it drops
 //! before the drop commits, and closes it once the member is back). Extents are then
 //! compared and copied with [`Engine::copy_extent`], which holds the
 //! extent's stripe exclusively so no write to that extent interleaves with
@@ -87,14 +87,14 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use super::ahead::{AHEAD_PASSES, Ahead};
-use super::missed::{self, MissedMap, Unverified};
-use super::order::WriteOrder;
-use super::quorum::{self, Verdict};
-use super::set::{ReplicaSet, SetError};
-use super::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::ha::{InSyncError, InSyncTracker, ReplicaState, ReplicaStatus, WriterEngine};
 use crate::ids::{Incarnation, NodeId, Term};
+use crate::replica::disk::missed::{self, MissedMap, Unverified};
+use crate::replica::mirror::ahead::{AHEAD_PASSES, Ahead};
+use crate::replica::mirror::order::WriteOrder;
+use crate::replica::mirror::quorum::{self, Verdict};
+use crate::replica::mirror::set::{ReplicaSet, SetError};
+use crate::replica::{FloorBook, Replica, ReplicaError, Stamp};
 use crate::volume::{Device, DeviceError, MAX_REQUEST, RangeError, VolumeSpec, check_request};
 
 /// How an engine is set up.
@@ -260,7 +260,7 @@ pub struct Engine {
     stripes: Vec<RwLock<()>>,
     /// The extent size the stripes are counted in.
     extent_size: u64,
-    /// One order for overlapping writes (S11, see [`super::order`]).
+    /// One order for overlapping writes (S11, see [`crate::replica::mirror::order`]).
     order: Arc<WriteOrder>,
     /// When a client's write or discard last began, in milliseconds after
     /// `born` (0: never): rebuilds yield while clients write (see
@@ -898,7 +898,7 @@ impl Engine {
     }
 
     /// `call` to replica `id`, given up on once the replica falls silent
-    /// for the replica timeout (see [`super::liveness`]).
+    /// for the replica timeout (see [`crate::replica::mirror::liveness`]).
     pub(super) async fn bounded<T>(
         &self,
         id: NodeId,
@@ -1048,7 +1048,7 @@ impl Engine {
         Ok(term)
     }
 
-    /// Invariant M when members leave (see [`super::missed`]): opens the
+    /// Invariant M when members leave (see [`crate::replica::disk::missed`]): opens the
     /// missed-write maps of `leaving` on every replica that stays (the
     /// rest of `in_sync`, and those being rebuilt), then notes there the
     /// extents of every write still in flight — one that began before a
@@ -1738,7 +1738,7 @@ impl Engine {
     /// would otherwise stay open for good, and every later change would
     /// add its extents to it. Dropping it is safe: a removed node can only
     /// come back by being added again, and a replica without a map on its
-    /// source is rebuilt in full (see [`super::missed`]). Returns the maps
+    /// source is rebuilt in full (see [`crate::replica::disk::missed`]). Returns the maps
     /// closed; a keeper that could not list or close its maps makes it an
     /// error (the caller tries again), after the others were done.
     pub async fn close_maps_of_former_members(
@@ -1800,7 +1800,7 @@ impl Engine {
     }
 
     /// Notes a write to `extents` and, when it continues a sequential
-    /// stream, queues the extents to mark ahead of it (see [`super::ahead`]);
+    /// stream, queues the extents to mark ahead of it (see [`crate::replica::mirror::ahead`]);
     /// true if it queued some.
     fn plan_marks_ahead(&self, activity: &mut Activity, extents: &RangeInclusive<u64>) -> bool {
         let size = self.current_size();

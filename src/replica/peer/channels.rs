@@ -10,7 +10,7 @@
 //!
 //! [`Channels`] keeps one lazily connecting channel per peer and hands out
 //! clones, and the data address it dials; every
-//! [`super::remote::RemoteReplica`] of the set dials through it (its gRPC
+//! [`crate::replica::peer::remote::RemoteReplica`] of the set dials through it (its gRPC
 //! calls on the channel, its block channel's links to the address). A call that fails in transport makes the pool forget that peer's
 //! channel ([`Channels::forget`]), so the next call asks again: a peer that
 //! restarted listens on a new port when its data listener's port is chosen
@@ -27,11 +27,11 @@ use std::time::Duration;
 
 use tonic::transport::Channel;
 
-use super::ReplicaError;
 use crate::ids::NodeId;
 use crate::net::{Expect, Transport};
 use crate::proto::node::node_client::NodeClient;
 use crate::proto::node::{HelloReply, HelloRequest};
+use crate::replica::ReplicaError;
 
 /// One channel slot per peer, with the data address it dials; a
 /// resolution in progress holds its lock.

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 
 use crate::ids::NodeId;
 
-use super::ReplicaError;
+use crate::replica::ReplicaError;
 
 /// How many timeouts one request may wait while its replica goes on
 /// answering others.

@@ -48,9 +48,9 @@
 //!   says (the config's size is for a new volume; a volume grows only
 //!   through `replica-ha resize`).
 
-use super::meta::{Meta, MetaSlot};
-use super::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps, Unverified};
 use crate::ids::{Incarnation, NodeId};
+use crate::replica::disk::meta::{Meta, MetaSlot};
+use crate::replica::disk::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps, Unverified};
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -61,9 +61,9 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock};
 
-use super::predigest::{Digest, DigestCache};
-use super::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::ids::Term;
+use crate::replica::disk::predigest::{Digest, DigestCache};
+use crate::replica::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::volume::check_request;
 
 pub use crate::volume::DEFAULT_EXTENT_SIZE;
@@ -156,7 +156,7 @@ pub struct ReplicaStore {
     /// The data file opened again with `O_DIRECT`, where the file system
     /// allows it: most of a large write goes through it (see [`DIRECT_IO`]).
     direct: Option<Arc<File>>,
-    /// The metadata database (see [`super::meta`]).
+    /// The metadata database (see [`crate::replica::disk::meta`]).
     meta: Arc<MetaSlot>,
     /// The durable fence floor, mirrored in memory. Read guard: a request in
     /// flight. Write guard: a fence or a floor raise (drains the readers).
@@ -165,7 +165,7 @@ pub struct ReplicaStore {
     /// extent pays for a metadata flush.
     marked: Mutex<Marked>,
     /// The missed-write maps of absent members, as far as they are durable
-    /// (see [`super::missed`]).
+    /// (see [`crate::replica::disk::missed`]).
     missed: MissedMaps,
     /// Serializes opening and closing maps.
     missed_edit: tokio::sync::Mutex<()>,
@@ -590,7 +590,7 @@ impl ReplicaStore {
 
     /// Hashes every marked extent (at most [`MAX_PREDIGEST_EXTENTS`]) while
     /// nothing writes, so that a promotion's comparison need not: see
-    /// [`super::predigest`]. Does nothing while a write is in flight or
+    /// [`crate::replica::disk::predigest`]. Does nothing while a write is in flight or
     /// when the digests are current. Returns how many extents it hashed.
     pub async fn predigest(&self) -> Result<usize, ReplicaError> {
         let Some(epoch) = self.predigests.quiet() else {
@@ -652,9 +652,9 @@ impl ReplicaStore {
     }
 
     /// The fence floor, the number of dirty marks and the audit counter.
-    pub async fn info(&self) -> Result<super::ReplicaInfo, ReplicaError> {
+    pub async fn info(&self) -> Result<crate::replica::ReplicaInfo, ReplicaError> {
         let floor = self.floor_stamp().await;
-        Ok(super::ReplicaInfo {
+        Ok(crate::replica::ReplicaInfo {
             floor: floor.term,
             generation: floor.generation,
             dirty_extents: self.meta.get()?.dirty.len() as u64,
@@ -673,7 +673,7 @@ impl ReplicaStore {
     /// data dir) if it is not open, and adds `extents` to it, durably, on
     /// behalf of the writer of `stamp` (admitted like a write). A map open
     /// about another incarnation is replaced: the copy it described is
-    /// gone (S8). See [`super::missed`].
+    /// gone (S8). See [`crate::replica::disk::missed`].
     pub async fn note_missed(
         &self,
         stamp: impl Into<Stamp>,
@@ -761,7 +761,7 @@ impl ReplicaStore {
     /// `incarnation`), durably, on behalf of the writer of `stamp`
     /// (admitted like a write): a full rebuild of `node` begins by
     /// lowering it to 0 and raises it as it verifies (see
-    /// [`super::missed`]). Lowering opens the map if need be.
+    /// [`crate::replica::disk::missed`]). Lowering opens the map if need be.
     pub async fn set_unverified(
         &self,
         stamp: impl Into<Stamp>,
@@ -1092,7 +1092,7 @@ impl ReplicaStore {
             }
         };
         // The absent members' maps take a write first, in the same flush
-        // (see [`super::missed`]).
+        // (see [`crate::replica::disk::missed`]).
         let needed = match touch {
             Touch::Write => self.missed.needed(first, last),
             Touch::Ahead => missed::Needed::default(),

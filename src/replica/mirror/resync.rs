@@ -3,12 +3,12 @@
 //!
 //! The active writer runs [`Resyncer::run`]. Every `interval` it looks for
 //! a replica that answers but is outside the committed in-sync set, and
-//! rebuilds it through the engine (see [`super::engine`] for why this keeps
+//! rebuilds it through the engine (see [`crate::replica::mirror::engine`] for why this keeps
 //! S5):
 //! 1. `begin_rebuild`: the replica becomes a write-only member, so it cannot
 //!    fall further behind while it is rebuilt;
 //! 2. when the source keeps a missed-write map of the target (see
-//!    [`super::missed`]): each extent the map names, and each the target
+//!    [`crate::replica::disk::missed`]): each extent the map names, and each the target
 //!    holds marks for, is compared and copied if it differs, under its
 //!    stripe lock, up to four at once — the cost follows what the replica
 //!    missed, not the volume's size. Otherwise (a new incarnation, a source
@@ -30,7 +30,7 @@
 //! `raise_every` has the target flush and the in-sync replicas raise the
 //! range past what it compared and copied; the next attempt compares the map's
 //! extents below the range and the range, so a writer change costs at
-//! most that interval's progress again (see [`super::missed`]).
+//! most that interval's progress again (see [`crate::replica::disk::missed`]).
 //!
 //! The resyncer also closes the missed-write maps of removed members (see
 //! [`Engine::close_maps_of_former_members`]) whenever the term or the
@@ -50,9 +50,9 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 
-use super::engine::{MAX_COPY_RUN, RebuildError, RebuildPlan};
-use super::{Engine, Replica};
 use crate::ids::{NodeId, Term};
+use crate::replica::mirror::engine::{MAX_COPY_RUN, RebuildError, RebuildPlan};
+use crate::replica::{Engine, Replica};
 use crate::volume::Device;
 
 /// How many copies (each a run of up to [`MAX_COPY_RUN`] extents) run at
@@ -754,7 +754,7 @@ impl Resyncer {
     fn step_extents(&self) -> u64 {
         self.config
             .step_extents
-            .clamp(1, super::store::MAX_DIGEST_EXTENTS)
+            .clamp(1, crate::replica::disk::store::MAX_DIGEST_EXTENTS)
     }
 
     fn source(&self) -> Result<Arc<dyn Replica>, RebuildError> {

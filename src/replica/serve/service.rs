@@ -32,15 +32,15 @@ use tonic::{Code, Request, Response, Status};
 
 use tokio::sync::watch;
 
-use super::blocks::BlockServer;
-use super::missed::Unverified;
-use super::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::net::conn::route;
 use crate::net::frame::PREFACE;
 use crate::net::{Audience, Transport};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
+use crate::replica::disk::missed::Unverified;
+use crate::replica::serve::blocks::BlockServer;
+use crate::replica::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
 use crate::volume::RangeError;
 
 /// The metadata key that carries a replica's fence floor on a stale-term
@@ -578,7 +578,7 @@ mod tests {
 
     #[test]
     fn every_refusal_comes_back_as_the_same_error() {
-        for (err, stamp) in super::super::sample_refusals() {
+        for (err, stamp) in crate::replica::sample_refusals() {
             let back = error_of(&status_of(&err), stamp);
             match (&err, &back) {
                 // The message comes back inside gRPC's own wording.
@@ -596,7 +596,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_for_another_incarnation_is_refused_and_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let identity = super::super::StoreIdentity::new("c1", "vol0", 1 << 20);
+        let identity = crate::replica::StoreIdentity::new("c1", "vol0", 1 << 20);
         let store = Arc::new(ReplicaStore::open(dir.path(), identity).await.unwrap());
         let service = ReplicaService::new(Arc::clone(&store)).of_incarnation(Incarnation(7));
         let volume = |incarnation| {

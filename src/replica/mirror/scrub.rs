@@ -1,7 +1,7 @@
 //! Scrub: proving that every in-sync replica holds the same bytes, and
 //! repairing the one that does not (design S11).
 //!
-//! One order (see [`super::order`]) keeps honest replicas identical; a
+//! One order (see [`crate::replica::mirror::order`]) keeps honest replicas identical; a
 //! disk can still return other bytes than were written (bit rot, a bad
 //! sector, a stray write by hand). Nothing else would notice: reads go to
 //! one copy, and a rebuild compares only replicas that are out of sync. So
@@ -16,7 +16,7 @@
 //! 3. a real difference is logged with the extent and the replicas, and the
 //!    odd copies are overwritten from the copy a majority holds, or from
 //!    the writer's own copy when no copy has a majority
-//!    ([`super::quorum::copy_to_keep`]),
+//!    ([`crate::replica::mirror::quorum::copy_to_keep`]),
 //!    then flushed. Without a majority nothing says the writer's copy is
 //!    the right one, so the bytes it replaces are saved first, in
 //!    `DATA_DIR/scrub-kept/`, and the log names the files.
@@ -44,8 +44,8 @@ use futures::future::join_all;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use super::engine::{ScrubError, ScrubFinding};
-use super::{Engine, Replica};
+use crate::replica::mirror::engine::{ScrubError, ScrubFinding};
+use crate::replica::{Engine, Replica};
 use crate::volume::Device;
 
 /// How many extents one digest request covers.
@@ -326,7 +326,7 @@ impl Scrubber {
                 return Err(ScrubError::Replica {
                     step: "digesting",
                     replica: replica.id(),
-                    cause: super::ReplicaError::InvalidRequest(format!(
+                    cause: crate::replica::ReplicaError::InvalidRequest(format!(
                         "answered {} digests from extent {answered} for {count} from extent {first}",
                         digests.len()
                     )),

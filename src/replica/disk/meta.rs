@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
-use super::ReplicaError;
+use crate::replica::ReplicaError;
 use crate::sled_ops::Flusher;
 
 /// How often a failed database is tried again.
@@ -43,7 +43,7 @@ pub struct Meta {
     pub fence: sled::Tree,
     /// The dirty marks.
     pub dirty: sled::Tree,
-    /// The missed-write maps (see [`super::missed`]).
+    /// The missed-write maps (see [`crate::replica::disk::missed`]).
     pub missed: sled::Tree,
     /// Group flushes of the whole database.
     pub flusher: Flusher,

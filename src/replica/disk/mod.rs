@@ -1,0 +1,20 @@
+//! The disk wing: one node's copy of the volume, as the replica serving it
+//! keeps it (the *downstairs* side).
+//!
+//! - [`store`]: admission of every request (the fence floor: S2, S3), the
+//!   S6 marks, growth and the data file. It is the only door to the copy:
+//!   the servers of [`super::serve`] and [`crate::replica::LocalReplica`]
+//!   both call it, so the checks are the same in every path.
+//! - [`meta`]: the metadata database (sled) and its recovery after an I/O
+//!   failure (S7: durable before acknowledged).
+//! - [`missed`]: the missed-write maps kept for absent members (C4,
+//!   invariant M).
+//! - [`predigest`]: digests of the marked extents, hashed while no leader
+//!   is heard, ready for the next promotion (S6 kept fast).
+//!
+//! Nothing here knows of the network or of other copies.
+
+pub mod meta;
+pub mod missed;
+pub mod predigest;
+pub mod store;
