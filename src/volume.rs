@@ -112,17 +112,11 @@ pub trait Device: Send + Sync {
     async fn flush(&self) -> Result<(), DeviceError>;
 
     /// A write, discard or flush on behalf of `bond` (see the module
-    /// docs). A device that holds requests must override it and keep to
-    /// the bond; a wrapper must pass the bond on. The default runs the
-    /// change once, which keeps any bond.
-    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError> {
-        let _ = bond;
-        match change {
-            Change::Write { offset, data, fua } => self.write_at(offset, data, fua).await,
-            Change::Discard { offset, len } => self.discard(offset, len).await,
-            Change::Flush => self.flush().await,
-        }
-    }
+    /// docs). Every device says what it does with the bond, so none can
+    /// drop it by omission: a device that holds requests keeps to it, a
+    /// wrapper passes it on, and one that neither holds nor wraps runs the
+    /// change once ([`Change::run_once`]), which keeps any bond.
+    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError>;
 
     /// The size of the device in bytes.
     fn size(&self) -> u64;
@@ -202,6 +196,18 @@ pub enum Change {
     Discard { offset: u64, len: u64 },
     /// [`Device::flush`].
     Flush,
+}
+
+impl Change {
+    /// Runs the change once on `device`, for a device that holds nothing
+    /// and wraps nothing: a single try keeps any bond.
+    pub async fn run_once<D: Device + ?Sized>(self, device: &D) -> Result<(), DeviceError> {
+        match self {
+            Change::Write { offset, data, fua } => device.write_at(offset, data, fua).await,
+            Change::Discard { offset, len } => device.discard(offset, len).await,
+            Change::Flush => device.flush().await,
+        }
+    }
 }
 
 /// The most runs one allocation query returns (the protocol suggests at

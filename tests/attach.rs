@@ -67,6 +67,14 @@ impl Device for Recorder {
         Ok(())
     }
 
+    async fn change(
+        &self,
+        change: replica_ha::volume::Change,
+        _: &replica_ha::volume::Bond,
+    ) -> Result<(), DeviceError> {
+        change.run_once(self).await
+    }
+
     fn size(&self) -> u64 {
         SIZE
     }

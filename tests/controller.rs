@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use replica_ha::ha::fake::{
-    FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryEngine,
+    FakeCluster, FakeCoordinator, FenceBehavior, FenceScript, MemoryCopy, MemoryEngine,
 };
 use replica_ha::ha::{
-    Controller, ControllerConfig, Coordinator, HaError, Role, SUSPEND_RETRY, Writer,
+    Controller, ControllerConfig, Coordinator, HaError, ReadGate, Role, SUSPEND_RETRY, Writer,
 };
 use replica_ha::ids::{NodeId, Term};
+use replica_ha::metrics::MeteredDevice;
 use replica_ha::volume::{Bond, Change, Device, DeviceError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -769,6 +770,11 @@ async fn a_held_write_left_behind(lapse: impl AsyncFnOnce(&FakeCluster, &Node, &
     let term = cluster.elect(NodeId(1)).unwrap();
     until("a leads", || a.role() == Role::Leader).await;
     let device = a.controller.device();
+    // Through the stack a node serves NBD from: metrics, read gate, gate.
+    let local = MemoryCopy::new(vec![0; 1 << 20]);
+    let read_gate = Arc::new(ReadGate::new(device.clone(), local));
+    let metrics = Arc::new(replica_ha::metrics::DeviceMetrics::default());
+    let served: Arc<dyn Device> = Arc::new(MeteredDevice::new(read_gate, metrics));
     let write = |data: &'static [u8]| Change::Write {
         offset: 0,
         data: Bytes::from_static(data),
@@ -781,16 +787,16 @@ async fn a_held_write_left_behind(lapse: impl AsyncFnOnce(&FakeCluster, &Node, &
     };
     a.engine.set_short(true);
     let w0 = tokio::spawn({
-        let (device, write) = (device.clone(), write(b"old0"));
-        async move { device.change(write, &bond).await }
+        let (served, write) = (served.clone(), write(b"old0"));
+        async move { served.change(write, &bond).await }
     });
     until("W0 is held", || device.suspension().waiting == 1).await;
     lapse(&cluster, &a, &ended).await;
     let now = device.open_term().expect("the gate is open again");
     a.engine.set_short(false);
     let fresh = Bond::session(Some(now), || false);
-    device.change(write(b"old0"), &fresh).await.unwrap();
-    device.change(write(b"new2"), &fresh).await.unwrap();
+    served.change(write(b"old0"), &fresh).await.unwrap();
+    served.change(write(b"new2"), &fresh).await.unwrap();
     tokio::time::sleep(SUSPEND_RETRY * 4).await;
     assert_eq!(w0.await.unwrap(), Err(DeviceError::Abandoned));
     assert_eq!(

@@ -294,10 +294,10 @@ async fn the_engine_mirrors_through_remote_replicas() {
     );
 }
 
-/// S5 against the scrub and the convergence: digests name the store's
-/// session, so a copy whose store was opened again since the writer first
-/// counted on it gives no digests (no vote, no source) until a rebuild
-/// accepts it (#36: digests went over gRPC without the session check of
+/// S5 against the scrub and the convergence: digests (and allocation,
+/// whose holes reads and rebuilds skip) name the store's session, so a
+/// copy whose store was opened again since the writer first counted on it
+/// gives neither (no vote, no source) until a rebuild accepts it (#36: digests went over gRPC without the session check of
 /// block calls, and two restarted copies could outvote a good one).
 #[tokio::test]
 async fn digests_of_a_replica_that_restarted_are_refused_until_a_rebuild_accepts_it() {
@@ -339,8 +339,14 @@ async fn digests_of_a_replica_that_restarted_are_refused_until_a_rebuild_accepts
         matches!(refused, Err(ReplicaError::Restarted(_))),
         "a restarted copy's digests were counted: {refused:?}"
     );
+    let holes = replica.allocation(0, 4096).await;
+    assert!(
+        matches!(holes, Err(ReplicaError::Restarted(_))),
+        "a restarted copy's holes were counted: {holes:?}"
+    );
     replica.accept_restart();
     replica.digests(0, 4096).await.unwrap();
+    replica.allocation(0, 4096).await.unwrap();
 }
 
 struct FenceRig {

@@ -167,6 +167,16 @@ impl Device for Following {
         self.submit(Command::Flush, 0, 0, 0, None).await.map(|_| ())
     }
 
+    /// `attach` replays what had no answer on its own (C3); a client's
+    /// session here binds nothing on the writer, whose own session does.
+    async fn change(
+        &self,
+        change: crate::volume::Change,
+        _: &crate::volume::Bond,
+    ) -> Result<(), DeviceError> {
+        change.run_once(self).await
+    }
+
     fn size(&self) -> u64 {
         self.size
     }

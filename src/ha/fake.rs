@@ -31,7 +31,7 @@ use super::{
     LocalCopy, ReplicaState, ReplicaStatus, Writer, WriterEngine,
 };
 use crate::ids::{NodeId, Term};
-use crate::volume::{Access, Device, DeviceError, check_request};
+use crate::volume::{Access, Bond, Change, Device, DeviceError, check_request};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -615,6 +615,10 @@ impl Device for MemoryEngine {
 
     async fn flush(&self) -> Result<(), DeviceError> {
         self.term().map(|_| ()).ok_or(DeviceError::Inactive)
+    }
+
+    async fn change(&self, change: Change, _: &Bond) -> Result<(), DeviceError> {
+        change.run_once(self).await
     }
 
     fn size(&self) -> u64 {

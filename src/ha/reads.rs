@@ -31,7 +31,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::volume::{Access, Device, DeviceError, check_request};
+use crate::volume::{Access, Bond, Change, Device, DeviceError, check_request};
 
 /// This node's own replica, as the read gate sees it.
 #[async_trait]
@@ -109,6 +109,11 @@ impl Device for ReadGate {
 
     async fn flush(&self) -> Result<(), DeviceError> {
         self.writer.flush().await
+    }
+
+    /// Writes go to the write gate with their bond.
+    async fn change(&self, change: Change, bond: &Bond) -> Result<(), DeviceError> {
+        self.writer.change(change, bond).await
     }
 
     fn size(&self) -> u64 {

@@ -2422,6 +2422,15 @@ impl Device for Engine {
             .await
     }
 
+    /// The engine holds nothing (the gate in front of it does).
+    async fn change(
+        &self,
+        change: crate::volume::Change,
+        _: &crate::volume::Bond,
+    ) -> Result<(), DeviceError> {
+        change.run_once(self).await
+    }
+
     fn size(&self) -> u64 {
         self.current_size()
     }

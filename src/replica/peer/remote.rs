@@ -177,6 +177,14 @@ impl RemoteReplica {
         session.seen = Some(now);
     }
 
+    /// Notes the session a gRPC reply named (0: a server too old to name
+    /// one) and refuses the reply if the copy restarted since it was
+    /// counted on, as a block call would be.
+    fn answered_in(&self, session: u64) -> Result<(), ReplicaError> {
+        self.note_session(Some(session).filter(|session| *session != 0));
+        self.restarted().map_or(Ok(()), Err)
+    }
+
     /// The error every block request gets while a restart is not accepted.
     fn restarted(&self) -> Option<ReplicaError> {
         let (before, now) = crate::replica::lock(&self.session).restarted?;
@@ -295,6 +303,9 @@ impl Replica for RemoteReplica {
             .await
             .map_err(|status| self.failed(&status, Term::ZERO))?
             .into_inner();
+        // Reads and rebuilds skip what this says is a hole: a restarted
+        // copy's hole may be a write it lost (S5, S10).
+        self.answered_in(reply.session)?;
         // The answer comes from the network: runs that do not add up to
         // the span asked for are no answer.
         let total = reply
@@ -473,10 +484,7 @@ impl Replica for RemoteReplica {
             .into_inner();
         // Digests decide what a scrub or a convergence keeps: those of a
         // copy that restarted since it was counted on are no vote (S5).
-        self.note_session(Some(reply.session).filter(|session| *session != 0));
-        if let Some(err) = self.restarted() {
-            return Err(err);
-        }
+        self.answered_in(reply.session)?;
         Ok((reply.first_extent, reply.digests))
     }
 

@@ -529,6 +529,7 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::AllocationReply {
             lengths: runs.iter().map(|run| run.len).collect(),
             holes: runs.iter().map(|run| run.hole).collect(),
+            session: self.store.session(),
         }))
     }
 
