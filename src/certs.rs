@@ -418,6 +418,25 @@ pub fn issue_client(dir: &Path, name: &str, role: Role, days: u32) -> Result<Iss
     ca.issue(leaf, &files)
 }
 
+/// Test support: a client certificate signed by the CA in `dir`, valid for
+/// `days`, that names no identity (no `replica-ha://` URI SAN, only the DNS
+/// name `localhost`): `<name>.crt` and `<name>.key`. Its chain verifies,
+/// and a node must still give it nothing (C3).
+#[cfg(any(test, feature = "testing"))]
+pub fn issue_unnamed(dir: &Path, name: &str, days: u32) -> Result<Issued, CertError> {
+    check_name(name)?;
+    let (not_before, not_after) = validity(days)?;
+    let ca = Ca::load(dir)?;
+    let leaf = Leaf {
+        common_name: format!("unnamed {name}"),
+        sans: vec![SanType::DnsName("localhost".try_into()?)],
+        usages: vec![ExtendedKeyUsagePurpose::ClientAuth],
+        not_before,
+        not_after,
+    };
+    ca.issue(leaf, &TlsFiles::for_client(dir, name))
+}
+
 /// The identity in a peer's leaf certificate (DER), from its one
 /// `replica-ha` URI SAN (C1, C3). The chain must already be verified (C2).
 pub fn identity_of(cert_der: &[u8]) -> Result<PeerIdentity, CertError> {

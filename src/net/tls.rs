@@ -398,6 +398,40 @@ impl ServerCertVerifier for PeerVerifier {
     }
 }
 
+/// Test support: a client configuration that trusts `dir`'s `ca.crt` and
+/// presents `<name>.crt` and `<name>.key` from it (or no certificate),
+/// made without [`Tls::load`]'s checks, so that a test can present what a
+/// server must refuse: a certificate of the CA that names nobody.
+#[cfg(any(test, feature = "testing"))]
+pub fn unchecked_client(dir: &Path, name: Option<&str>) -> Result<Arc<ClientConfig>, String> {
+    let read = |file: String| std::fs::read(dir.join(&file)).map_err(|e| format!("{file}: {e}"));
+    let mut roots = RootCertStore::empty();
+    for ca in CertificateDer::pem_slice_iter(&read("ca.crt".into())?) {
+        roots
+            .add(ca.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let config = match name {
+        None => builder.with_no_client_auth(),
+        Some(name) => {
+            let chain = CertificateDer::pem_slice_iter(&read(format!("{name}.crt"))?)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            let key = PrivateKeyDer::from_pem_slice(&read(format!("{name}.key"))?)
+                .map_err(|e| e.to_string())?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| e.to_string())?
+        }
+    };
+    Ok(Arc::new(config))
+}
+
 /// The name a client sends in its handshake for `addr` (`HOST:PORT`). The
 /// server's identity is checked by its URI SAN, not by this name (T2).
 pub fn server_name(addr: &str) -> ServerName<'static> {

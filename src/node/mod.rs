@@ -253,7 +253,7 @@ impl Node {
             &view,
             listeners
                 .nbd
-                .map(|listener| (listener, nbd_tls(&config, tls.as_ref()))),
+                .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
             listeners.http,
         );
         tracing::info!(
@@ -406,8 +406,14 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
 }
 
 /// How the NBD export speaks TLS, from `nbd_tls` and `nbd_client_auth`
-/// (the configuration made sure the credentials are there when needed).
-fn nbd_tls(config: &NodeConfig, tls: Option<&Arc<Tls>>) -> Option<ExportTls> {
+/// (the configuration made sure the credentials are there when needed),
+/// and whom it admits: `transport`'s member admission, checking
+/// certificates against this cluster even when the transport is insecure.
+fn nbd_tls(
+    config: &NodeConfig,
+    tls: Option<&Arc<Tls>>,
+    transport: &Transport,
+) -> Option<ExportTls> {
     let required = match config.nbd_tls {
         NbdTls::Off => return None,
         NbdTls::Optional => false,
@@ -422,6 +428,9 @@ fn nbd_tls(config: &NodeConfig, tls: Option<&Arc<Tls>>) -> Option<ExportTls> {
         credentials: Arc::clone(credentials),
         required,
         client_auth,
+        guard: transport
+            .guard(Audience::Volume)
+            .for_cluster(credentials.cluster_id()),
     })
 }
 
