@@ -973,3 +973,67 @@ async fn nbd_serves_each_certificate_as_its_role_allows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Secure by default (#36): a writer whose NBD listener is bound beyond
+/// loopback requires TLS and a client certificate unless `nbd_tls =
+/// "off"` says otherwise, so a plaintext client can neither write nor
+/// read, and a certificate that may write does. `nbd_tls = "off"` set
+/// explicitly serves plaintext there, with a warning at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbd_beyond_loopback_refuses_plaintext_by_default() {
+    let _serial = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster.nbd_bind = Some(std::net::Ipv4Addr::UNSPECIFIED.into());
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let nbd = cluster.nbd_addrs[&writer];
+    let uri = common::tools::uri(nbd);
+    let write = run("qemu-io", &["-f", "raw", "-c", "write -P 0x44 0 64k", &uri]).await;
+    let text = String::from_utf8_lossy(&write.stdout).to_string()
+        + &String::from_utf8_lossy(&write.stderr);
+    assert!(
+        !write.status.success() || text.contains("failed"),
+        "a plaintext client wrote to a writer listening on 0.0.0.0: {text}"
+    );
+    let read = run("nbdinfo", &[&uri]).await;
+    assert!(
+        !read.status.success(),
+        "a plaintext client opened the export"
+    );
+    assert_eq!(plaintext_go_reply(nbd).await, 0x8000_0005);
+
+    let creds = gnutls_dir(&cluster, Some("user"));
+    let (wrote, text) = qemu_io_tls(
+        nbd,
+        &creds,
+        false,
+        &["write -P 0x44 0 64k", "read -P 0x44 0 64k"],
+    )
+    .await;
+    assert!(wrote, "{text}");
+
+    // `nbd_tls = "off"` asked for explicitly is the operator's choice: the
+    // node serves plaintext beyond loopback and says so at start.
+    let follower = [1u64, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    cluster.kill(follower);
+    cluster
+        .extra_args
+        .extend(["--nbd-tls".into(), "off".into()]);
+    cluster.spawn(follower);
+    let deadline = Instant::now() + WAIT;
+    while !cluster
+        .log(follower)
+        .contains("NBD is PLAINTEXT beyond loopback")
+    {
+        assert!(Instant::now() < deadline, "no warning at start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let follower_nbd = cluster.nbd_addrs[&follower];
+    while tokio::net::TcpStream::connect(follower_nbd).await.is_err() {
+        assert!(Instant::now() < deadline, "node {follower} never listened");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(plaintext_go_reply(follower_nbd).await, 0x8000_0005);
+}

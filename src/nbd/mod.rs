@@ -24,7 +24,8 @@
 //!   guard as the replica service's ([`crate::net::Audience::Volume`]),
 //!   and a certificate that names no identity of this cluster is refused,
 //!   both with the reason (`NBD_REP_ERR_POLICY`). A client without a
-//!   certificate gets what the node grants it ([`Export::with_anonymous`]).
+//!   certificate gets what the node grants it ([`Export::with_anonymous`];
+//!   see `node::config` for how that follows from the listen address).
 //! - **Fenced reads.** A passive node serves reads of its own replica only
 //!   while that replica is in the committed in-sync set
 //!   ([`crate::ha::ReadGate`]). Otherwise `GO`/`INFO` are refused with

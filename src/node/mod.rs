@@ -61,7 +61,7 @@ use crate::admin::AdminService;
 use crate::ha::{Controller, Coordinator};
 use crate::ids::{Incarnation, MemberId, NodeId};
 use crate::members::MemberBook;
-use crate::nbd::{Export, ExportTls};
+use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
@@ -678,9 +678,23 @@ fn spawn_background(
             "replica-ha volume {} of cluster {}",
             config.volume, config.cluster_id
         );
-        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()));
+        let anonymous = if config.nbd_anonymous_writes() {
+            Grant::ReadWrite
+        } else {
+            Grant::ReadOnly
+        };
+        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()))
+            .with_anonymous(anonymous);
         if let Some(tls) = tls {
             export = export.with_tls(tls);
+        }
+        if config.nbd_plaintext_exposed() {
+            tracing::warn!(
+                nbd = ?config.nbd,
+                "NBD is PLAINTEXT beyond loopback (nbd_tls = \"off\"): anyone who can reach \
+                 the port can read the volume and, on the writer, write it, without a \
+                 certificate; drop nbd_tls = \"off\" to require TLS and client certificates"
+            );
         }
         let export = Arc::new(export);
         let stats = Arc::clone(view.nbd_stats());

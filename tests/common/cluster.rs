@@ -93,6 +93,10 @@ pub struct Cluster {
     /// list only each other as peers; the others (nodes to add later) list
     /// every node, so they can reach the members and wait to be added.
     pub founders: Option<Vec<u64>>,
+    /// The address every node's NBD listener binds, with its port from
+    /// `nbd_addrs` (which clients still dial); `None`: `nbd_addrs` as they
+    /// are (loopback).
+    pub nbd_bind: Option<std::net::IpAddr>,
 }
 
 impl Cluster {
@@ -170,6 +174,7 @@ impl Cluster {
             os_chosen_data_ports: false,
             bin: PathBuf::from(BIN),
             founders: None,
+            nbd_bind: None,
         }
     }
 
@@ -270,7 +275,10 @@ impl Cluster {
             "--data-dir".into(),
             self.data_dir(id).display().to_string(),
             "--nbd".into(),
-            self.nbd_addrs[&id].to_string(),
+            match self.nbd_bind {
+                Some(ip) => SocketAddr::new(ip, self.nbd_addrs[&id].port()).to_string(),
+                None => self.nbd_addrs[&id].to_string(),
+            },
             "--http".into(),
             self.http_addrs[&id].to_string(),
             "--gate-journal".into(),
