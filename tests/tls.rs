@@ -953,7 +953,6 @@ async fn nbd_serves_each_certificate_as_its_role_allows() {
         .await
         .expect("a member is served");
     assert_eq!(nbd_write(&mut session, 8192, 0x33).await, 0);
-    drop(session);
     let (ok, out, err) = cluster
         .cli(writer, &["members", "remove", "--id", &removed.to_string()])
         .await;
@@ -972,6 +971,15 @@ async fn nbd_serves_each_certificate_as_its_role_allows() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The session it opened before is closed too.
+    let mut byte = [0u8; 1];
+    let ended = tokio::time::timeout(WAIT, async {
+        use tokio::io::AsyncReadExt;
+        session.reader.read(&mut byte).await
+    })
+    .await
+    .expect("the removed node's open session is closed");
+    assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
 }
 
 /// Secure by default (#36): a writer whose NBD listener is bound beyond

@@ -23,7 +23,8 @@
 //!   not a member (removed by `members remove`) is refused by the same
 //!   guard as the replica service's ([`crate::net::Audience::Volume`]),
 //!   and a certificate that names no identity of this cluster is refused,
-//!   both with the reason (`NBD_REP_ERR_POLICY`). A client without a
+//!   both with the reason (`NBD_REP_ERR_POLICY`); a session whose node is
+//!   removed while it is open is closed (see [`transmission`]). A client without a
 //!   certificate gets what the node grants it ([`Export::with_anonymous`];
 //!   see `node::config` for how that follows from the listen address).
 //! - **Fenced reads.** A passive node serves reads of its own replica only
@@ -414,9 +415,10 @@ pub async fn handle<S>(stream: S, export: Arc<Export>) -> Result<(), ConnectionE
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (stream, negotiated) = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
-        .await
-        .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    let (stream, negotiated, client) =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
+            .await
+            .map_err(|_| ConnectionError::HandshakeTimeout)??;
     let (reader, writer) = tokio::io::split(stream);
     match negotiated {
         Some(session) => {
@@ -426,18 +428,19 @@ where
                 "read-only"
             };
             tracing::debug!(mode, "NBD export opened");
-            transmission::run(reader, writer, export, session).await
+            transmission::run(reader, writer, export, session, client).await
         }
         None => Ok(()),
     }
 }
 
 /// The handshake: option haggling, and the TLS handshake when the client
-/// asks for it. Returns the stream to serve on and the session, if any.
+/// asks for it. Returns the stream to serve on, the session, if any, and
+/// who the client is.
 async fn negotiate<S>(
     stream: S,
     export: &Export,
-) -> Result<(Box<dyn Io>, Option<handshake::Session>), ConnectionError>
+) -> Result<(Box<dyn Io>, Option<handshake::Session>, Client), ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -446,8 +449,8 @@ where
     let mut client = Client::Anonymous;
     loop {
         match handshake::negotiate(&mut stream, export, phase, &client).await? {
-            handshake::Step::Session(session) => return Ok((stream, Some(session))),
-            handshake::Step::Aborted => return Ok((stream, None)),
+            handshake::Step::Session(session) => return Ok((stream, Some(session), client)),
+            handshake::Step::Aborted => return Ok((stream, None, client)),
             handshake::Step::StartTls { no_zeroes } => {
                 let tls = export.tls.as_ref().ok_or(ConnectionError::TlsRequired)?;
                 let config = tls

@@ -1032,6 +1032,26 @@ mod roles {
         );
     }
 
+    /// As the replica service refuses a removed node's frames on a link
+    /// it already had, an NBD session of a node removed from the
+    /// membership is closed, not only new ones refused.
+    #[tokio::test]
+    async fn a_session_of_a_node_removed_from_the_membership_is_closed() {
+        use tokio::io::AsyncReadExt;
+        let served = writer(Grant::ReadWrite).await;
+        let mut member = open(&served, Some("node-3")).await.unwrap();
+        assert_eq!(write(&mut member).await, 0);
+        let mut user = open(&served, Some("vm")).await.unwrap();
+        served.transport.expel_member(NodeId(3));
+        let mut byte = [0u8; 1];
+        let ended = tokio::time::timeout(DEADLINE, member.reader.read(&mut byte))
+            .await
+            .expect("the removed node's session ends");
+        assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+        // Nobody else's session is touched.
+        assert_eq!(write(&mut user).await, 0);
+    }
+
     #[tokio::test]
     async fn a_client_without_a_certificate_gets_what_the_node_grants() {
         let open_to_all = writer(Grant::ReadWrite).await;
