@@ -23,7 +23,9 @@
 //! - T3: what a server learns of its client is that client's identity,
 //!   read from the verified certificate after the handshake; a
 //!   connection whose certificate names no identity of this cluster is
-//!   closed.
+//!   closed (gRPC, the block channel) or refused with the reason (NBD).
+//!   The handshake checks only the chain: what the identity may do is
+//!   decided after it, by the [`crate::net::PeerGuard`] of the service.
 //! - T4: [`Tls::reload`] swaps in new credentials only after they passed
 //!   the same checks as at start-up; a reload that fails keeps the old
 //!   ones. Connections already established keep the credentials they were
@@ -209,6 +211,8 @@ impl Tls {
     }
 }
 
+/// Verifies a client's chain against the CA, and nothing else: its
+/// identity and role are read and judged after the handshake (T3).
 fn client_verifier(
     roots: &Arc<RootCertStore>,
     provider: &Arc<CryptoProvider>,
