@@ -27,8 +27,8 @@
 //!   people reading the certificate with `openssl x509 -text`, and the CA's
 //!   CN carries a fingerprint of its key, so two CAs never share a name);
 //! - node: `replica-ha://<cluster_id>/node/<id>`;
-//! - client: `replica-ha://<cluster_id>/client/<name>/<role>`, role `admin`
-//!   or `viewer`.
+//! - client: `replica-ha://<cluster_id>/client/<name>/<role>`, role `admin`,
+//!   `user` or `viewer` ([`Role`]).
 //!
 //! Cluster ids and client names are 1 to 64 ASCII letters, digits, `-` and
 //! `_`, so they are safe in a file name and a URI as they stand; node ids
@@ -191,9 +191,15 @@ pub enum CertError {
 /// What a client certificate allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum Role {
-    /// Reads and changes: status, transfer and every other admin call.
+    /// Reads and changes: status, transfer and every other admin call,
+    /// and the volume's data (it can write it through the admin API
+    /// anyway, so NBD grants it a writable export too).
     Admin,
-    /// Reads only: status and the like.
+    /// Uses the volume: reads and writes its data through NBD (and
+    /// `attach`), reads status; changes nothing in the cluster.
+    User,
+    /// Reads only: status and the like, and the volume's data through a
+    /// read-only NBD export.
     Viewer,
 }
 
@@ -202,13 +208,24 @@ impl Role {
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Admin => "admin",
+            Role::User => "user",
             Role::Viewer => "viewer",
+        }
+    }
+
+    /// Whether a holder may change the volume's data (an NBD export
+    /// opened writable): `admin` and `user`, not `viewer`.
+    pub fn writes_data(self) -> bool {
+        match self {
+            Role::Admin | Role::User => true,
+            Role::Viewer => false,
         }
     }
 
     fn parse(text: &str) -> Option<Role> {
         match text {
             "admin" => Some(Role::Admin),
+            "user" => Some(Role::User),
             "viewer" => Some(Role::Viewer),
             _ => None,
         }
@@ -399,6 +416,25 @@ pub fn issue_client(dir: &Path, name: &str, role: Role, days: u32) -> Result<Iss
         not_after,
     };
     ca.issue(leaf, &files)
+}
+
+/// Test support: a client certificate signed by the CA in `dir`, valid for
+/// `days`, that names no identity (no `replica-ha://` URI SAN, only the DNS
+/// name `localhost`): `<name>.crt` and `<name>.key`. Its chain verifies,
+/// and a node must still give it nothing (C3).
+#[cfg(any(test, feature = "testing"))]
+pub fn issue_unnamed(dir: &Path, name: &str, days: u32) -> Result<Issued, CertError> {
+    check_name(name)?;
+    let (not_before, not_after) = validity(days)?;
+    let ca = Ca::load(dir)?;
+    let leaf = Leaf {
+        common_name: format!("unnamed {name}"),
+        sans: vec![SanType::DnsName("localhost".try_into()?)],
+        usages: vec![ExtendedKeyUsagePurpose::ClientAuth],
+        not_before,
+        not_after,
+    };
+    ca.issue(leaf, &TlsFiles::for_client(dir, name))
 }
 
 /// The identity in a peer's leaf certificate (DER), from its one
@@ -647,9 +683,11 @@ pub enum CertsCommand {
         #[arg(long, default_value_t = DEFAULT_LEAF_DAYS)]
         days: u32,
     },
-    /// Issue a client certificate (for the admin tools), signed by the CA in
-    /// DIR: DIR/NAME.crt and DIR/NAME.key. It can only
-    /// authenticate a client, with the given role. Replaces an earlier one.
+    /// Issue a client certificate (for the admin tools, `attach` and NBD
+    /// clients), signed by the CA in DIR: DIR/NAME.crt and DIR/NAME.key.
+    /// It can only authenticate a client, with the given role (admin: the
+    /// cluster and the data; user: the data; viewer: reads only).
+    /// Replaces an earlier one.
     Client {
         /// The certificate directory holding ca.crt and ca.key.
         #[arg(long, value_name = "DIR")]
@@ -1545,6 +1583,17 @@ mod tests {
         let client = parse(&["client", "--dir", d, "--name", "ci", "--role", "viewer"]).unwrap();
         let text = run(client).unwrap();
         assert!(text.contains("ci.crt"), "{text}");
+        let client = parse(&["client", "--dir", d, "--name", "vm", "--role", "user"]).unwrap();
+        let text = run(client).unwrap();
+        assert!(text.contains("vm.crt") && text.contains("(user)"), "{text}");
+        assert_eq!(
+            identity_of(&der_of(&dir.path().join("vm.crt"))).unwrap(),
+            PeerIdentity::Client {
+                cluster_id: CLUSTER.into(),
+                name: "vm".into(),
+                role: Role::User
+            }
+        );
 
         assert!(parse(&["node", "--dir", d, "--id", "0"]).is_err());
         assert!(parse(&["client", "--dir", d, "--name", "x", "--role", "root"]).is_err());

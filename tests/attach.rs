@@ -396,7 +396,7 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
     let (writer, _) = cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
         .await;
-    let (mut attach, socket) = start_attach(&cluster, Some("viewer"));
+    let (mut attach, socket) = start_attach(&cluster, Some("user"));
     wait_for_socket(&socket).await;
 
     // A crash.
@@ -458,7 +458,7 @@ async fn attach_survives_garbage_and_needs_credentials() {
     cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
         .await;
-    let (mut attach, socket) = start_attach(&cluster, Some("viewer"));
+    let (mut attach, socket) = start_attach(&cluster, Some("user"));
     wait_for_socket(&socket).await;
     for garbage in [
         &b"GET / HTTP/1.1\r\n\r\n"[..],

@@ -16,7 +16,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::cluster::{BIN, Cluster, client_transport, make_certs, one_cluster_at_a_time};
+use replica_ha::certs::TlsFiles;
 use replica_ha::ids::NodeId;
+use replica_ha::nbd::client as nbd_client;
+use replica_ha::nbd::wire as nbd_wire;
 use replica_ha::net::{Expect, Limits, Tls, Transport, tls::Party};
 use replica_ha::proto::admin::admin_client::AdminClient;
 use replica_ha::proto::admin::{StatusRequest, TransferRequest, WriteRequest};
@@ -720,7 +723,7 @@ async fn nbd_over_tls_serves_real_clients_and_refuses_plaintext() {
     let cluster = Cluster::start_with(3, &["--size", "64MiB", "--nbd-tls", "require"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     let nbd = cluster.nbd_addrs[&writer];
-    let creds = gnutls_dir(&cluster, Some("viewer"));
+    let creds = gnutls_dir(&cluster, Some("user"));
     let secure = format!("nbds://{nbd}/vol0?tls-certificates={}", creds.display());
 
     // A plaintext client is refused (nbdinfo words it as nbdkit's
@@ -748,38 +751,14 @@ async fn nbd_over_tls_serves_real_clients_and_refuses_plaintext() {
     run_ok("nbdcopy", &[&secure, back.to_str().unwrap()]).await;
     assert_eq!(sha256(&image), sha256(&back));
 
-    let object = format!(
-        "tls-creds-x509,id=tls0,dir={},endpoint=client",
-        creds.display()
-    );
-    let target = format!(
-        "driver=nbd,host={},port={},export=vol0,tls-creds=tls0",
-        nbd.ip(),
-        nbd.port()
-    );
-    let out = run(
-        "qemu-io",
-        &[
-            "--object",
-            &object,
-            "--image-opts",
-            &target,
-            "-c",
-            "write -P 0x3c 1M 64k",
-            "-c",
-            "read -P 0x3c 1M 64k",
-        ],
+    let (ok, text) = qemu_io_tls(
+        nbd,
+        &creds,
+        false,
+        &["write -P 0x3c 1M 64k", "read -P 0x3c 1M 64k"],
     )
     .await;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && !text.contains("failed") && !text.contains("error"),
-        "{text}"
-    );
+    assert!(ok, "{text}");
 }
 
 /// The reply type a plaintext `NBD_OPT_GO` for `vol0` gets from `addr`.
@@ -829,4 +808,240 @@ async fn nbd_client_certificates_are_required_when_asked_for() {
     );
     let info = run_ok("nbdinfo", &[&uri(&gnutls_dir(&cluster, Some("admin")))]).await;
     assert!(info.contains("16777216"), "{info}");
+}
+
+/// The rustls configuration an NBD client of `cluster` uses to present
+/// `files`' certificate as `party`.
+fn nbd_tls_of(cluster: &Cluster, files: TlsFiles, party: Party) -> Arc<rustls::ClientConfig> {
+    Tls::load(files, &cluster.cluster_id, party)
+        .expect("the client's credentials")
+        .client(Expect::AnyNode)
+        .expect("a client configuration")
+}
+
+/// Opens `vol0` at `addr` over TLS with `config`.
+async fn open_nbd(
+    addr: std::net::SocketAddr,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<nbd_client::Connection, nbd_client::ClientError> {
+    let addr = addr.to_string();
+    let name = replica_ha::net::tls::server_name(&addr);
+    tokio::time::timeout(
+        CALL,
+        nbd_client::connect(&addr, "vol0", Some((config, name))),
+    )
+    .await
+    .expect("the NBD handshake finished")
+}
+
+/// Sends one 4 KiB write of `byte` at `offset` and returns its error code.
+async fn nbd_write(connection: &mut nbd_client::Connection, offset: u64, byte: u8) -> u32 {
+    use tokio::io::AsyncWriteExt;
+    let request = nbd_wire::Request {
+        flags: 0,
+        command: nbd_wire::Command::Write,
+        cookie: 7,
+        offset,
+        len: 4096,
+    };
+    let data = block(byte, 4096);
+    nbd_client::send(&mut connection.writer, &request, Some(&data))
+        .await
+        .expect("the write sent");
+    connection.writer.flush().await.expect("the write sent");
+    let (error, cookie) = tokio::time::timeout(CALL, nbd_client::receive(&mut connection.reader))
+        .await
+        .expect("a reply within 3 s")
+        .expect("a reply");
+    assert_eq!(cookie, 7);
+    error
+}
+
+/// qemu-io on `vol0` at `addr` over TLS with the files in `creds`,
+/// opening it read-only with `read_only`; returns whether it succeeded and
+/// all it said.
+async fn qemu_io_tls(
+    addr: std::net::SocketAddr,
+    creds: &Path,
+    read_only: bool,
+    commands: &[&str],
+) -> (bool, String) {
+    let object = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=client",
+        creds.display()
+    );
+    let target = format!(
+        "driver=nbd,host={},port={},export=vol0,tls-creds=tls0",
+        addr.ip(),
+        addr.port()
+    );
+    let mut args = vec!["--object", &object, "--image-opts", &target];
+    if read_only {
+        args.push("-r");
+    }
+    for command in commands {
+        args.extend(["-c", command]);
+    }
+    let out = run("qemu-io", &args).await;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ok = out.status.success() && !text.contains("failed") && !text.contains("rror");
+    (ok, text)
+}
+
+/// S9 on NBD (#36): what a certificate may do with the writer's export is
+/// its role's. A viewer gets a read-only export and its writes are
+/// refused; a certificate that names no identity, and the certificate of
+/// a node removed from the membership, are refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbd_serves_each_certificate_as_its_role_allows() {
+    let _serial = one_cluster_at_a_time().await;
+    let cluster = Cluster::start_with(3, &["--size", "16MiB", "--nbd-tls", "require"]).await;
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let nbd = cluster.nbd_addrs[&writer];
+
+    // A viewer reads; its export is read-only, and a write sent anyway is
+    // refused with EPERM (qemu-io will not even try).
+    let viewer = nbd_tls_of(
+        &cluster,
+        TlsFiles::for_client(&cluster.certs, "viewer"),
+        Party::Client,
+    );
+    let mut session = open_nbd(nbd, Arc::clone(&viewer)).await.expect("served");
+    assert_ne!(
+        session.export.flags & nbd_wire::TFLAG_READ_ONLY,
+        0,
+        "a viewer's export must be read-only"
+    );
+    assert_eq!(nbd_write(&mut session, 0, 0x11).await, nbd_wire::EPERM);
+    let creds = gnutls_dir(&cluster, Some("viewer"));
+    let (wrote, text) = qemu_io_tls(nbd, &creds, false, &["write -P 0x11 0 64k"]).await;
+    assert!(!wrote, "a viewer wrote through NBD: {text}");
+    let (read, text) = qemu_io_tls(nbd, &creds, true, &["read -P 0 0 64k"]).await;
+    assert!(read, "{text}");
+
+    // A client whose role writes does: `user`, and `admin`.
+    for (name, byte) in [("user", 0x22), ("admin", 0x23)] {
+        let creds = gnutls_dir(&cluster, Some(name));
+        let write = format!("write -P {byte} 0 64k");
+        let read = format!("read -P {byte} 0 64k");
+        let (wrote, text) = qemu_io_tls(nbd, &creds, false, &[&write, &read]).await;
+        assert!(wrote, "{name}: {text}");
+    }
+
+    // A certificate of the CA that names nobody is refused, with the reason.
+    replica_ha::certs::issue_unnamed(&cluster.certs, "nobody", 10).unwrap();
+    let unnamed = replica_ha::net::tls::unchecked_client(&cluster.certs, Some("nobody")).unwrap();
+    let refused = open_nbd(nbd, unnamed).await.err().expect("refused");
+    assert!(
+        refused.to_string().contains("names no node or client"),
+        "{refused}"
+    );
+
+    // A node removed from the membership is refused as the replica
+    // service refuses it.
+    let removed = [1u64, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let member = nbd_tls_of(
+        &cluster,
+        TlsFiles::for_node(&cluster.certs, NodeId(removed)),
+        Party::Node(NodeId(removed)),
+    );
+    let mut session = open_nbd(nbd, Arc::clone(&member))
+        .await
+        .expect("a member is served");
+    assert_eq!(nbd_write(&mut session, 8192, 0x33).await, 0);
+    let (ok, out, err) = cluster
+        .cli(writer, &["members", "remove", "--id", &removed.to_string()])
+        .await;
+    assert!(ok, "members remove {removed}: {out}{err}");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match open_nbd(nbd, Arc::clone(&member)).await {
+            Err(refused) => {
+                assert!(refused.to_string().contains("not a member"), "{refused}");
+                break;
+            }
+            Ok(_) => assert!(
+                Instant::now() < deadline,
+                "node {removed} was removed and is still served"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The session it opened before is closed too.
+    let mut byte = [0u8; 1];
+    let ended = tokio::time::timeout(WAIT, async {
+        use tokio::io::AsyncReadExt;
+        session.reader.read(&mut byte).await
+    })
+    .await
+    .expect("the removed node's open session is closed");
+    assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+}
+
+/// Secure by default (#36): a writer whose NBD listener is bound beyond
+/// loopback requires TLS and a client certificate unless `nbd_tls =
+/// "off"` says otherwise, so a plaintext client can neither write nor
+/// read, and a certificate that may write does. `nbd_tls = "off"` set
+/// explicitly serves plaintext there, with a warning at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbd_beyond_loopback_refuses_plaintext_by_default() {
+    let _serial = one_cluster_at_a_time().await;
+    let mut cluster = Cluster::new(3);
+    cluster.nbd_bind = Some(std::net::Ipv4Addr::UNSPECIFIED.into());
+    for id in cluster.ids.clone() {
+        cluster.spawn(id);
+    }
+    let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    let nbd = cluster.nbd_addrs[&writer];
+    let uri = common::tools::uri(nbd);
+    let write = run("qemu-io", &["-f", "raw", "-c", "write -P 0x44 0 64k", &uri]).await;
+    let text = String::from_utf8_lossy(&write.stdout).to_string()
+        + &String::from_utf8_lossy(&write.stderr);
+    assert!(
+        !write.status.success() || text.contains("failed"),
+        "a plaintext client wrote to a writer listening on 0.0.0.0: {text}"
+    );
+    let read = run("nbdinfo", &[&uri]).await;
+    assert!(
+        !read.status.success(),
+        "a plaintext client opened the export"
+    );
+    assert_eq!(plaintext_go_reply(nbd).await, 0x8000_0005);
+
+    let creds = gnutls_dir(&cluster, Some("user"));
+    let (wrote, text) = qemu_io_tls(
+        nbd,
+        &creds,
+        false,
+        &["write -P 0x44 0 64k", "read -P 0x44 0 64k"],
+    )
+    .await;
+    assert!(wrote, "{text}");
+
+    // `nbd_tls = "off"` asked for explicitly is the operator's choice: the
+    // node serves plaintext beyond loopback and says so at start.
+    let follower = [1u64, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    cluster.kill(follower);
+    cluster
+        .extra_args
+        .extend(["--nbd-tls".into(), "off".into()]);
+    cluster.spawn(follower);
+    let deadline = Instant::now() + WAIT;
+    while !cluster
+        .log(follower)
+        .contains("NBD is PLAINTEXT beyond loopback")
+    {
+        assert!(Instant::now() < deadline, "no warning at start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let follower_nbd = cluster.nbd_addrs[&follower];
+    while tokio::net::TcpStream::connect(follower_nbd).await.is_err() {
+        assert!(Instant::now() < deadline, "node {follower} never listened");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(plaintext_go_reply(follower_nbd).await, 0x8000_0005);
 }

@@ -213,7 +213,8 @@ enum MembersCommand {
 }
 
 /// How the CLI authenticates to a node: a client certificate of the
-/// cluster CA (role `viewer` to read, `admin` to change). `cluster/up`
+/// cluster CA (role `viewer` to read, `admin` to change; `attach` needs
+/// `user` or `admin` to write the volume). `cluster/up`
 /// prints the exact flags (or the environment) to use.
 #[derive(Args)]
 struct ClientTls {

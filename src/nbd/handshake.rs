@@ -18,7 +18,16 @@
 //! invalid). Where TLS is required, every option before it but `STARTTLS`
 //! and `ABORT` gets `NBD_REP_ERR_TLS_REQD`, and `EXPORT_NAME`, which has no
 //! error reply, closes the connection: nothing about the export, not even
-//! its name, is told in plaintext.
+//! its name, is told in plaintext (TLS is required, too, where client
+//! certificates are: a plaintext client has none).
+//!
+//! **Who may use it** (S9) is settled first, by the client's certificate
+//! ([`Export::grant`](super::Export)): a client whose certificate may not
+//! use the export (it names nobody of this cluster, or a node that is not
+//! a member) gets `NBD_REP_ERR_POLICY` with the reason for every option
+//! but `ABORT`, and `EXPORT_NAME` closes the connection; one whose role
+//! only reads (a viewer) is offered the export read-only even on the
+//! writer.
 //!
 //! The export is offered as the device grants it at that moment
 //! ([`crate::volume::Access`]): read-write under the gate's term, which the
@@ -32,7 +41,7 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::wire::{self, WireError};
-use super::{ConnectionError, Export};
+use super::{Client, ConnectionError, Export, Refusal};
 use crate::ids::Term;
 use crate::volume::{Access, Device};
 
@@ -93,12 +102,13 @@ pub enum Step {
     StartTls { no_zeroes: bool },
 }
 
-/// Runs the handshake over `stream` up to a session, an abort, or an
-/// upgrade to TLS.
+/// Runs the handshake over `stream`, for `client`, up to a session, an
+/// abort, or an upgrade to TLS.
 pub async fn negotiate<S>(
     stream: &mut S,
     export: &Export,
     phase: Phase,
+    client: &Client,
 ) -> Result<Step, ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -145,7 +155,22 @@ where
             stream.flush().await?;
             continue;
         }
-        let offer = export.offer().map(|session| Session {
+        let refused = match option {
+            wire::OPT_ABORT => None,
+            _ => export.grant(client).err(),
+        };
+        if let Some(why) = refused {
+            if option == wire::OPT_EXPORT_NAME {
+                return Err(ConnectionError::Refused(why));
+            }
+            tracing::info!(%why, "NBD client refused");
+            stream
+                .write_all(&reply(wire::REP_ERR_POLICY, why.as_bytes()))
+                .await?;
+            stream.flush().await?;
+            continue;
+        }
+        let offer = export.offer(client).map(|session| Session {
             structured,
             allocation,
             ..session
@@ -211,7 +236,10 @@ where
                 if !export.answers_to(&data) {
                     return Err(ConnectionError::UnknownExport(lossy(&data)));
                 }
-                let session = offer.map_err(|err| ConnectionError::Unavailable(err.to_string()))?;
+                let session = offer.map_err(|refusal| match refusal {
+                    Refusal::Policy(why) => ConnectionError::Refused(why),
+                    Refusal::Unavailable(err) => ConnectionError::Unavailable(err.to_string()),
+                })?;
                 let size = export.device.size();
                 stream
                     .write_all(&wire::export_name_reply(size, session.flags, no_zeroes))
@@ -248,11 +276,12 @@ where
                         .await?;
                 }
                 (Ok(_), Err(refused)) => {
-                    let why = refused.to_string();
+                    let (kind, why) = match refused {
+                        Refusal::Policy(why) => (wire::REP_ERR_POLICY, why),
+                        Refusal::Unavailable(err) => (wire::REP_ERR_UNKNOWN, err.to_string()),
+                    };
                     tracing::info!(%why, "NBD export refused");
-                    stream
-                        .write_all(&reply(wire::REP_ERR_UNKNOWN, why.as_bytes()))
-                        .await?;
+                    stream.write_all(&reply(kind, why.as_bytes())).await?;
                 }
                 (Ok(request), Ok(session)) => {
                     for info in export_infos(export, session.flags, &request.infos) {

@@ -15,6 +15,18 @@
 //!   request that met the closed gate gets no reply, never `ESHUTDOWN` and
 //!   never a silent success (design C1, see [`transmission`]). Clients
 //!   reconnect to the new writer and retry there.
+//! - **Who may use it (S9).** With `nbd_tls`, a client that upgrades
+//!   presents a certificate of the cluster CA (required with
+//!   `nbd_client_auth`), and its identity decides: a node of the current
+//!   membership and an `admin` or `user` client may write; a `viewer` gets
+//!   a read-only export (`EPERM` for a write sent anyway); a node that is
+//!   not a member (removed by `members remove`) is refused by the same
+//!   guard as the replica service's ([`crate::net::Audience::Volume`]),
+//!   and a certificate that names no identity of this cluster is refused,
+//!   both with the reason (`NBD_REP_ERR_POLICY`); a session whose node is
+//!   removed while it is open is closed (see [`transmission`]). A client without a
+//!   certificate gets what the node grants it ([`Export::with_anonymous`];
+//!   see `node::config` for how that follows from the listen address).
 //! - **Fenced reads.** A passive node serves reads of its own replica only
 //!   while that replica is in the committed in-sync set
 //!   ([`crate::ha::ReadGate`]). Otherwise `GO`/`INFO` are refused with
@@ -57,8 +69,10 @@ use tokio::task::JoinSet;
 
 pub use transmission::{CLOSE_GRACE, errno};
 
-use crate::net::Tls;
+use crate::certs::PeerIdentity;
+use crate::net::conn::PeerInfo;
 use crate::net::tls::NbdClientAuth;
+use crate::net::{PeerGuard, Tls};
 use crate::volume::{Access, Device, DeviceError, MAX_REQUEST};
 
 /// The largest read or write one request may carry.
@@ -87,6 +101,39 @@ pub struct Export {
     executing: Semaphore,
     /// TLS (`nbd_tls`), when on.
     tls: Option<ExportTls>,
+    /// What a client that presents no certificate may do.
+    anonymous: Grant,
+}
+
+/// What a client may do with the export, as its certificate (or the lack
+/// of one) says; the device then decides what it can have now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grant {
+    /// A writable export, on the writer.
+    ReadWrite,
+    /// A read-only export, even on the writer.
+    ReadOnly,
+}
+
+/// Who is at the other end of a connection, as far as the server knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Client {
+    /// No certificate: plaintext, or TLS without one.
+    Anonymous,
+    /// A certificate of the cluster CA that names this identity.
+    Certified(Arc<PeerIdentity>),
+    /// A certificate of the cluster CA that names no identity of this
+    /// cluster, and why.
+    Unnamed(String),
+}
+
+/// Why the export is not offered to a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refusal {
+    /// The client may not use it at all (its certificate's fault).
+    Policy(String),
+    /// This node may not serve it now (S10).
+    Unavailable(DeviceError),
 }
 
 /// How an export speaks TLS.
@@ -99,6 +146,10 @@ pub struct ExportTls {
     pub required: bool,
     /// Whether a client must present a certificate from the cluster CA.
     pub client_auth: NbdClientAuth,
+    /// Who may use the export ([`crate::net::Audience::Volume`]): the same
+    /// member admission as the replica service's, so a node removed from
+    /// the membership is refused here too.
+    pub guard: PeerGuard,
 }
 
 impl Export {
@@ -114,6 +165,7 @@ impl Export {
             device,
             executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
             tls: None,
+            anonymous: Grant::ReadWrite,
         }
     }
 
@@ -123,12 +175,70 @@ impl Export {
         self
     }
 
+    /// The same export, granting `grant` to a client without a certificate
+    /// (by default [`Grant::ReadWrite`], as `attach`'s local socket).
+    pub fn with_anonymous(mut self, grant: Grant) -> Self {
+        self.anonymous = grant;
+        self
+    }
+
     fn has_tls(&self) -> bool {
         self.tls.is_some()
     }
 
+    /// Whether a client must upgrade to TLS before anything else: where TLS
+    /// is required, or client certificates are (a plaintext client has
+    /// none).
     fn tls_required(&self) -> bool {
-        self.tls.as_ref().is_some_and(|tls| tls.required)
+        self.tls
+            .as_ref()
+            .is_some_and(|tls| tls.required || tls.client_auth == NbdClientAuth::Required)
+    }
+
+    /// Who the client of a finished TLS handshake is, from the certificate
+    /// it presented (T3 of [`crate::net::tls`]).
+    fn client_of(&self, certs: Option<&[rustls::pki_types::CertificateDer<'_>]>) -> Client {
+        let Some(tls) = &self.tls else {
+            return Client::Anonymous;
+        };
+        match tls.credentials.client_identity(certs) {
+            Ok(None) => Client::Anonymous,
+            Ok(Some(identity)) => Client::Certified(Arc::new(identity)),
+            Err(err) => Client::Unnamed(err.to_string()),
+        }
+    }
+
+    /// What `client` may do with the export (S9): decided by its
+    /// certificate before anything touches the volume. A client without
+    /// one gets what the configuration grants it; a certificate is
+    /// admitted by the same guard as the replica service's and then
+    /// gets what its role allows; one that names nobody of this cluster is
+    /// refused.
+    fn grant(&self, client: &Client) -> Result<Grant, String> {
+        let identity = match client {
+            Client::Anonymous => return Ok(self.anonymous),
+            Client::Unnamed(why) => {
+                return Err(format!(
+                    "the client certificate names no node or client of this cluster: {why}"
+                ));
+            }
+            Client::Certified(identity) => identity,
+        };
+        let guard = self
+            .tls
+            .as_ref()
+            .map(|tls| &tls.guard)
+            .ok_or_else(|| "this server has no TLS to check a certificate with".to_string())?;
+        let peer = PeerInfo {
+            remote: None,
+            tls: true,
+            identity: Some(Arc::clone(identity)),
+        };
+        match guard.admit(Some(&peer)) {
+            Ok(caller) if caller.writes_data() => Ok(Grant::ReadWrite),
+            Ok(_) => Ok(Grant::ReadOnly),
+            Err(status) => Err(status.message().to_string()),
+        }
     }
 
     /// Whether a client asking for `name` means this export ("" is the
@@ -137,15 +247,21 @@ impl Export {
         name.is_empty() || name == self.name.as_bytes()
     }
 
-    /// The session a client connecting now would get: writable, bound to
-    /// the gate's term, only while this node's gate would pass a write;
-    /// read-only while its copy may be read; else why not.
-    fn offer(&self) -> Result<handshake::Session, DeviceError> {
+    /// The session `client` would get now: refused if its certificate
+    /// does not allow it; writable, bound to the gate's term, only if it
+    /// may write and while this node's gate would pass a write; read-only
+    /// while this node's copy may be read; else why not.
+    fn offer(&self, client: &Client) -> Result<handshake::Session, Refusal> {
+        let grant = self.grant(client).map_err(Refusal::Policy)?;
         let flags = wire::TFLAG_HAS_FLAGS
             | wire::TFLAG_SEND_FLUSH
             | wire::TFLAG_CAN_MULTI_CONN
             | wire::TFLAG_SEND_CACHE;
-        match self.device.access() {
+        let access = match (self.device.access(), grant) {
+            (Access::ReadWrite { .. }, Grant::ReadOnly) => Access::ReadOnly,
+            (access, _) => access,
+        };
+        match access {
             Access::ReadWrite { term } => Ok(handshake::Session {
                 flags: flags
                     | wire::TFLAG_SEND_FUA
@@ -162,7 +278,7 @@ impl Export {
                 structured: false,
                 allocation: None,
             }),
-            Access::Refused(why) => Err(why),
+            Access::Refused(why) => Err(Refusal::Unavailable(why)),
         }
     }
 }
@@ -189,6 +305,10 @@ pub enum ConnectionError {
     /// now (its copy may not be read); that option has no error reply.
     #[error("export not available: {0}")]
     Unavailable(String),
+    /// `NBD_OPT_EXPORT_NAME` from a client whose certificate does not
+    /// allow it the export; that option has no error reply.
+    #[error("client refused: {0}")]
+    Refused(String),
     /// `NBD_OPT_EXPORT_NAME` before `STARTTLS` where TLS is required.
     #[error("the client chose the export without TLS, which is required")]
     TlsRequired,
@@ -295,9 +415,10 @@ pub async fn handle<S>(stream: S, export: Arc<Export>) -> Result<(), ConnectionE
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (stream, negotiated) = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
-        .await
-        .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    let (stream, negotiated, client) =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
+            .await
+            .map_err(|_| ConnectionError::HandshakeTimeout)??;
     let (reader, writer) = tokio::io::split(stream);
     match negotiated {
         Some(session) => {
@@ -307,27 +428,29 @@ where
                 "read-only"
             };
             tracing::debug!(mode, "NBD export opened");
-            transmission::run(reader, writer, export, session).await
+            transmission::run(reader, writer, export, session, client).await
         }
         None => Ok(()),
     }
 }
 
 /// The handshake: option haggling, and the TLS handshake when the client
-/// asks for it. Returns the stream to serve on and the session, if any.
+/// asks for it. Returns the stream to serve on, the session, if any, and
+/// who the client is.
 async fn negotiate<S>(
     stream: S,
     export: &Export,
-) -> Result<(Box<dyn Io>, Option<handshake::Session>), ConnectionError>
+) -> Result<(Box<dyn Io>, Option<handshake::Session>, Client), ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut stream: Box<dyn Io> = Box::new(stream);
     let mut phase = handshake::Phase::Fresh;
+    let mut client = Client::Anonymous;
     loop {
-        match handshake::negotiate(&mut stream, export, phase).await? {
-            handshake::Step::Session(session) => return Ok((stream, Some(session))),
-            handshake::Step::Aborted => return Ok((stream, None)),
+        match handshake::negotiate(&mut stream, export, phase, &client).await? {
+            handshake::Step::Session(session) => return Ok((stream, Some(session), client)),
+            handshake::Step::Aborted => return Ok((stream, None, client)),
             handshake::Step::StartTls { no_zeroes } => {
                 let tls = export.tls.as_ref().ok_or(ConnectionError::TlsRequired)?;
                 let config = tls
@@ -338,17 +461,14 @@ where
                     .accept(stream)
                     .await
                     .map_err(|err| ConnectionError::Tls(err.to_string()))?;
-                if let Some(client) = secured
-                    .get_ref()
-                    .1
-                    .peer_certificates()
-                    .and_then(|c| c.first())
-                {
-                    match crate::certs::identity_of(client) {
-                        Ok(identity) => tracing::info!(%identity, "NBD client authenticated"),
-                        Err(err) => {
-                            tracing::info!(%err, "NBD client presented a certificate of the CA")
-                        }
+                client = export.client_of(secured.get_ref().1.peer_certificates());
+                match &client {
+                    Client::Anonymous => tracing::info!("NBD client without a certificate"),
+                    Client::Certified(identity) => {
+                        tracing::info!(%identity, "NBD client authenticated")
+                    }
+                    Client::Unnamed(why) => {
+                        tracing::info!(%why, "NBD client's certificate names nobody")
                     }
                 }
                 stream = Box::new(secured);

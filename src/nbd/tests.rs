@@ -967,3 +967,221 @@ async fn zero_length_requests_at_the_end_are_fine() {
     assert_eq!(client.read(2, SIZE as u64, 0).await, Ok(vec![]));
     client.finish().await.unwrap();
 }
+
+/// The roles on NBD (S9, #36), in one process: a writable export on the
+/// writer over TLS, and clients presenting each kind of certificate.
+mod roles {
+    use std::collections::BTreeSet;
+
+    use tokio::io::AsyncWriteExt;
+
+    use super::super::client::{self, ClientError, Connection};
+    use super::super::{Export, ExportTls, Grant, NbdStats, serve};
+    use super::*;
+    use crate::certs::{self, Role, TlsFiles};
+    use crate::ids::NodeId;
+    use crate::net::tls::{NbdClientAuth, Party};
+    use crate::net::{Audience, Limits, Tls, Transport};
+
+    const CLUSTER: &str = "roles";
+
+    struct Served {
+        addr: String,
+        certs: tempfile::TempDir,
+        transport: Transport,
+        _stop: tokio::sync::watch::Sender<bool>,
+    }
+
+    /// Node 1, the writer, serving over TLS to clients of any kind, with
+    /// nodes 1 to 3 as members and `anonymous` for clients without a
+    /// certificate.
+    async fn writer(anonymous: Grant) -> Served {
+        let certs = tempfile::tempdir().unwrap();
+        let dir = certs.path();
+        certs::init(dir, CLUSTER, 30, false).unwrap();
+        for id in 1..=4 {
+            certs::issue_node(dir, NodeId(id), &[], 10).unwrap();
+        }
+        certs::issue_client(dir, "ops", Role::Admin, 10).unwrap();
+        certs::issue_client(dir, "vm", Role::User, 10).unwrap();
+        certs::issue_client(dir, "grafana", Role::Viewer, 10).unwrap();
+        certs::issue_unnamed(dir, "nobody", 10).unwrap();
+        let tls = Tls::load(
+            TlsFiles::for_node(dir, NodeId(1)),
+            CLUSTER,
+            Party::Node(NodeId(1)),
+        )
+        .unwrap();
+        let members: BTreeSet<NodeId> = (1..=3).map(NodeId).collect();
+        let transport = Transport::secured(Limits::default(), Arc::clone(&tls))
+            .with_members(Arc::new(std::sync::RwLock::new(members)));
+        let engine = MemoryEngine::new(SIZE);
+        engine.activate(Term(3)).await.unwrap();
+        let export = Export::new("vol0", "test volume", engine)
+            .with_anonymous(anonymous)
+            .with_tls(ExportTls {
+                credentials: tls,
+                required: false,
+                client_auth: NbdClientAuth::Optional,
+                guard: transport.guard(Audience::Volume),
+            });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        tokio::spawn(serve(
+            listener,
+            Arc::new(export),
+            Arc::new(NbdStats::default()),
+            stopped,
+        ));
+        Served {
+            addr,
+            certs,
+            transport,
+            _stop: stop,
+        }
+    }
+
+    async fn open(served: &Served, who: Option<&str>) -> Result<Connection, ClientError> {
+        let config = crate::net::tls::unchecked_client(served.certs.path(), who).unwrap();
+        let name = crate::net::tls::server_name(&served.addr);
+        tokio::time::timeout(
+            DEADLINE,
+            client::connect(&served.addr, "vol0", Some((config, name))),
+        )
+        .await
+        .expect("the handshake ends")
+    }
+
+    /// One 512-byte write at 0; its error code.
+    async fn write(connection: &mut Connection) -> u32 {
+        let request = Request {
+            flags: 0,
+            command: Command::Write,
+            cookie: 9,
+            offset: 0,
+            len: 512,
+        };
+        let data = bytes::Bytes::from(vec![0x5a; 512]);
+        client::send(&mut connection.writer, &request, Some(&data))
+            .await
+            .unwrap();
+        connection.writer.flush().await.unwrap();
+        let (error, cookie) = client::receive(&mut connection.reader).await.unwrap();
+        assert_eq!(cookie, 9);
+        error
+    }
+
+    fn read_only(connection: &Connection) -> bool {
+        connection.export.flags & TFLAG_READ_ONLY != 0
+    }
+
+    #[tokio::test]
+    async fn a_certificate_gets_what_its_role_allows() {
+        let served = writer(Grant::ReadWrite).await;
+        for who in ["ops", "vm", "node-2"] {
+            let mut session = open(&served, Some(who)).await.unwrap();
+            assert!(!read_only(&session), "{who} may write");
+            assert_eq!(write(&mut session).await, 0, "{who} wrote");
+        }
+        // A viewer reads, and a write it sends anyway is refused.
+        let mut viewer = open(&served, Some("grafana")).await.unwrap();
+        assert!(read_only(&viewer), "a viewer's export is read-only");
+        assert_eq!(write(&mut viewer).await, EPERM);
+    }
+
+    #[tokio::test]
+    async fn a_certificate_that_names_nobody_or_a_non_member_is_refused_with_the_reason() {
+        let served = writer(Grant::ReadWrite).await;
+        let refused = open(&served, Some("nobody")).await.err().expect("refused");
+        assert!(
+            refused.to_string().contains("names no node or client"),
+            "{refused}"
+        );
+        let refused = open(&served, Some("node-4")).await.err().expect("refused");
+        assert!(
+            refused.to_string().contains("node 4 is not a member"),
+            "{refused}"
+        );
+
+        // Removed from the membership, a node is refused from then on,
+        // by the same admission as the replica service's.
+        let mut member = open(&served, Some("node-3")).await.unwrap();
+        assert_eq!(write(&mut member).await, 0);
+        served.transport.expel_member(NodeId(3));
+        let refused = open(&served, Some("node-3")).await.err().expect("refused");
+        assert!(
+            refused.to_string().contains("node 3 is not a member"),
+            "{refused}"
+        );
+    }
+
+    /// As the replica service refuses a removed node's frames on a link
+    /// it already had, an NBD session of a node removed from the
+    /// membership is closed, not only new ones refused.
+    #[tokio::test]
+    async fn a_session_of_a_node_removed_from_the_membership_is_closed() {
+        use tokio::io::AsyncReadExt;
+        let served = writer(Grant::ReadWrite).await;
+        let mut member = open(&served, Some("node-3")).await.unwrap();
+        assert_eq!(write(&mut member).await, 0);
+        let mut user = open(&served, Some("vm")).await.unwrap();
+        served.transport.expel_member(NodeId(3));
+        let mut byte = [0u8; 1];
+        let ended = tokio::time::timeout(DEADLINE, member.reader.read(&mut byte))
+            .await
+            .expect("the removed node's session ends");
+        assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+        // Nobody else's session is touched.
+        assert_eq!(write(&mut user).await, 0);
+    }
+
+    #[tokio::test]
+    async fn a_client_without_a_certificate_gets_what_the_node_grants() {
+        let open_to_all = writer(Grant::ReadWrite).await;
+        let mut session = open(&open_to_all, None).await.unwrap();
+        assert_eq!(write(&mut session).await, 0);
+
+        let guarded = writer(Grant::ReadOnly).await;
+        let mut session = open(&guarded, None).await.unwrap();
+        assert!(read_only(&session));
+        assert_eq!(write(&mut session).await, EPERM);
+        let plain = client::connect(&guarded.addr, "vol0", None).await.unwrap();
+        assert!(read_only(&plain), "plaintext too");
+    }
+
+    #[tokio::test]
+    async fn client_certificates_required_means_tls_required() {
+        let engine = MemoryEngine::new(SIZE);
+        engine.activate(Term(3)).await.unwrap();
+        let certs = tempfile::tempdir().unwrap();
+        certs::init(certs.path(), CLUSTER, 30, false).unwrap();
+        certs::issue_node(certs.path(), NodeId(1), &[], 10).unwrap();
+        let tls = Tls::load(
+            TlsFiles::for_node(certs.path(), NodeId(1)),
+            CLUSTER,
+            Party::Node(NodeId(1)),
+        )
+        .unwrap();
+        let transport = Transport::secured(Limits::default(), Arc::clone(&tls));
+        let export = Arc::new(
+            Export::new("vol0", "test volume", engine).with_tls(ExportTls {
+                credentials: tls,
+                required: false,
+                client_auth: NbdClientAuth::Required,
+                guard: transport.guard(Audience::Volume),
+            }),
+        );
+        let mut client = connect(&export);
+        client.greet(CLIENT_FIXED_NEWSTYLE).await;
+        client
+            .send_option(OPT_GO, &info_request(b"vol0", &[]))
+            .await;
+        assert_eq!(client.option_reply().await.kind, REP_ERR_TLS_REQD);
+        client.send_option(OPT_EXPORT_NAME, b"vol0").await;
+        assert!(matches!(
+            client.finish().await,
+            Err(ConnectionError::TlsRequired)
+        ));
+    }
+}

@@ -32,6 +32,11 @@
 //! session ends — its gate closed, the client hung up or sent `DISC` — it
 //! is not sent again, so it cannot land after what the client sent since.
 //!
+//! **A client no longer admitted is closed the same way (S9).** A session
+//! opened with a certificate polls its admission every [`GATE_POLL`]: once
+//! the certificate's node left the membership, the session is closed as if
+//! its gate had closed (requests it read in the poll's window still run).
+//!
 //! Every other error goes back as an NBD error code; see [`errno`]: range
 //! errors, `EINVAL`, `EPERM` for writes on a read-only session, and `EIO`
 //! for a read that a passive node refuses because its copy left the in-sync
@@ -50,7 +55,7 @@ use tokio::time::Instant;
 
 use super::handshake::Session;
 use super::wire::{self, Command, Request};
-use super::{ConnectionError, Export, MAX_REQUEST_LEN};
+use super::{Client, ConnectionError, Export, MAX_REQUEST_LEN};
 use crate::volume::{Bond, Change, Device, DeviceError, RangeError};
 
 /// The read buffer of a connection. A payload's bytes past what the buffer
@@ -158,12 +163,13 @@ fn chunked(session: Session, request: &Request) -> bool {
     session.structured && matches!(request.command, Command::Read | Command::BlockStatus)
 }
 
-/// Serves requests until the client disconnects or sends garbage.
+/// Serves `client`'s requests until it disconnects or sends garbage.
 pub async fn run<R, W>(
     reader: R,
     writer: W,
     export: Arc<Export>,
     session: Session,
+    client: Client,
 ) -> Result<(), ConnectionError>
 where
     R: AsyncRead + Unpin,
@@ -195,6 +201,10 @@ where
                 term = ?session.term.map(|term| term.0),
                 "the session's gate closed: closing the connection"
             );
+            Ok(())
+        }
+        why = admission_lost(&export, &client, &closed) => {
+            tracing::info!(%why, "the client is no longer admitted: closing the connection");
             Ok(())
         }
     };
@@ -235,6 +245,33 @@ async fn gate_closed(device: &dyn Device, session: Session, closed: &watch::Send
     }
     closed.send_replace(true);
     tokio::time::sleep(LINGER).await;
+}
+
+/// Resolves [`LINGER`] after `client`'s certificate is no longer admitted
+/// to the export (a node removed from the membership), with the reason,
+/// and marks the session closed at once, as a closed gate does; never for
+/// a client whose admission cannot change (one without a certificate), nor
+/// once the session closed for another reason.
+async fn admission_lost(export: &Export, client: &Client, closed: &watch::Sender<bool>) -> String {
+    if !matches!(client, Client::Certified(_)) {
+        return std::future::pending().await;
+    }
+    let mut watched = closed.subscribe();
+    let why = loop {
+        let ended = tokio::select! {
+            () = tokio::time::sleep(GATE_POLL) => false,
+            _ = watched.wait_for(|closed| *closed) => true,
+        };
+        if ended {
+            return std::future::pending().await;
+        }
+        if let Err(why) = export.grant(client) {
+            break why;
+        }
+    };
+    closed.send_replace(true);
+    tokio::time::sleep(LINGER).await;
+    why
 }
 
 /// Reads requests and spawns them; returns on `DISC`, end of stream or a

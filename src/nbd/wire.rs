@@ -45,6 +45,8 @@ pub const REP_INFO: u32 = 3;
 pub const REP_META_CONTEXT: u32 = 4;
 const REP_ERROR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = REP_ERROR | 1;
+/// The server's policy forbids the option to this client.
+pub const REP_ERR_POLICY: u32 = REP_ERROR | 2;
 pub const REP_ERR_INVALID: u32 = REP_ERROR | 3;
 pub const REP_ERR_UNKNOWN: u32 = REP_ERROR | 6;
 pub const REP_ERR_TLS_REQD: u32 = REP_ERROR | 5;

@@ -14,7 +14,9 @@
 //! admitted only from a node certificate of a member of this cluster
 //! (the member list follows the membership), the `Node` service's from any
 //! node certificate of this cluster (a node waiting to be added asks there),
-//! admin requests from a client or node certificate of this cluster. The guard records
+//! admin requests from a client or node certificate of this cluster, and
+//! the NBD export's ([`Audience::Volume`]) from a member's node
+//! certificate or a client's. The guard records
 //! who the caller is ([`Caller`]) in the request, where a handler checks
 //! what a message claims (the Raft sender) or what it needs (the `admin`
 //! role). Nothing from a connection reaches Raft, a replica or the admin
@@ -84,6 +86,11 @@ pub enum Audience {
     Nodes,
     /// Operators and their tools: the admin API.
     Operators,
+    /// Whoever uses the volume's data: the NBD export. Member nodes and
+    /// clients of any role are admitted (what they may do is their role's,
+    /// [`Caller::writes_data`]); a node that is not a member is refused as
+    /// the members' services refuse it.
+    Volume,
 }
 
 /// Why the transport could not make a connection.
@@ -285,6 +292,15 @@ impl PeerGuard {
         self.audience
     }
 
+    /// The same guard, checking certificates against `cluster_id` even
+    /// when the transport itself is insecure: for a server whose clients
+    /// do authenticate (NBD with `nbd_tls`), so that their certificates
+    /// count for what they name, never for everything.
+    pub fn for_cluster(mut self, cluster_id: &str) -> Self {
+        self.cluster_id = Some(Arc::from(cluster_id));
+        self
+    }
+
     /// Who `peer` is, if it may call a service for this guard's audience.
     pub fn admit(&self, peer: Option<&PeerInfo>) -> Result<Caller, Status> {
         let Some(cluster_id) = &self.cluster_id else {
@@ -294,7 +310,7 @@ impl PeerGuard {
             .and_then(|peer| peer.identity.as_deref())
             .ok_or_else(|| Status::unauthenticated("no client certificate"))?;
         match (identity, self.audience) {
-            (PeerIdentity::Node { cluster_id: c, id }, Audience::Members)
+            (PeerIdentity::Node { cluster_id: c, id }, Audience::Members | Audience::Volume)
                 if **c == **cluster_id && !self.is_member(*id) =>
             {
                 Err(Status::permission_denied(format!(
@@ -310,7 +326,7 @@ impl PeerGuard {
                     name,
                     role,
                 },
-                Audience::Operators,
+                Audience::Operators | Audience::Volume,
             ) if **c == **cluster_id => Ok(Caller::Client {
                 name: name.clone(),
                 role: *role,
@@ -383,6 +399,16 @@ impl Caller {
             Caller::Node(id) => Err(Status::permission_denied(format!(
                 "node {id}'s certificate cannot {what}; use an admin client certificate"
             ))),
+        }
+    }
+
+    /// Whether the caller may change the volume's data (a writable NBD
+    /// export): a member node, an `admin` or `user` client, and everyone
+    /// in the insecure mode; a `viewer` only reads.
+    pub fn writes_data(&self) -> bool {
+        match self {
+            Caller::Unauthenticated | Caller::Node(_) => true,
+            Caller::Client { role, .. } => role.writes_data(),
         }
     }
 

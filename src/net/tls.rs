@@ -23,7 +23,9 @@
 //! - T3: what a server learns of its client is that client's identity,
 //!   read from the verified certificate after the handshake; a
 //!   connection whose certificate names no identity of this cluster is
-//!   closed.
+//!   closed (gRPC, the block channel) or refused with the reason (NBD).
+//!   The handshake checks only the chain: what the identity may do is
+//!   decided after it, by the [`crate::net::PeerGuard`] of the service.
 //! - T4: [`Tls::reload`] swaps in new credentials only after they passed
 //!   the same checks as at start-up; a reload that fails keeps the old
 //!   ones. Connections already established keep the credentials they were
@@ -209,6 +211,8 @@ impl Tls {
     }
 }
 
+/// Verifies a client's chain against the CA, and nothing else: its
+/// identity and role are read and judged after the handshake (T3).
 fn client_verifier(
     roots: &Arc<RootCertStore>,
     provider: &Arc<CryptoProvider>,
@@ -396,6 +400,40 @@ impl ServerCertVerifier for PeerVerifier {
             .signature_verification_algorithms
             .supported_schemes()
     }
+}
+
+/// Test support: a client configuration that trusts `dir`'s `ca.crt` and
+/// presents `<name>.crt` and `<name>.key` from it (or no certificate),
+/// made without [`Tls::load`]'s checks, so that a test can present what a
+/// server must refuse: a certificate of the CA that names nobody.
+#[cfg(any(test, feature = "testing"))]
+pub fn unchecked_client(dir: &Path, name: Option<&str>) -> Result<Arc<ClientConfig>, String> {
+    let read = |file: String| std::fs::read(dir.join(&file)).map_err(|e| format!("{file}: {e}"));
+    let mut roots = RootCertStore::empty();
+    for ca in CertificateDer::pem_slice_iter(&read("ca.crt".into())?) {
+        roots
+            .add(ca.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let config = match name {
+        None => builder.with_no_client_auth(),
+        Some(name) => {
+            let chain = CertificateDer::pem_slice_iter(&read(format!("{name}.crt"))?)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            let key = PrivateKeyDer::from_pem_slice(&read(format!("{name}.key"))?)
+                .map_err(|e| e.to_string())?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| e.to_string())?
+        }
+    };
+    Ok(Arc::new(config))
 }
 
 /// The name a client sends in its handshake for `addr` (`HOST:PORT`). The

@@ -90,9 +90,11 @@ pub struct ConfigFile {
     pub insecure: Option<bool>,
     /// The node's certificate files.
     pub tls: Option<TlsFile>,
-    /// TLS on the NBD export: "off", "optional" or "require".
+    /// TLS on the NBD export: "off", "optional" or "require"; not set,
+    /// "off" on loopback and "require" beyond it (see [`NbdTls`]).
     pub nbd_tls: Option<String>,
-    /// Whether NBD clients must present a certificate from the cluster CA.
+    /// Whether NBD clients must present a certificate from the cluster CA;
+    /// not set, `true` where `nbd_tls` defaulted to "require".
     pub nbd_client_auth: Option<bool>,
 }
 
@@ -159,6 +161,13 @@ pub struct Overrides {
 }
 
 /// Whether the NBD export speaks TLS (`NBD_OPT_STARTTLS`).
+///
+/// Not set, it follows the listen address (secure by default): `off` on
+/// loopback, where only this machine reaches the port; `require` beyond it,
+/// with `nbd_client_auth` then `true` unless set, so nobody without a
+/// certificate of the cluster CA reaches the volume. `off` beyond loopback
+/// must be asked for, and the node warns at start
+/// ([`NodeConfig::nbd_plaintext_exposed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum NbdTls {
     /// Plaintext only, as qemu-nbd and nbdkit by default.
@@ -391,20 +400,36 @@ impl NodeConfig {
                  pass --insecure to run without authentication",
             );
         }
-        let nbd_tls = match flags.nbd_tls.or(file.nbd_tls).as_deref() {
-            None | Some("off") => NbdTls::Off,
-            Some("optional") => NbdTls::Optional,
-            Some("require") => NbdTls::Require,
-            Some(other) => {
+        // Secure by default: an NBD listener beyond loopback requires TLS
+        // and client certificates unless the configuration says otherwise.
+        let exposed = nbd.filter(beyond_loopback);
+        let given_tls = flags.nbd_tls.or(file.nbd_tls);
+        let nbd_tls = match (given_tls.as_deref(), exposed) {
+            (Some("off"), _) | (None, None) => NbdTls::Off,
+            (Some("optional"), _) => NbdTls::Optional,
+            (Some("require"), _) | (None, Some(_)) => NbdTls::Require,
+            (Some(other), _) => {
                 return fail(format!(
                     "nbd_tls {other:?} is not one of off, optional, require"
                 ));
             }
         };
         if nbd_tls != NbdTls::Off && tls.is_none() {
-            return fail("nbd_tls needs the node's certificates: set [tls] or pass --tls-dir");
+            return fail(match (given_tls, exposed) {
+                (None, Some(addr)) => format!(
+                    "NBD listens on {addr}, beyond loopback, where it requires TLS and client \
+                     certificates by default, which need the node's certificates: set [tls] or \
+                     pass --tls-dir, or set nbd_tls = \"off\" to let anyone who reaches the \
+                     port read and write the volume"
+                ),
+                _ => "nbd_tls needs the node's certificates: set [tls] or pass --tls-dir".into(),
+            });
         }
-        let nbd_client_auth = flags.nbd_client_auth || file.nbd_client_auth.unwrap_or(false);
+        let nbd_client_auth = match (flags.nbd_client_auth, file.nbd_client_auth) {
+            (true, _) => true,
+            (false, Some(given)) => given,
+            (false, None) => exposed.is_some() && nbd_tls == NbdTls::Require,
+        };
         if nbd_client_auth && nbd_tls == NbdTls::Off {
             return fail("nbd_client_auth needs nbd_tls = \"optional\" or \"require\"");
         }
@@ -448,6 +473,33 @@ impl NodeConfig {
             nbd_client_auth,
         })
     }
+
+    /// Whether the NBD listener is bound beyond loopback: to any address
+    /// but 127.0.0.0/8 and ::1 (0.0.0.0 and :: included).
+    pub fn nbd_exposed(&self) -> bool {
+        self.nbd.as_ref().is_some_and(beyond_loopback)
+    }
+
+    /// Whether the NBD export is plaintext beyond loopback (`nbd_tls =
+    /// "off"` asked for explicitly): anyone who reaches the port may read
+    /// and write the volume.
+    pub fn nbd_plaintext_exposed(&self) -> bool {
+        self.nbd_exposed() && self.nbd_tls == NbdTls::Off
+    }
+
+    /// Whether a client without a certificate (plaintext, or TLS without
+    /// one, where `nbd_client_auth` is off) may write through NBD: on
+    /// loopback, and with `nbd_tls = "off"`; beyond loopback with TLS on,
+    /// it only reads.
+    pub fn nbd_anonymous_writes(&self) -> bool {
+        !self.nbd_exposed() || self.nbd_tls == NbdTls::Off
+    }
+}
+
+/// Whether a listener bound to `addr` can be reached from beyond this
+/// machine: any address but 127.0.0.0/8 and ::1.
+fn beyond_loopback(addr: &SocketAddr) -> bool {
+    !addr.ip().is_loopback()
 }
 
 /// A rate in bytes per second from the flag (which wins) or the file:
@@ -683,6 +735,58 @@ mod tests {
             (config.nbd_tls, config.nbd_client_auth),
             (NbdTls::Require, true)
         );
+    }
+
+    /// Secure by default (#36): NBD beyond loopback requires TLS and client
+    /// certificates unless `nbd_tls = "off"` is asked for; on loopback it
+    /// stays open to the machine.
+    #[test]
+    fn nbd_beyond_loopback_requires_certificates_unless_off_is_asked_for() {
+        let at = |addr: &str| Overrides {
+            nbd: Some(addr.into()),
+            ..flags(1)
+        };
+        let build = |file: &str, flags: Overrides| {
+            NodeConfig::build(toml::from_str(file).unwrap(), flags).unwrap()
+        };
+        let local = build("", at("127.0.0.1:10809"));
+        assert_eq!((local.nbd_tls, local.nbd_client_auth), (NbdTls::Off, false));
+        assert!(local.nbd_anonymous_writes() && !local.nbd_plaintext_exposed());
+        for addr in ["0.0.0.0:10809", "10.0.0.5:10809", "[::]:10809"] {
+            let exposed = build("", at(addr));
+            assert_eq!(
+                (exposed.nbd_tls, exposed.nbd_client_auth),
+                (NbdTls::Require, true),
+                "{addr}"
+            );
+            assert!(!exposed.nbd_anonymous_writes(), "{addr}");
+        }
+        // Explicitly off: the operator's choice, warned about at start.
+        let off = build("nbd_tls = \"off\"", at("0.0.0.0:10809"));
+        assert_eq!((off.nbd_tls, off.nbd_client_auth), (NbdTls::Off, false));
+        assert!(off.nbd_plaintext_exposed() && off.nbd_anonymous_writes());
+        // TLS without client authentication: a client without a
+        // certificate only reads.
+        let optional = build("nbd_tls = \"optional\"", at("0.0.0.0:10809"));
+        assert_eq!(
+            (optional.nbd_tls, optional.nbd_client_auth),
+            (NbdTls::Optional, false)
+        );
+        assert!(!optional.nbd_anonymous_writes());
+        let no_auth = build("nbd_client_auth = false", at("0.0.0.0:10809"));
+        assert_eq!(
+            (no_auth.nbd_tls, no_auth.nbd_client_auth),
+            (NbdTls::Require, false)
+        );
+        // No certificates: beyond loopback only with NBD explicitly off.
+        let insecure = Overrides {
+            insecure: true,
+            tls: TlsFile::default(),
+            ..at("0.0.0.0:10809")
+        };
+        let refused = error("", insecure.clone());
+        assert!(refused.contains("nbd_tls = \"off\""), "{refused}");
+        assert!(build("nbd_tls = \"off\"", insecure).nbd_plaintext_exposed());
     }
 
     #[test]

@@ -61,7 +61,7 @@ use crate::admin::AdminService;
 use crate::ha::{Controller, Coordinator};
 use crate::ids::{Incarnation, MemberId, NodeId};
 use crate::members::MemberBook;
-use crate::nbd::{Export, ExportTls};
+use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
@@ -253,7 +253,7 @@ impl Node {
             &view,
             listeners
                 .nbd
-                .map(|listener| (listener, nbd_tls(&config, tls.as_ref()))),
+                .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
             listeners.http,
         );
         tracing::info!(
@@ -406,8 +406,14 @@ pub async fn run(config: NodeConfig) -> Result<(), NodeError> {
 }
 
 /// How the NBD export speaks TLS, from `nbd_tls` and `nbd_client_auth`
-/// (the configuration made sure the credentials are there when needed).
-fn nbd_tls(config: &NodeConfig, tls: Option<&Arc<Tls>>) -> Option<ExportTls> {
+/// (the configuration made sure the credentials are there when needed),
+/// and whom it admits: `transport`'s member admission, checking
+/// certificates against this cluster even when the transport is insecure.
+fn nbd_tls(
+    config: &NodeConfig,
+    tls: Option<&Arc<Tls>>,
+    transport: &Transport,
+) -> Option<ExportTls> {
     let required = match config.nbd_tls {
         NbdTls::Off => return None,
         NbdTls::Optional => false,
@@ -422,6 +428,9 @@ fn nbd_tls(config: &NodeConfig, tls: Option<&Arc<Tls>>) -> Option<ExportTls> {
         credentials: Arc::clone(credentials),
         required,
         client_auth,
+        guard: transport
+            .guard(Audience::Volume)
+            .for_cluster(credentials.cluster_id()),
     })
 }
 
@@ -669,9 +678,23 @@ fn spawn_background(
             "replica-ha volume {} of cluster {}",
             config.volume, config.cluster_id
         );
-        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()));
+        let anonymous = if config.nbd_anonymous_writes() {
+            Grant::ReadWrite
+        } else {
+            Grant::ReadOnly
+        };
+        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()))
+            .with_anonymous(anonymous);
         if let Some(tls) = tls {
             export = export.with_tls(tls);
+        }
+        if config.nbd_plaintext_exposed() {
+            tracing::warn!(
+                nbd = ?config.nbd,
+                "NBD is PLAINTEXT beyond loopback (nbd_tls = \"off\"): anyone who can reach \
+                 the port can read the volume and, on the writer, write it, without a \
+                 certificate; drop nbd_tls = \"off\" to require TLS and client certificates"
+            );
         }
         let export = Arc::new(export);
         let stats = Arc::clone(view.nbd_stats());

@@ -288,7 +288,7 @@ async fn start_attach(cluster: &Cluster) -> (std::process::Child, std::net::Sock
     for (id, node) in &cluster.addrs {
         command.arg("--peer").arg(format!("{id}={node}"));
     }
-    command.args(cluster.cli_tls("viewer"));
+    command.args(cluster.cli_tls("user"));
     let log = std::fs::File::create(cluster.dir.path().join("attach.log")).expect("attach log");
     let child = command.stderr(log).spawn().expect("attach");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

@@ -4,8 +4,10 @@
 //!
 //! Every cluster runs with mutual TLS, as a deployment does by default:
 //! `<dir>/certs` holds its CA, a certificate per node, and the client
-//! certificates `admin` (role admin) and `viewer` (role viewer). The
-//! test's own calls ([`Cluster::channel`]) present `admin`.
+//! certificates `admin` (role admin), `user` (role user: the volume's
+//! data) and `viewer` (role viewer). The test's own calls
+//! ([`Cluster::channel`]) present `admin`; clients that write the volume
+//! through NBD or `attach` present `user`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -91,6 +93,10 @@ pub struct Cluster {
     /// list only each other as peers; the others (nodes to add later) list
     /// every node, so they can reach the members and wait to be added.
     pub founders: Option<Vec<u64>>,
+    /// The address every node's NBD listener binds, with its port from
+    /// `nbd_addrs` (which clients still dial); `None`: `nbd_addrs` as they
+    /// are (loopback).
+    pub nbd_bind: Option<std::net::IpAddr>,
 }
 
 impl Cluster {
@@ -168,6 +174,7 @@ impl Cluster {
             os_chosen_data_ports: false,
             bin: PathBuf::from(BIN),
             founders: None,
+            nbd_bind: None,
         }
     }
 
@@ -182,8 +189,8 @@ impl Cluster {
             .expect("a loopback address")
     }
 
-    /// The CLI's flags to authenticate as client `name` (`admin` or
-    /// `viewer`).
+    /// The CLI's flags to authenticate as client `name` (`admin`, `user`
+    /// or `viewer`).
     pub fn cli_tls(&self, name: &str) -> Vec<String> {
         vec![
             "--tls-dir".into(),
@@ -268,7 +275,10 @@ impl Cluster {
             "--data-dir".into(),
             self.data_dir(id).display().to_string(),
             "--nbd".into(),
-            self.nbd_addrs[&id].to_string(),
+            match self.nbd_bind {
+                Some(ip) => SocketAddr::new(ip, self.nbd_addrs[&id].port()).to_string(),
+                None => self.nbd_addrs[&id].to_string(),
+            },
             "--http".into(),
             self.http_addrs[&id].to_string(),
             "--gate-journal".into(),
@@ -696,7 +706,7 @@ impl Drop for Cluster {
 }
 
 /// Makes a cluster's certificates in `<dir>/certs`: the CA, one per node of
-/// `ids`, and the clients `admin` and `viewer`.
+/// `ids`, and the clients `admin`, `user` and `viewer`.
 pub fn make_certs(dir: &std::path::Path, cluster_id: &str, ids: &[u64]) -> PathBuf {
     use replica_ha::certs::{self, Role};
     let certs = dir.join("certs");
@@ -706,6 +716,7 @@ pub fn make_certs(dir: &std::path::Path, cluster_id: &str, ids: &[u64]) -> PathB
             .expect("a node certificate");
     }
     certs::issue_client(&certs, "admin", Role::Admin, 30).expect("the admin certificate");
+    certs::issue_client(&certs, "user", Role::User, 30).expect("the user certificate");
     certs::issue_client(&certs, "viewer", Role::Viewer, 30).expect("the viewer certificate");
     certs
 }

@@ -120,7 +120,7 @@ impl Stack {
                 for (id, addr) in &cluster.addrs {
                     command.arg("--peer").arg(format!("{id}={addr}"));
                 }
-                command.args(cluster.cli_tls("viewer"));
+                command.args(cluster.cli_tls("user"));
                 let log = std::fs::File::create(dir.join("attach.log")).unwrap();
                 let child = command.stderr(log).spawn().unwrap();
                 let deadline = Instant::now() + WAIT;
