@@ -8,7 +8,10 @@
 //! have no answer are sent again, in order, to the next writer, and the
 //! local client sees nothing but a pause: never an error for a writer
 //! change, never a dropped connection. A request waits at most the
-//! suspend timeout for a writer; then it fails with `EIO`.
+//! suspend timeout for a writer; then it fails with `EIO`. Nothing a
+//! writer does (freezing, vanishing, never greeting) keeps `attach` from
+//! seeing the next one: every wait on a writer is bounded or runs beside
+//! the watch ([`follow`]).
 //!
 //! Downstream it offers one fixed export, whatever node it talks to: the
 //! volume's name and size, writable, with flush, FUA, trim and write
