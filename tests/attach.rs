@@ -914,3 +914,37 @@ async fn through_attach_a_frozen_writer_holds_nothing_up() {
     attach.kill().unwrap();
     let _ = attach.wait();
 }
+
+/// Through attach, a connection opened after a resize is offered the new
+/// size, and writes past the old end land and read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_attach_a_new_connection_sees_the_grown_size() {
+    let _serial = one_cluster_at_a_time().await;
+    let (cluster, writer, mut attach, socket) = under_attach("16MiB", &[]).await;
+    let uri = format!("nbd+unix:///vol0?socket={}", socket.display());
+    let limit = Duration::from_secs(60);
+    let size = || async {
+        let out = common::tools::run_ok_within("nbdinfo", &["--size", &uri], limit).await;
+        out.trim().parse::<u64>().unwrap()
+    };
+    assert_eq!(size().await, common::load::SIZE);
+
+    let (ok, out, err) = cluster.cli(writer, &["resize", "--size", "32MiB"]).await;
+    assert!(ok, "resize failed: {out} {err}");
+    let grown = 2 * common::load::SIZE;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = size().await;
+        if now == grown {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a new connection through attach is still offered {now} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    common::tools::write_and_read_back(&uri, common::load::SIZE + (1 << 20), limit).await;
+    attach.kill().unwrap();
+    let _ = attach.wait();
+}

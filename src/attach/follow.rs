@@ -19,6 +19,10 @@
 //! (sender, reader and socket), and sends every request without an answer
 //! to the next writer, whether or not the old one got its bytes (C3).
 //!
+//! The size offered to new local connections follows the volume's: the
+//! largest any watcher or writer handshake reported (a resize only grows
+//! it); connections already open keep the size they were offered.
+//!
 //! Why sending again is safe:
 //! - A request without an answer has nothing the client sent after it
 //!   depend on it: the client sends a dependent write only after the
@@ -40,6 +44,7 @@
 //! reached, requests wait up to the suspend timeout, then fail with `EIO`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -101,12 +106,14 @@ struct Job {
 /// The device; see the module docs.
 pub struct Following {
     jobs: mpsc::UnboundedSender<Job>,
-    size: u64,
+    /// The volume's size as last learnt; it only grows.
+    size: Arc<AtomicU64>,
 }
 
 impl Following {
-    /// Starts the driver on `tasks`, following `seen`, for a volume of
-    /// `size` bytes.
+    /// Starts the driver on `tasks`, following `seen`, for a volume of at
+    /// least `size` bytes (a larger size that `seen` or a writer reports
+    /// replaces it).
     pub fn start(
         seen: watch::Receiver<Seen>,
         size: u64,
@@ -114,10 +121,13 @@ impl Following {
         tasks: &mut JoinSet<()>,
     ) -> Self {
         let (jobs, queue) = mpsc::unbounded_channel();
+        let size = Arc::new(AtomicU64::new(size));
+        tasks.spawn(learn_size(seen.clone(), Arc::clone(&size)));
         let driver = Driver {
             jobs: queue,
             seen,
             upstream,
+            size: Arc::clone(&size),
             pending: BTreeMap::new(),
             next: 1,
             disconnected_at: Some(Instant::now()),
@@ -127,7 +137,7 @@ impl Following {
     }
 
     fn current_size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
     }
 
     async fn submit(
@@ -228,6 +238,8 @@ struct Driver {
     jobs: mpsc::UnboundedReceiver<Job>,
     seen: watch::Receiver<Seen>,
     upstream: Upstream,
+    /// The size offered to new local connections.
+    size: Arc<AtomicU64>,
     /// Requests without an answer, by sequence number (= cookie).
     pending: BTreeMap<u64, Job>,
     next: u64,
@@ -436,8 +448,9 @@ impl Driver {
         let Connection {
             reader,
             writer: out,
-            ..
+            export,
         } = conn;
+        self.size.fetch_max(export.size, Ordering::Relaxed);
         let reads: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
         let (outgoing, queued) = mpsc::unbounded_channel();
         let mut sending = AbortOnDrop(tokio::spawn(send_all(out, queued)));
@@ -491,6 +504,18 @@ impl Driver {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Learns the volume's size from what the watchers see; it only grows.
+async fn learn_size(mut seen: watch::Receiver<Seen>, size: Arc<AtomicU64>) {
+    loop {
+        if let Some(now) = seen.borrow_and_update().size {
+            size.fetch_max(now, Ordering::Relaxed);
+        }
+        if seen.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -13,9 +13,11 @@
 //! seeing the next one: every wait on a writer is bounded or runs beside
 //! the watch ([`follow`]).
 //!
-//! Downstream it offers one fixed export, whatever node it talks to: the
+//! Downstream it offers one export, whatever node it talks to: the
 //! volume's name and size, writable, with flush, FUA, trim and write
-//! zeroes, multi-connection safe. It shares the NBD server and wire code
+//! zeroes, multi-connection safe. The size is the volume's latest: after
+//! a resize, connections opened from then on are offered the new size
+//! (as the nodes do); open ones keep theirs. It shares the NBD server and wire code
 //! with the node ([`crate::nbd`]); Raft and the replica store stay out of
 //! it.
 //!
