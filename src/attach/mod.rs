@@ -17,9 +17,9 @@
 //! volume's name and size, writable, with flush, FUA, trim and write
 //! zeroes, multi-connection safe. The size is the volume's latest: after
 //! a resize, connections opened from then on are offered the new size
-//! (as the nodes do); open ones keep theirs. It shares the NBD server and wire code
-//! with the node ([`crate::nbd`]); Raft and the replica store stay out of
-//! it.
+//! (as the nodes do); open ones keep theirs. It shares the NBD server and
+//! wire code with the node ([`crate::nbd`]); Raft and the replica store
+//! stay out of it.
 //!
 //! With TLS (the default) it presents a client certificate of the cluster
 //! CA: to `WatchLeader` (a viewer's is enough), and to the writer's export,
