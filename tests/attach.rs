@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -108,6 +108,92 @@ async fn writer(device: Arc<Recorder>, node: u64, term: u64) -> Writer {
 /// What a [`wire_writer`] was sent, in order.
 type WireLog = Arc<Mutex<Vec<Asked>>>;
 
+/// The server's side of the handshake, just enough for `attach`: the
+/// greeting, then one `NBD_OPT_GO`, answered with the export's info.
+async fn fake_handshake(stream: &mut tokio::net::TcpStream) -> std::io::Result<()> {
+    use replica_ha::nbd::wire;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(&wire::greeting()).await?;
+    let _flags = stream.read_u32().await?;
+    let mut header = [0u8; 16];
+    stream.read_exact(&mut header).await?;
+    let option = wire::parse_option_header(&header).unwrap();
+    let mut data = vec![0; option.len as usize];
+    stream.read_exact(&mut data).await?;
+    let info = wire::info_export(SIZE, wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH);
+    stream
+        .write_all(&wire::option_reply(option.option, wire::REP_INFO, &info))
+        .await?;
+    stream
+        .write_all(&wire::option_reply(option.option, wire::REP_ACK, &[]))
+        .await
+}
+
+/// How a [`stalled_writer`] stalls.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stall {
+    /// It accepts the connection and never sends the greeting.
+    BeforeGreeting,
+    /// It completes the handshake and never reads again.
+    AfterHandshake,
+}
+
+/// A writer that stalls as a frozen process does: its kernel accepts the
+/// connection, nothing else answers. Returns it and how many connections
+/// reached the point where it stalls.
+async fn stalled_writer(stall: Stall, node: u64, term: u64) -> (Writer, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stalled = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&stalled);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                if stall == Stall::BeforeGreeting || fake_handshake(&mut stream).await.is_ok() {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    // Holds the connection open, reading nothing.
+                    std::future::pending::<()>().await;
+                }
+                drop(stream);
+            });
+        }
+    });
+    let writer = Writer {
+        node: NodeId(node),
+        term: Term(term),
+        nbd: addr.to_string(),
+    };
+    (writer, stalled)
+}
+
+/// The bytes queued on loopback toward `port` (the receiver's queue and
+/// the sender's), from `/proc/net/tcp`.
+fn queued_toward(port: u16) -> u64 {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port = format!(":{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (local, remote, queues) = (fields.get(1)?, fields.get(2)?, fields.get(4)?);
+            let (tx, rx) = queues.split_once(':')?;
+            let (tx, rx) = (
+                u64::from_str_radix(tx, 16).ok()?,
+                u64::from_str_radix(rx, 16).ok()?,
+            );
+            if local.ends_with(&port) {
+                Some(rx)
+            } else if remote.ends_with(&port) {
+                Some(tx)
+            } else {
+                None
+            }
+        })
+        .sum()
+}
+
 /// A writer that records requests in the order they come over the wire
 /// (the real server runs them concurrently, so its device may see them in
 /// another order) and answers each at once, unless frozen.
@@ -125,20 +211,7 @@ async fn wire_writer(
         while let Ok((mut stream, _)) = listener.accept().await {
             let (log, frozen) = (Arc::clone(&log), Arc::clone(&frozen));
             tokio::spawn(async move {
-                stream.write_all(&wire::greeting()).await?;
-                let _flags = stream.read_u32().await?;
-                let mut header = [0u8; 16];
-                stream.read_exact(&mut header).await?;
-                let option = wire::parse_option_header(&header).unwrap();
-                let mut data = vec![0; option.len as usize];
-                stream.read_exact(&mut data).await?;
-                let info = wire::info_export(SIZE, wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH);
-                stream
-                    .write_all(&wire::option_reply(option.option, wire::REP_INFO, &info))
-                    .await?;
-                stream
-                    .write_all(&wire::option_reply(option.option, wire::REP_ACK, &[]))
-                    .await?;
+                fake_handshake(&mut stream).await?;
                 loop {
                     let mut header = [0u8; wire::REQUEST_LEN];
                     stream.read_exact(&mut header).await?;
@@ -317,15 +390,139 @@ async fn without_a_writer_a_request_waits_the_suspend_timeout_then_fails() {
     assert_eq!(late.log(), vec![Asked::Flush]);
 }
 
+/// The port of a writer's NBD address.
+fn port_of(writer: &Writer) -> u16 {
+    writer.nbd.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+/// A writer that completes the handshake and then stops reading (a frozen
+/// process: its kernel keeps the connection) holds nothing up once the
+/// watchers report another writer: 32 writes of 1 MiB, sent while the
+/// buffers toward it filled, all complete at the next writer within 2 s of
+/// the switch, without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_stops_reading_holds_nothing_up_after_a_switch() {
+    let mut tasks = JoinSet::new();
+    let (frozen, opened) = stalled_writer(Stall::AfterHandshake, 1, 1).await;
+    let port = port_of(&frozen);
+    let log = WireLog::default();
+    let next = wire_writer(Arc::clone(&log), Arc::new(AtomicBool::new(false)), 2, 2).await;
+    let (device, seen) = following(Some(frozen), Duration::from_secs(30), &mut tasks);
+    until("attach opened the frozen writer's export", || {
+        opened.load(Ordering::SeqCst) == 1
+    })
+    .await;
+
+    let writes: Vec<_> = (0..32u8)
+        .map(|i| {
+            let device = Arc::clone(&device);
+            tokio::spawn(async move {
+                device
+                    .write_at(0, Bytes::from(vec![i; SIZE as usize]), false)
+                    .await
+            })
+        })
+        .collect();
+    // The buffers toward the frozen writer are full once what is queued
+    // toward it stops growing (32 MiB is far more than they hold).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut last, mut steady) = (0, 0);
+    while steady < 5 {
+        assert!(Instant::now() < deadline, "the buffers never filled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let queued = queued_toward(port);
+        steady = if queued > 0 && queued == last {
+            steady + 1
+        } else {
+            0
+        };
+        last = queued;
+    }
+    assert!(writes.iter().all(|w| !w.is_finished()));
+
+    seen.send_modify(|s| s.writer = Some(next));
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for write in writes {
+        tokio::time::timeout_at(deadline, write)
+            .await
+            .expect("every write completes within 2 s of the switch")
+            .unwrap()
+            .expect("no error for a writer change");
+    }
+    let mut written: Vec<u8> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|asked| match asked {
+            Asked::Write(_, byte) => Some(*byte),
+            Asked::Flush => None,
+        })
+        .collect();
+    written.sort_unstable();
+    written.dedup();
+    assert_eq!(
+        written,
+        (0..32).collect::<Vec<u8>>(),
+        "all went to the next writer"
+    );
+}
+
+/// A writer that accepts the connection and never sends the greeting is
+/// given up: a switch to a working writer while `attach` is connecting
+/// serves the waiting request at once, and a connect on its own fails
+/// within its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_never_greets_is_given_up() {
+    let mut tasks = JoinSet::new();
+    let (silent, accepted) = stalled_writer(Stall::BeforeGreeting, 1, 1).await;
+    let log = WireLog::default();
+    let good = wire_writer(Arc::clone(&log), Arc::new(AtomicBool::new(false)), 2, 2).await;
+    let (device, seen) = following(Some(silent.clone()), Duration::from_secs(30), &mut tasks);
+    until("attach connected to the silent writer", || {
+        accepted.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    let flush = tokio::spawn({
+        let device = Arc::clone(&device);
+        async move { device.flush().await }
+    });
+    seen.send_modify(|s| s.writer = Some(good));
+    tokio::time::timeout(Duration::from_secs(2), flush)
+        .await
+        .expect("the flush completes within 2 s of the switch")
+        .unwrap()
+        .expect("no error for a writer change");
+    assert_eq!(*log.lock().unwrap(), vec![Asked::Flush]);
+
+    let started = Instant::now();
+    let limit = replica_ha::nbd::client::CONNECT_TIMEOUT
+        + replica_ha::nbd::client::HANDSHAKE_TIMEOUT
+        + Duration::from_secs(1);
+    let outcome = tokio::time::timeout(
+        limit,
+        replica_ha::nbd::client::connect(&silent.nbd, "vol0", None),
+    )
+    .await
+    .expect("the connect gives up within its deadlines");
+    let err = outcome.err().expect("no connection without a greeting");
+    eprintln!("gave up after {:?}: {err}", started.elapsed());
+}
+
 /// Starts `attach` for `cluster` on a socket in its directory, as client
-/// `name`; returns the process and the socket's path.
+/// `name`, with `extra` arguments; returns the process and the socket's
+/// path.
 fn start_attach(
     cluster: &Cluster,
     name: Option<&str>,
+    extra: &[&str],
 ) -> (std::process::Child, std::path::PathBuf) {
     let socket = cluster.dir.path().join("attach.sock");
     let mut command = std::process::Command::new(BIN);
-    command.arg("attach").arg("--socket").arg(&socket);
+    command
+        .arg("attach")
+        .arg("--socket")
+        .arg(&socket)
+        .args(extra);
     for (id, addr) in &cluster.addrs {
         command.arg("--peer").arg(format!("{id}={addr}"));
     }
@@ -396,7 +593,7 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
     let (writer, _) = cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
         .await;
-    let (mut attach, socket) = start_attach(&cluster, Some("user"));
+    let (mut attach, socket) = start_attach(&cluster, Some("user"), &[]);
     wait_for_socket(&socket).await;
 
     // A crash.
@@ -458,7 +655,7 @@ async fn attach_survives_garbage_and_needs_credentials() {
     cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
         .await;
-    let (mut attach, socket) = start_attach(&cluster, Some("user"));
+    let (mut attach, socket) = start_attach(&cluster, Some("user"), &[]);
     wait_for_socket(&socket).await;
     for garbage in [
         &b"GET / HTTP/1.1\r\n\r\n"[..],
@@ -514,4 +711,272 @@ async fn attach_survives_garbage_and_needs_credentials() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!socket.exists());
+}
+
+/// A three-node cluster of `size` (NBD over TLS optional) with its
+/// writer elected, and `attach` on it as the viewer, with `extra`
+/// arguments, serving: the cluster, the writer, attach and its socket.
+async fn under_attach(
+    size: &str,
+    extra: &[&str],
+) -> (Cluster, u64, std::process::Child, std::path::PathBuf) {
+    let cluster = Cluster::start_with(3, &["--size", size, "--nbd-tls", "optional"]).await;
+    let (writer, _) = cluster
+        .wait_for_writer(&[1, 2, 3], Duration::from_secs(20))
+        .await;
+    let (attach, socket) = start_attach(&cluster, Some("user"), extra);
+    wait_for_socket(&socket).await;
+    (cluster, writer, attach, socket)
+}
+
+/// What [`write_through`] saw.
+struct Written {
+    /// Each slot's byte in its last acknowledged write.
+    acked: std::collections::BTreeMap<u64, u8>,
+    /// The longest wait for an answer, and the longest time without one.
+    slowest: Duration,
+    longest_gap: Duration,
+    /// Writes answered, all told.
+    count: u64,
+}
+
+/// One MiB: the block [`write_through`] writes.
+const MIB: u64 = 1 << 20;
+
+/// Writes 1 MiB blocks over `conn`, `depth` at a time, round the MiB
+/// `slots` (never two at once to one slot), until `stop` or `limit`
+/// writes; counts answers in `progress`. Panics on any error answer.
+async fn write_through(
+    conn: replica_ha::nbd::client::Connection,
+    slots: std::ops::Range<u64>,
+    depth: usize,
+    limit: u64,
+    stop: watch::Receiver<bool>,
+    progress: Arc<AtomicUsize>,
+) -> (Written, replica_ha::nbd::client::Connection) {
+    use replica_ha::nbd::client;
+    use replica_ha::nbd::wire::{Command, Request};
+    use std::collections::HashMap;
+    let replica_ha::nbd::client::Connection {
+        mut reader,
+        mut writer,
+        export,
+    } = conn;
+    let mut in_flight: HashMap<u64, (u64, u8, Instant)> = HashMap::new();
+    let mut written = Written {
+        acked: Default::default(),
+        slowest: Duration::ZERO,
+        longest_gap: Duration::ZERO,
+        count: 0,
+    };
+    let mut last_answer = Instant::now();
+    let mut cookie = 0u64;
+    loop {
+        let slot = slots.start + cookie % (slots.end - slots.start);
+        let busy = in_flight.values().any(|(s, _, _)| *s == slot);
+        let stopping = *stop.borrow() || cookie == limit;
+        if !stopping && !busy && in_flight.len() < depth {
+            cookie += 1;
+            let byte = (cookie % 255 + 1) as u8;
+            let request = Request {
+                flags: 0,
+                command: Command::Write,
+                cookie,
+                offset: slot * MIB,
+                len: MIB as u32,
+            };
+            let payload = Bytes::from(vec![byte; MIB as usize]);
+            client::send(&mut writer, &request, Some(&payload))
+                .await
+                .unwrap();
+            tokio::io::AsyncWriteExt::flush(&mut writer).await.unwrap();
+            in_flight.insert(cookie, (slot, byte, Instant::now()));
+            continue;
+        }
+        if in_flight.is_empty() {
+            break;
+        }
+        let (error, answered) = client::receive(&mut reader).await.unwrap();
+        assert_eq!(error, 0, "write {answered} failed through attach");
+        let (slot, byte, sent) = in_flight.remove(&answered).unwrap();
+        let now = Instant::now();
+        written.slowest = written.slowest.max(now - sent);
+        written.longest_gap = written.longest_gap.max(now - last_answer);
+        last_answer = now;
+        written.acked.insert(slot, byte);
+        written.count += 1;
+        progress.fetch_add(1, Ordering::SeqCst);
+    }
+    let conn = replica_ha::nbd::client::Connection {
+        reader,
+        writer,
+        export,
+    };
+    (written, conn)
+}
+
+/// Reads every slot back over `conn` and checks it holds its last
+/// acknowledged write.
+async fn read_back(
+    conn: &mut replica_ha::nbd::client::Connection,
+    acked: &std::collections::BTreeMap<u64, u8>,
+) {
+    use replica_ha::nbd::client;
+    use replica_ha::nbd::wire::{Command, Request};
+    use tokio::io::AsyncReadExt;
+    for (slot, byte) in acked {
+        let request = Request {
+            flags: 0,
+            command: Command::Read,
+            cookie: *slot,
+            offset: slot * MIB,
+            len: MIB as u32,
+        };
+        client::send(&mut conn.writer, &request, None)
+            .await
+            .unwrap();
+        tokio::io::AsyncWriteExt::flush(&mut conn.writer)
+            .await
+            .unwrap();
+        let (error, cookie) = client::receive(&mut conn.reader).await.unwrap();
+        assert_eq!((error, cookie), (0, *slot));
+        let mut data = vec![0; MIB as usize];
+        conn.reader.read_exact(&mut data).await.unwrap();
+        assert!(
+            data.iter().all(|b| b == byte),
+            "MiB {slot} does not hold its last acknowledged write"
+        );
+    }
+}
+
+/// Waits until `progress` counts `more` answers beyond `from`, or panics
+/// naming `what` after `within`.
+async fn progress_past(
+    progress: &AtomicUsize,
+    from: usize,
+    more: usize,
+    within: Duration,
+    what: &str,
+) {
+    let deadline = Instant::now() + within;
+    while progress.load(Ordering::SeqCst) < from + more {
+        assert!(Instant::now() < deadline, "no writes answered {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Through attach, a client writing 1 MiB blocks eight at a time sees no
+/// error and loses nothing while the writer is SIGSTOPped for 10 s (its
+/// kernel keeps the connections); nor does a second client that sends 32
+/// writes of 1 MiB at once just after the stop, which fill the buffers
+/// toward the frozen writer: attach follows the next writer instead of
+/// waiting for the frozen one. With `--suspend-timeout 5`, no write may
+/// wait longer than that bound plus the 3 s the next writer may need to
+/// take over: an attach that waited for the frozen writer would hold
+/// writes for the whole 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_attach_a_frozen_writer_holds_nothing_up() {
+    let _serial = one_cluster_at_a_time().await;
+    let listen = format!("127.0.0.1:{}", common::cluster::free_port());
+    let (cluster, writer, mut attach, _) =
+        under_attach("64MiB", &["--listen", &listen, "--suspend-timeout", "5"]).await;
+    let conn = replica_ha::nbd::client::connect(&listen, "vol0", None)
+        .await
+        .unwrap();
+    let (stop, stopped) = watch::channel(false);
+    let progress = Arc::new(AtomicUsize::new(0));
+    let load = tokio::spawn(write_through(
+        conn,
+        0..32,
+        8,
+        u64::MAX,
+        stopped.clone(),
+        Arc::clone(&progress),
+    ));
+    progress_past(&progress, 0, 20, Duration::from_secs(20), "before the stop").await;
+
+    cluster.pause(writer);
+    let paused = Instant::now();
+    let at_pause = progress.load(Ordering::SeqCst);
+    let conn = replica_ha::nbd::client::connect(&listen, "vol0", None)
+        .await
+        .unwrap();
+    let burst = tokio::spawn(write_through(
+        conn,
+        32..64,
+        32,
+        32,
+        stopped,
+        Arc::clone(&progress),
+    ));
+    while paused.elapsed() < Duration::from_secs(10) {
+        assert!(!load.is_finished(), "the client failed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let while_stopped = progress.load(Ordering::SeqCst) - at_pause;
+    cluster.resume(writer);
+    let now = progress.load(Ordering::SeqCst);
+    progress_past(
+        &progress,
+        now,
+        20,
+        Duration::from_secs(20),
+        "after the stop",
+    )
+    .await;
+    stop.send(true).unwrap();
+    let (written, mut conn) = load.await.expect("no error through attach");
+    read_back(&mut conn, &written.acked).await;
+    let (burst, mut conn) = burst.await.expect("no error through attach");
+    assert_eq!(burst.count, 32);
+    read_back(&mut conn, &burst.acked).await;
+    eprintln!(
+        "{} writes; {while_stopped} while the writer was stopped; the longest pause was {:?}, the slowest write {:?}; the burst's slowest {:?}",
+        written.count, written.longest_gap, written.slowest, burst.slowest
+    );
+    assert!(
+        while_stopped > 0,
+        "no write was answered while the writer was stopped"
+    );
+    assert!(
+        written.slowest.max(burst.slowest) < Duration::from_secs(8),
+        "a write waited {:?}",
+        written.slowest.max(burst.slowest)
+    );
+    attach.kill().unwrap();
+    let _ = attach.wait();
+}
+
+/// Through attach, a connection opened after a resize is offered the new
+/// size, and writes past the old end land and read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_attach_a_new_connection_sees_the_grown_size() {
+    let _serial = one_cluster_at_a_time().await;
+    let (cluster, writer, mut attach, socket) = under_attach("16MiB", &[]).await;
+    let uri = format!("nbd+unix:///vol0?socket={}", socket.display());
+    let limit = Duration::from_secs(60);
+    let size = || async {
+        let out = common::tools::run_ok_within("nbdinfo", &["--size", &uri], limit).await;
+        out.trim().parse::<u64>().unwrap()
+    };
+    assert_eq!(size().await, common::load::SIZE);
+
+    let (ok, out, err) = cluster.cli(writer, &["resize", "--size", "32MiB"]).await;
+    assert!(ok, "resize failed: {out} {err}");
+    let grown = 2 * common::load::SIZE;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = size().await;
+        if now == grown {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a new connection through attach is still offered {now} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    common::tools::write_and_read_back(&uri, common::load::SIZE + (1 << 20), limit).await;
+    attach.kill().unwrap();
+    let _ = attach.wait();
 }

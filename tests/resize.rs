@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::cluster::Cluster;
 use common::load::{SIZE, assert_identical_over, check_acked, start_client};
-use common::tools::{http_get, run_ok_within, uri};
+use common::tools::{http_get, run_ok_within, uri, write_and_read_back};
 
 const WAIT: Duration = Duration::from_secs(30);
 const GROWN: u64 = 2 * SIZE;
@@ -86,20 +86,7 @@ async fn the_volume_grows_online_and_a_follower_that_missed_it_is_rebuilt_to_the
         .unwrap();
     let nbd = uri(cluster.nbd_addrs[&writer]);
     let past_old_end = SIZE + (1 << 20);
-    run_ok_within(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            &format!("write -P 0x3c {past_old_end} 1M"),
-            "-c",
-            &format!("read -P 0x3c {past_old_end} 1M"),
-            &nbd,
-        ],
-        TOOL_LIMIT,
-    )
-    .await;
+    write_and_read_back(&nbd, past_old_end, TOOL_LIMIT).await;
     stop.send(true).unwrap();
     let acked = client.await.unwrap();
 

@@ -10,6 +10,19 @@
 //! drops the connection as soon as the watchers report another writer (a
 //! newer term), without waiting for TCP to notice a frozen or vanished one.
 //!
+//! The driver itself never waits on a writer: the connect and handshake
+//! run beside the watch (and are bounded, [`client::CONNECT_TIMEOUT`],
+//! [`client::HANDSHAKE_TIMEOUT`]), and the bytes go out from a sender task
+//! of the session, each request within [`SEND_TIMEOUT`]. A writer that
+//! froze with the socket buffers full toward it holds up that task only;
+//! the driver still sees the next writer at once, abandons the session
+//! (sender, reader and socket), and sends every request without an answer
+//! to the next writer, whether or not the old one got its bytes (C3).
+//!
+//! The size offered to new local connections follows the volume's: the
+//! largest any watcher or writer handshake reported (a resize only grows
+//! it); connections already open keep the size they were offered.
+//!
 //! Why sending again is safe:
 //! - A request without an answer has nothing the client sent after it
 //!   depend on it: the client sends a dependent write only after the
@@ -31,6 +44,7 @@
 //! reached, requests wait up to the suspend timeout, then fail with `EIO`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,7 +57,7 @@ use tokio::time::Instant;
 
 use super::watch::{Seen, Writer};
 use crate::ids::Term;
-use crate::nbd::client::{self, ClientError, Connection, Io};
+use crate::nbd::client::{self, ClientError, ClientTls, Connection, Io};
 use crate::nbd::wire::{self, Command, Request};
 use crate::net::{Expect, Tls};
 use crate::volume::{Access, Device, DeviceError, MAX_REQUEST};
@@ -56,6 +70,16 @@ const RECONNECT: Duration = Duration::from_millis(50);
 /// How often requests waiting for a writer are checked against the
 /// suspend timeout.
 const EXPIRY_TICK: Duration = Duration::from_millis(100);
+/// How long one request may take to go out to the writer (its header,
+/// its payload, the flush). A writer change is seen at once whatever the
+/// sends do; this is the last resort for a writer that stops taking bytes
+/// while no other one appears. A live writer stops reading only while it
+/// runs as much as it may at once (256 requests, 32 MiB) and those are
+/// held (C2); 30 s outlasts a hold that ends by a replica's return or
+/// removal (its 1 s timeout, an election). Past it the session is given
+/// up like a broken connection: the requests go again after
+/// [`SAME_WRITER_GRACE`], or to the next writer.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How the driver reaches writers.
 #[derive(Debug, Clone)]
@@ -82,12 +106,14 @@ struct Job {
 /// The device; see the module docs.
 pub struct Following {
     jobs: mpsc::UnboundedSender<Job>,
-    size: u64,
+    /// The volume's size as last learnt; it only grows.
+    size: Arc<AtomicU64>,
 }
 
 impl Following {
-    /// Starts the driver on `tasks`, following `seen`, for a volume of
-    /// `size` bytes.
+    /// Starts the driver on `tasks`, following `seen`, for a volume of at
+    /// least `size` bytes (a larger size that `seen` or a writer reports
+    /// replaces it).
     pub fn start(
         seen: watch::Receiver<Seen>,
         size: u64,
@@ -95,16 +121,23 @@ impl Following {
         tasks: &mut JoinSet<()>,
     ) -> Self {
         let (jobs, queue) = mpsc::unbounded_channel();
+        let size = Arc::new(AtomicU64::new(size));
+        tasks.spawn(learn_size(seen.clone(), Arc::clone(&size)));
         let driver = Driver {
             jobs: queue,
             seen,
             upstream,
+            size: Arc::clone(&size),
             pending: BTreeMap::new(),
             next: 1,
             disconnected_at: Some(Instant::now()),
         };
         tasks.spawn(driver.run());
         Self { jobs, size }
+    }
+
+    fn current_size(&self) -> u64 {
+        self.size.load(Ordering::Relaxed)
     }
 
     async fn submit(
@@ -137,13 +170,13 @@ impl Following {
 #[async_trait]
 impl Device for Following {
     async fn read_at(&self, offset: u64, len: u64) -> Result<Bytes, DeviceError> {
-        crate::volume::check_request(offset, len, self.size)?;
+        crate::volume::check_request(offset, len, self.current_size())?;
         let len = u32::try_from(len.min(MAX_REQUEST)).unwrap_or(u32::MAX);
         self.submit(Command::Read, offset, len, 0, None).await
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), DeviceError> {
-        crate::volume::check_request(offset, data.len() as u64, self.size)?;
+        crate::volume::check_request(offset, data.len() as u64, self.current_size())?;
         let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
         let flags = if fua { wire::CMD_FLAG_FUA } else { 0 };
         self.submit(Command::Write, offset, len, flags, Some(data))
@@ -178,7 +211,7 @@ impl Device for Following {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.current_size()
     }
 
     fn is_writable(&self) -> bool {
@@ -192,11 +225,11 @@ impl Device for Following {
     }
 }
 
-/// How a session with one writer ended.
+/// How a session with one writer, or an attempt to open one, ended.
 enum Ended {
     /// The watchers report another writer.
     WriterChanged,
-    /// The connection failed.
+    /// The connection failed (or could not be opened).
     Lost(ClientError),
     /// `attach` is stopping and nothing waits.
     Stopped,
@@ -205,10 +238,18 @@ enum Ended {
 /// An answer read from the writer: `(cookie, error, read data)`.
 type Answer = Result<(u64, u32, Bytes), ClientError>;
 
+/// One request on its way to the writer, for the session's sender.
+struct Outgoing {
+    request: Request,
+    payload: Option<Bytes>,
+}
+
 struct Driver {
     jobs: mpsc::UnboundedReceiver<Job>,
     seen: watch::Receiver<Seen>,
     upstream: Upstream,
+    /// The size offered to new local connections.
+    size: Arc<AtomicU64>,
     /// Requests without an answer, by sequence number (= cookie).
     pending: BTreeMap<u64, Job>,
     next: u64,
@@ -223,11 +264,11 @@ impl Driver {
             let Some(writer) = self.next_writer(&broke).await else {
                 return;
             };
-            let conn = match client::connect(&writer.nbd, &self.upstream.export, self.tls(&writer))
-                .await
-            {
+            let conn = match self.open(&writer).await {
                 Ok(conn) => conn,
-                Err(err) => {
+                Err(Ended::Stopped) => return,
+                Err(Ended::WriterChanged) => continue,
+                Err(Ended::Lost(err)) => {
                     tracing::warn!(writer = %writer.node, addr = %writer.nbd, %err, "cannot open the writer's export");
                     if !self.idle(Instant::now() + RECONNECT).await {
                         return;
@@ -256,16 +297,69 @@ impl Driver {
     }
 
     /// The client TLS configuration for `writer`'s export.
-    fn tls(
-        &self,
-        writer: &Writer,
-    ) -> Option<(
-        Arc<rustls::ClientConfig>,
-        rustls::pki_types::ServerName<'static>,
-    )> {
+    fn tls(&self, writer: &Writer) -> Option<ClientTls> {
         let tls = self.upstream.tls.as_ref()?;
         let config = tls.client(Expect::Node(writer.node)).ok()?;
         Some((config, crate::net::tls::server_name(&writer.nbd)))
+    }
+
+    /// After the watch changed (`changed`, its outcome): an end if the
+    /// watchers are gone or report a writer other than `writer` (another
+    /// node, or a newer term).
+    fn watched(
+        &mut self,
+        changed: Result<(), watch::error::RecvError>,
+        writer: &Writer,
+    ) -> Result<(), Ended> {
+        if changed.is_err() {
+            return Err(Ended::Stopped);
+        }
+        let now = self.seen.borrow_and_update().writer.clone();
+        if now.is_some_and(|w| w.node != writer.node || w.term > writer.term) {
+            tracing::info!(from = %writer.node, term = %writer.term, waiting = self.pending.len(), "the writer changed");
+            return Err(Ended::WriterChanged);
+        }
+        Ok(())
+    }
+
+    /// Takes `job` (what the local clients' channel gave) into the
+    /// requests without an answer and returns its number; once the
+    /// channel is closed, notes it in `closed`, or ends if nothing waits.
+    fn took(&mut self, job: Option<Job>, closed: &mut bool) -> Result<Option<u64>, Ended> {
+        match job {
+            Some(job) => Ok(Some(self.queue(job))),
+            None if self.pending.is_empty() => Err(Ended::Stopped),
+            // Stopping: serve what waits, then end.
+            None => {
+                *closed = true;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Opens `writer`'s export (bounded by the client's deadlines), while
+    /// taking new requests, failing those past the suspend timeout and
+    /// watching for another writer, which abandons the attempt.
+    async fn open(&mut self, writer: &Writer) -> Result<Connection, Ended> {
+        let (addr, export, tls) = (
+            writer.nbd.clone(),
+            self.upstream.export.clone(),
+            self.tls(writer),
+        );
+        let connecting = client::connect(&addr, &export, tls);
+        tokio::pin!(connecting);
+        let mut closed = false;
+        loop {
+            self.expire();
+            tokio::select! {
+                conn = &mut connecting => return conn.map_err(Ended::Lost),
+                job = self.jobs.recv(), if !closed => {
+                    self.took(job, &mut closed)?;
+                }
+                changed = self.seen.changed() => self.watched(changed, writer)?,
+                () = tokio::time::sleep(EXPIRY_TICK) => {}
+            }
+        }
     }
 
     /// The writer to connect to next; `None` once `attach` stops with
@@ -356,22 +450,27 @@ impl Driver {
         }
     }
 
-    /// Serves through one connection to `writer` until it ends.
+    /// Serves through one connection to `writer` until it ends: every
+    /// request without an answer goes out first, in order, then the new
+    /// ones. The bytes go out from a sender task, so nothing here waits
+    /// on the writer; a change of writer ends the session at once.
     async fn session(&mut self, conn: Connection, writer: &Writer) -> Ended {
         let Connection {
             reader,
-            writer: mut out,
-            ..
+            writer: out,
+            export,
         } = conn;
+        self.size.fetch_max(export.size, Ordering::Relaxed);
         let reads: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
+        let (outgoing, queued) = mpsc::unbounded_channel();
+        let mut sending = AbortOnDrop(tokio::spawn(send_all(out, queued)));
         for (seq, job) in &self.pending {
-            if let Err(err) = send(&mut out, &reads, *seq, job).await {
-                return Ended::Lost(err);
-            }
+            dispatch(&outgoing, &reads, *seq, job);
         }
         let (answers, mut answered) = mpsc::channel::<Answer>(64);
         let reading = tokio::spawn(read_answers(reader, Arc::clone(&reads), answers));
         let _stop_reading = AbortOnDrop(reading);
+        let mut closed = false;
         loop {
             tokio::select! {
                 answer = answered.recv() => match answer {
@@ -386,48 +485,32 @@ impl Driver {
                             errno => Err(DeviceError::Remote { errno }),
                         };
                         let _ = job.reply.send(outcome);
+                        if closed && self.pending.is_empty() {
+                            return Ended::Stopped;
+                        }
                     }
                     Some(Err(err)) => return Ended::Lost(err),
                     None => return Ended::Lost(ClientError::Io(std::io::ErrorKind::UnexpectedEof.into())),
                 },
-                job = self.jobs.recv() => match job {
-                    Some(job) => {
-                        let seq = self.queue(job);
-                        let sent = match self.pending.get(&seq) {
-                            Some(job) => send(&mut out, &reads, seq, job).await,
-                            None => Ok(()),
-                        };
-                        if let Err(err) = sent {
-                            return Ended::Lost(err);
+                sent = &mut sending.0 => {
+                    return Ended::Lost(match sent {
+                        Ok(Err(err)) => err,
+                        Ok(Ok(())) => ClientError::Io(std::io::ErrorKind::BrokenPipe.into()),
+                        Err(join) => ClientError::Io(std::io::Error::other(join.to_string())),
+                    });
+                }
+                job = self.jobs.recv(), if !closed => match self.took(job, &mut closed) {
+                    Ok(Some(seq)) => {
+                        if let Some(job) = self.pending.get(&seq) {
+                            dispatch(&outgoing, &reads, seq, job);
                         }
                     }
-                    None if self.pending.is_empty() => return Ended::Stopped,
-                    None => {
-                        // Stopping: serve what waits, then end.
-                        while let Some(answer) = answered.recv().await {
-                            let Ok((cookie, error, data)) = answer else { break };
-                            if let Some(job) = self.pending.remove(&cookie) {
-                                let _ = job.reply.send(match error {
-                                    0 => Ok(data),
-                                    errno => Err(DeviceError::Remote { errno }),
-                                });
-                            }
-                            if self.pending.is_empty() {
-                                break;
-                            }
-                        }
-                        return Ended::Stopped;
-                    }
+                    Ok(None) => {}
+                    Err(ended) => return ended,
                 },
                 changed = self.seen.changed() => {
-                    if changed.is_err() {
-                        return Ended::Stopped;
-                    }
-                    let now = self.seen.borrow_and_update().writer.clone();
-                    let moved = now.is_some_and(|w| w.node != writer.node || w.term > writer.term);
-                    if moved {
-                        tracing::info!(from = %writer.node, term = %writer.term, waiting = self.pending.len(), "the writer changed");
-                        return Ended::WriterChanged;
+                    if let Err(ended) = self.watched(changed, writer) {
+                        return ended;
                     }
                 }
             }
@@ -435,13 +518,26 @@ impl Driver {
     }
 }
 
-/// Sends request `seq` of `job`; a read's length is noted for its answer.
-async fn send(
-    out: &mut tokio::io::WriteHalf<Box<dyn Io>>,
+/// Learns the volume's size from what the watchers see; it only grows.
+async fn learn_size(mut seen: watch::Receiver<Seen>, size: Arc<AtomicU64>) {
+    loop {
+        if let Some(now) = seen.borrow_and_update().size {
+            size.fetch_max(now, Ordering::Relaxed);
+        }
+        if seen.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Hands request `seq` of `job` to the session's sender; a read's length
+/// is noted first, for its answer.
+fn dispatch(
+    outgoing: &mpsc::UnboundedSender<Outgoing>,
     reads: &Mutex<HashMap<u64, u32>>,
     seq: u64,
     job: &Job,
-) -> Result<(), ClientError> {
+) {
     if job.command == Command::Read {
         reads
             .lock()
@@ -455,9 +551,30 @@ async fn send(
         offset: job.offset,
         len: job.len,
     };
-    client::send(out, &request, job.payload.as_ref()).await?;
+    // The sender ends only with the session, which then sees why.
+    let _ = outgoing.send(Outgoing {
+        request,
+        payload: job.payload.clone(),
+    });
+}
+
+/// The session's sender: writes each request in order, each within
+/// [`SEND_TIMEOUT`], flushing whenever nothing more is queued.
+async fn send_all(
+    mut out: tokio::io::WriteHalf<Box<dyn Io>>,
+    mut queued: mpsc::UnboundedReceiver<Outgoing>,
+) -> Result<(), ClientError> {
     use tokio::io::AsyncWriteExt;
-    out.flush().await?;
+    while let Some(next) = queued.recv().await {
+        let sending = async {
+            client::send(&mut out, &next.request, next.payload.as_ref()).await?;
+            if queued.is_empty() {
+                out.flush().await?;
+            }
+            Ok::<(), ClientError>(())
+        };
+        client::within(SEND_TIMEOUT, "progress sending to the writer", sending).await??;
+    }
     Ok(())
 }
 
@@ -494,9 +611,9 @@ async fn read_answers(
 }
 
 /// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }

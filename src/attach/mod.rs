@@ -8,13 +8,18 @@
 //! have no answer are sent again, in order, to the next writer, and the
 //! local client sees nothing but a pause: never an error for a writer
 //! change, never a dropped connection. A request waits at most the
-//! suspend timeout for a writer; then it fails with `EIO`.
+//! suspend timeout for a writer; then it fails with `EIO`. Nothing a
+//! writer does (freezing, vanishing, never greeting) keeps `attach` from
+//! seeing the next one: every wait on a writer is bounded or runs beside
+//! the watch ([`follow`]).
 //!
-//! Downstream it offers one fixed export, whatever node it talks to: the
+//! Downstream it offers one export, whatever node it talks to: the
 //! volume's name and size, writable, with flush, FUA, trim and write
-//! zeroes, multi-connection safe. It shares the NBD server and wire code
-//! with the node ([`crate::nbd`]); Raft and the replica store stay out of
-//! it.
+//! zeroes, multi-connection safe. The size is the volume's latest: after
+//! a resize, connections opened from then on are offered the new size
+//! (as the nodes do); open ones keep theirs. It shares the NBD server and
+//! wire code with the node ([`crate::nbd`]); Raft and the replica store
+//! stay out of it.
 //!
 //! With TLS (the default) it presents a client certificate of the cluster
 //! CA: to `WatchLeader` (a viewer's is enough), and to the writer's export,

@@ -6,8 +6,15 @@
 //! the commands READ, WRITE, FLUSH, TRIM, WRITE_ZEROES and DISC. Anything
 //! the server sends that does not parse ends the connection with a
 //! [`ClientError`]; nothing from the server can make it panic.
+//!
+//! Nothing here waits on the server without a bound: the TCP connect and
+//! the handshake (greeting, options, TLS) each have a deadline, so a
+//! server that accepts and then says nothing (a SIGSTOPped process, whose
+//! kernel still completes the TCP handshake) costs `attach` seconds, not
+//! forever (design C3).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
@@ -18,6 +25,18 @@ use super::wire::{self, Command, Request, WireError};
 /// A connection, plain or TLS.
 pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// How long the TCP connect may take. A live node on the LAN accepts
+/// within milliseconds; a refused or unroutable address fails at once or
+/// never, so a second only decides the latter case, and stays well inside
+/// the election time that a replacement writer needs anyway.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long the handshake may take once connected: greeting, options,
+/// the TLS upgrade and the export's info. A live node answers each step
+/// at once (a TLS handshake is a few milliseconds); a frozen one never
+/// does. Two seconds leave a loaded node room, and are still short
+/// against `attach`'s suspend timeout (120 s by default).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest option reply read (export names are at most 4 KiB).
 const MAX_OPTION_REPLY: u32 = 64 * 1024;
@@ -37,6 +56,8 @@ pub enum ClientError {
     NoSize,
     #[error("TLS: {0}")]
     Tls(String),
+    #[error("no {what} within {limit:?}")]
+    TimedOut { what: &'static str, limit: Duration },
 }
 
 /// What the server said of the export.
@@ -53,19 +74,50 @@ pub struct Connection {
     pub export: ExportInfo,
 }
 
+/// What a TLS connection needs: the client's configuration and the name
+/// the server's certificate must carry.
+pub type ClientTls = (
+    Arc<rustls::ClientConfig>,
+    rustls::pki_types::ServerName<'static>,
+);
+
 /// Connects to `addr` and opens `export`; with `tls`, upgrades first and
-/// refuses to go on in plaintext.
+/// refuses to go on in plaintext. Fails with [`ClientError::TimedOut`]
+/// when the connect takes longer than [`CONNECT_TIMEOUT`] or the
+/// handshake longer than [`HANDSHAKE_TIMEOUT`].
 pub async fn connect(
     addr: &str,
     export: &str,
-    tls: Option<(
-        Arc<rustls::ClientConfig>,
-        rustls::pki_types::ServerName<'static>,
-    )>,
+    tls: Option<ClientTls>,
 ) -> Result<Connection, ClientError> {
-    let tcp = TcpStream::connect(addr).await?;
+    let tcp = within(CONNECT_TIMEOUT, "TCP connection", TcpStream::connect(addr)).await??;
     tcp.set_nodelay(true)?;
-    let mut stream: Box<dyn Io> = Box::new(tcp);
+    within(
+        HANDSHAKE_TIMEOUT,
+        "NBD handshake",
+        handshake(Box::new(tcp), export, tls),
+    )
+    .await?
+}
+
+/// Runs `work` for at most `limit`; `what` names it in the error.
+pub async fn within<T>(
+    limit: Duration,
+    what: &'static str,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T, ClientError> {
+    tokio::time::timeout(limit, work)
+        .await
+        .map_err(|_| ClientError::TimedOut { what, limit })
+}
+
+/// The handshake on a connected stream, from the greeting to the
+/// export's info.
+async fn handshake(
+    mut stream: Box<dyn Io>,
+    export: &str,
+    tls: Option<ClientTls>,
+) -> Result<Connection, ClientError> {
     let mut greeting = [0u8; 18];
     stream.read_exact(&mut greeting).await?;
     let flags = wire::parse_greeting(&greeting)?;

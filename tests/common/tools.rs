@@ -30,6 +30,26 @@ pub async fn run_ok_within(program: &str, args: &[&str], limit: Duration) -> Str
     stdout
 }
 
+/// Writes 1 MiB of a pattern at `offset` through the NBD `uri` with
+/// qemu-io, and reads it back; neither may fail.
+pub async fn write_and_read_back(uri: &str, offset: u64, limit: Duration) {
+    let out = run_ok_within(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -P 0x3c {offset} 1M"),
+            "-c",
+            &format!("read -P 0x3c {offset} 1M"),
+            uri,
+        ],
+        limit,
+    )
+    .await;
+    assert!(!out.contains("failed"), "{out}");
+}
+
 /// The NBD URI of the volume at `addr`.
 pub fn uri(addr: SocketAddr) -> String {
     format!("nbd://{addr}/vol0")
