@@ -296,11 +296,17 @@ impl Driver {
         }
     }
 
-    /// The client TLS configuration for `writer`'s export.
-    fn tls(&self, writer: &Writer) -> Option<ClientTls> {
-        let tls = self.upstream.tls.as_ref()?;
-        let config = tls.client(Expect::Node(writer.node)).ok()?;
-        Some((config, crate::net::tls::server_name(&writer.nbd)))
+    /// The client TLS configuration for `writer`'s export: none only when
+    /// `attach` runs without TLS. A configuration that cannot be built is
+    /// an error, never a fall back to plaintext.
+    fn tls(&self, writer: &Writer) -> Result<Option<ClientTls>, ClientError> {
+        let Some(tls) = self.upstream.tls.as_ref() else {
+            return Ok(None);
+        };
+        let config = tls
+            .client(Expect::Node(writer.node))
+            .map_err(|err| ClientError::Tls(err.to_string()))?;
+        Ok(Some((config, crate::net::tls::server_name(&writer.nbd))))
     }
 
     /// After the watch changed (`changed`, its outcome): an end if the
@@ -341,11 +347,8 @@ impl Driver {
     /// taking new requests, failing those past the suspend timeout and
     /// watching for another writer, which abandons the attempt.
     async fn open(&mut self, writer: &Writer) -> Result<Connection, Ended> {
-        let (addr, export, tls) = (
-            writer.nbd.clone(),
-            self.upstream.export.clone(),
-            self.tls(writer),
-        );
+        let tls = self.tls(writer).map_err(Ended::Lost)?;
+        let (addr, export) = (writer.nbd.clone(), self.upstream.export.clone());
         let connecting = client::connect(&addr, &export, tls);
         tokio::pin!(connecting);
         let mut closed = false;

@@ -22,10 +22,13 @@
 //! stay out of it.
 //!
 //! With TLS (the default) it presents a client certificate of the cluster
-//! CA: to `WatchLeader` (a viewer's is enough), and to the writer's export,
-//! which it opens with `NBD_OPT_STARTTLS` (the nodes need `nbd_tls =
+//! CA: to `WatchLeader` (a viewer's is enough there), and to the writer's
+//! export, which it opens with `NBD_OPT_STARTTLS` (the nodes need `nbd_tls =
 //! "optional"` or `"require"`), checking that the server is the node the
-//! watchers named.
+//! watchers named. The export is writable only for a certificate whose role
+//! writes (`user` or `admin`, S9); with a viewer's, the writer refuses each
+//! write with `EPERM`, which `attach` passes on. A TLS configuration that
+//! cannot be built is an error, never plaintext.
 
 pub mod follow;
 pub mod watch;
