@@ -813,10 +813,7 @@ async fn nbd_client_certificates_are_required_when_asked_for() {
 /// The rustls configuration an NBD client of `cluster` uses to present
 /// `files`' certificate as `party`.
 fn nbd_tls_of(cluster: &Cluster, files: TlsFiles, party: Party) -> Arc<rustls::ClientConfig> {
-    Tls::load(files, &cluster.cluster_id, party)
-        .expect("the client's credentials")
-        .client(Expect::AnyNode)
-        .expect("a client configuration")
+    common::nbd_tls::client_config(cluster, files, party)
 }
 
 /// Opens `vol0` at `addr` over TLS with `config`.
@@ -824,37 +821,14 @@ async fn open_nbd(
     addr: std::net::SocketAddr,
     config: Arc<rustls::ClientConfig>,
 ) -> Result<nbd_client::Connection, nbd_client::ClientError> {
-    let addr = addr.to_string();
-    let name = replica_ha::net::tls::server_name(&addr);
-    tokio::time::timeout(
-        CALL,
-        nbd_client::connect(&addr, "vol0", Some((config, name))),
-    )
-    .await
-    .expect("the NBD handshake finished")
+    common::nbd_tls::open(addr, config, CALL).await
 }
 
 /// Sends one 4 KiB write of `byte` at `offset` and returns its error code.
 async fn nbd_write(connection: &mut nbd_client::Connection, offset: u64, byte: u8) -> u32 {
-    use tokio::io::AsyncWriteExt;
-    let request = nbd_wire::Request {
-        flags: 0,
-        command: nbd_wire::Command::Write,
-        cookie: 7,
-        offset,
-        len: 4096,
-    };
-    let data = block(byte, 4096);
-    nbd_client::send(&mut connection.writer, &request, Some(&data))
-        .await
-        .expect("the write sent");
-    connection.writer.flush().await.expect("the write sent");
-    let (error, cookie) = tokio::time::timeout(CALL, nbd_client::receive(&mut connection.reader))
+    common::nbd_tls::write(connection, offset, block(byte, 4096), CALL)
         .await
         .expect("a reply within 3 s")
-        .expect("a reply");
-    assert_eq!(cookie, 7);
-    error
 }
 
 /// qemu-io on `vol0` at `addr` over TLS with the files in `creds`,

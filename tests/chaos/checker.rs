@@ -53,6 +53,11 @@ pub enum Violation {
         nodes: (u64, u64),
         extent: usize,
     },
+    /// A certificate that must not write was let write, or a non-member
+    /// was served (S9; see `abuse`).
+    RoleAbuse {
+        what: String,
+    },
 }
 
 impl Violation {
@@ -62,6 +67,7 @@ impl Violation {
             Violation::StaleAccept { .. } => "stale accept",
             Violation::GateOverlap { .. } => "gate overlap",
             Violation::Diverged { .. } => "diverged",
+            Violation::RoleAbuse { .. } => "role abuse",
         }
     }
 }
@@ -93,6 +99,7 @@ impl fmt::Display for Violation {
                 "in-sync replicas {} and {} differ in extent {extent}",
                 nodes.0, nodes.1
             ),
+            Violation::RoleAbuse { what } => f.write_str(what),
         }
     }
 }

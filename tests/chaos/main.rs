@@ -16,12 +16,17 @@
 //! schedule prints its own seed; `--seed S --schedules 1` replays it.
 //! `CHAOS_KEEP=1` keeps every schedule's evidence, not only a failed one's.
 //! `CHAOS_ATTACH=1` runs the clients through `replica-ha attach` (design
-//! C3) instead of letting them find the writer themselves.
+//! C3) instead of letting them find the writer themselves; its `pause-leader`
+//! then freezes the writer under `attach` (SIGSTOP), which must switch to
+//! the next writer within its own deadlines, whatever the frozen one does.
+//! Throughout every schedule a role-abuse client (`abuse`) tries to write
+//! with a viewer's certificate and a non-member node's (S9).
 //! `CHAOS_MIN_IN_SYNC=M` starts the nodes with `--min-in-sync M`.
 
 #[path = "../common/mod.rs"]
 mod common;
 
+mod abuse;
 mod checker;
 mod nbd;
 mod rng;
@@ -309,11 +314,12 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         cluster.extra_args.extend(["--min-in-sync".into(), min]);
     }
     let through_attach = std::env::var_os("CHAOS_ATTACH").is_some();
-    if through_attach {
-        cluster
-            .extra_args
-            .extend(["--nbd-tls".into(), "optional".into()]);
-    }
+    // TLS on offer (plaintext stays open on loopback for the workload):
+    // `attach` opens the writer's export with it, and the role-abuse
+    // client presents certificates that must not write.
+    cluster
+        .extra_args
+        .extend(["--nbd-tls".into(), "optional".into()]);
     let shim = fsync_shim();
     if let Some(shim) = &shim {
         cluster.env = vec![
@@ -354,6 +360,7 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
         cluster.nbd_addrs.clone()
     };
     let workload = Workload::start(LAYOUT, targets, seed);
+    let abuse = abuse::Abuse::start(&cluster, cluster.nbd_addrs.clone(), LAYOUT.base);
     wait_for_acks(&workload, 20, Duration::from_secs(20)).await;
     let mut injected = Vec::new();
     let mut crashes = Vec::new();
@@ -370,6 +377,11 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     }
     let overlapping = std::sync::Arc::clone(&workload.overlapping);
     let history = workload.stop().await;
+    let abused = abuse.stop().await;
+    eprintln!(
+        "chaos: seed {seed}: role abuse: {} attempts, {} viewer writes refused",
+        abused.attempts, abused.refused_writes
+    );
     let overlapping = overlapping.load(std::sync::atomic::Ordering::Relaxed) as usize;
     if let Some(mut attach) = attach {
         let _ = attach.kill();
@@ -437,7 +449,13 @@ async fn run_schedule(seed: u64, steps: Vec<Step>) -> Outcome {
     if checker::intervals(&evidence.journals).is_empty() {
         stuck.get_or_insert("no gate journal recorded a writer".into());
     }
-    let violations = checker::check(&evidence);
+    let mut violations = checker::check(&evidence);
+    violations.extend(
+        abused
+            .violations
+            .into_iter()
+            .map(|what| Violation::RoleAbuse { what }),
+    );
     for violation in &violations {
         if let Violation::LostWrite { block, .. } = violation {
             for record in evidence.history.iter().filter(|r| r.block == *block) {

@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod load;
+pub mod nbd_tls;
 pub mod power;
 pub mod proxy;
 pub mod stack;
