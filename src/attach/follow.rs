@@ -257,6 +257,23 @@ struct Driver {
     disconnected_at: Option<Instant>,
 }
 
+/// A connection the writer offered writable; a read-only export means the
+/// node is not the writer (any more: its lease lapsed before the
+/// handshake) or the certificate's role does not write. Either way, no
+/// write or flush may be sent there: a read-only session answers a flush
+/// without flushing anything.
+fn writable(conn: Connection) -> Result<Connection, Ended> {
+    if conn.export.flags & wire::TFLAG_READ_ONLY != 0 {
+        return Err(Ended::Lost(ClientError::Refused {
+            what: "a writable export",
+            why: "the node offered it read-only: it is not the writer now, or this \
+                  certificate's role does not write (attach needs user or admin)"
+                .into(),
+        }));
+    }
+    Ok(conn)
+}
+
 impl Driver {
     async fn run(mut self) {
         let mut broke: Option<(Writer, Instant)> = None;
@@ -355,7 +372,7 @@ impl Driver {
         loop {
             self.expire();
             tokio::select! {
-                conn = &mut connecting => return conn.map_err(Ended::Lost),
+                conn = &mut connecting => return conn.map_err(Ended::Lost).and_then(writable),
                 job = self.jobs.recv(), if !closed => {
                     self.took(job, &mut closed)?;
                 }

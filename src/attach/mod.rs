@@ -89,6 +89,10 @@ pub enum AttachError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "--listen {0} is not a loopback address: attach serves the volume writable to          whoever connects, with its own certificate, so it listens on this host only          (127.0.0.1 or [::1]); use the unix socket, or a node's NBD export with TLS"
+    )]
+    Exposed(SocketAddr),
 }
 
 /// Serves the volume until `stop` resolves; then stops taking connections,
@@ -97,6 +101,9 @@ pub async fn run(
     config: AttachConfig,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), AttachError> {
+    if let Some(addr) = config.listen.filter(|addr| !addr.ip().is_loopback()) {
+        return Err(AttachError::Exposed(addr));
+    }
     let mut tasks = JoinSet::new();
     let mut seen = watch::spawn(&config.transport, &config.peers, &mut tasks);
     let peers = config
@@ -184,4 +191,35 @@ fn bind_socket(path: &std::path::Path) -> Result<tokio::net::UnixListener, Attac
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| failed("restricting", e))?;
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `attach` writes with its own certificate for whoever connects, so
+    /// it never listens beyond this host (S9).
+    #[tokio::test]
+    async fn attach_refuses_to_listen_beyond_loopback() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |listen: &str| AttachConfig {
+            peers: BTreeMap::new(),
+            volume: "vol0".into(),
+            socket: dir.path().join("attach.sock"),
+            listen: Some(listen.parse().unwrap()),
+            suspend_timeout: Duration::from_secs(1),
+            transport: Transport::default(),
+            first_contact: Duration::from_millis(10),
+        };
+        for exposed in ["0.0.0.0:10900", "[::]:10900", "192.0.2.1:10900"] {
+            let refused = run(config(exposed), std::future::ready(())).await;
+            assert!(
+                matches!(refused, Err(AttachError::Exposed(_))),
+                "{exposed}: {refused:?}"
+            );
+        }
+        // On loopback it goes on (and, with no peer, finds nobody).
+        let loopback = run(config("127.0.0.1:0"), std::future::ready(())).await;
+        assert!(!matches!(loopback, Err(AttachError::Exposed(_))));
+    }
 }

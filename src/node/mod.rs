@@ -688,6 +688,14 @@ fn spawn_background(
         if let Some(tls) = tls {
             export = export.with_tls(tls);
         }
+        if config.nbd_exposed() && !config.nbd_client_auth && config.nbd_tls != NbdTls::Off {
+            tracing::warn!(
+                nbd = ?config.nbd,
+                "NBD beyond loopback without nbd_client_auth: a client without a \
+                 certificate may READ the volume (read-only export); set \
+                 nbd_client_auth = true to require a certificate for reads too"
+            );
+        }
         if config.nbd_plaintext_exposed() {
             tracing::warn!(
                 nbd = ?config.nbd,
