@@ -25,6 +25,7 @@ pub mod disk;
 pub mod mirror;
 pub mod peer;
 pub mod serve;
+pub mod wire;
 
 use std::sync::{Arc, Mutex};
 
@@ -233,60 +234,6 @@ impl From<sled::Error> for ReplicaError {
     fn from(err: sled::Error) -> Self {
         ReplicaError::Io(format!("metadata: {err}"))
     }
-}
-
-/// One refusal of each kind a replica sends on purpose, and the stamp of
-/// the request each answers: for the tests that every transport brings
-/// them back as the same error.
-#[cfg(test)]
-pub(crate) fn sample_refusals() -> Vec<(ReplicaError, Stamp)> {
-    use crate::volume::RangeError;
-    let stale = Stamp {
-        term: Term(5),
-        generation: 1,
-    };
-    vec![
-        (
-            ReplicaError::StaleTerm {
-                term: Term(3),
-                floor: Term(5),
-            },
-            Stamp::term(Term(3)),
-        ),
-        (
-            ReplicaError::StaleGeneration {
-                stamp: stale,
-                floor: Stamp {
-                    term: Term(5),
-                    generation: 2,
-                },
-            },
-            stale,
-        ),
-        (
-            ReplicaError::Range(RangeError::OutOfRange {
-                offset: 4096,
-                len: 512,
-                size: 4096,
-            }),
-            Stamp::term(Term(1)),
-        ),
-        (
-            ReplicaError::Range(RangeError::TooLarge {
-                len: 64 << 20,
-                max: 32 << 20,
-            }),
-            Stamp::term(Term(1)),
-        ),
-        (
-            ReplicaError::InvalidRequest("bad".into()),
-            Stamp::term(Term(1)),
-        ),
-        (
-            ReplicaError::Unavailable("gone".into()),
-            Stamp::term(Term(1)),
-        ),
-    ]
 }
 
 /// One copy of the volume, as the engine and the fencer see it.

@@ -30,8 +30,7 @@ use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::replica::disk::missed::{MissedMap, Unverified};
 use crate::replica::peer::channels::Channels;
-use crate::replica::serve::blocks;
-use crate::replica::serve::service::error_of;
+use crate::replica::wire::{from_refusal, from_status};
 use crate::replica::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use std::collections::BTreeMap;
 
@@ -127,7 +126,7 @@ impl RemoteReplica {
         if status.code() == tonic::Code::Unavailable {
             self.channels.forget(self.id);
         }
-        error_of(status, stamp)
+        from_status(status, stamp)
     }
 
     /// One of the block channel's links, opened if it is not open.
@@ -151,7 +150,7 @@ impl RemoteReplica {
             .await
             .map_err(|err| match err {
                 // The peer answered: not a transport failure.
-                LinkError::Refused(refusal) => blocks::error_of(&refusal, Term::ZERO),
+                LinkError::Refused(refusal) => from_refusal(&refusal, Term::ZERO),
                 err => self.lost(&err),
             })?;
         self.note_session(link.session());
@@ -222,7 +221,7 @@ impl RemoteReplica {
         }
         match link.call(header, payload, self.timeout).await {
             Ok(reply) if reply.header.kind == Kind::Ok => Ok(reply),
-            Ok(refusal) => Err(blocks::error_of(&refusal, stamp)),
+            Ok(refusal) => Err(from_refusal(&refusal, stamp)),
             Err(err @ LinkError::TimedOut(_)) => Err(ReplicaError::Unavailable(err.to_string())),
             Err(err) => Err(self.lost(&err)),
         }

@@ -26,20 +26,7 @@
 //! [`MAX_CONNECTIONS`] block connections; nothing is read from one the
 //! guard does not admit, and at most 1 KiB before its `Hello`.
 //!
-//! Errors map to refusals in one place, [`refusal_of`], and back in one
-//! place, [`error_of`]:
-//!
-//! | replica error | code | figures in the header |
-//! |---|---|---|
-//! | stale term | `StaleTerm` | floor in `term` |
-//! | stale generation | `StaleGeneration` | floor in `term`, `generation` |
-//! | term 0 | `InvalidTerm` | |
-//! | invalid request | `InvalidRequest` | |
-//! | request too large | `TooLarge` | length in `length`, maximum in `offset` |
-//! | out of range | `OutOfRange` | `offset`, `length`, volume size in `generation` |
-//! | identity mismatch, invalid identity | `IdentityMismatch` | |
-//! | unavailable; restarted (found by the writer, never sent) | `Unavailable` | |
-//! | disk or metadata I/O | `Io` | |
+//! Its errors go to the wire through [`crate::replica::wire`].
 
 use std::sync::Arc;
 
@@ -49,10 +36,10 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use crate::ids::{Incarnation, Term};
 use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
-use crate::net::frame::{ErrorCode, FUA, Frame, Header, Kind, parse_hello};
+use crate::net::frame::{FUA, Frame, Header, Kind, parse_hello};
 use crate::net::link::{FrameReader, ReadError, send_frames};
+use crate::replica::wire::to_refusal;
 use crate::replica::{ReplicaError, ReplicaStore, Stamp};
-use crate::volume::RangeError;
 
 /// The most requests one connection runs at once.
 pub const IN_FLIGHT: usize = 256;
@@ -91,77 +78,6 @@ struct Held {
 impl AsRef<[u8]> for Held {
     fn as_ref(&self) -> &[u8] {
         &self.data
-    }
-}
-
-/// The refusal frame (a reply to request `id`) for `err`.
-pub fn refusal_of(id: u64, err: &ReplicaError) -> Frame {
-    let mut header = Header::new(Kind::Refused, id);
-    let code = match err {
-        ReplicaError::StaleTerm { floor, .. } => {
-            header.term = floor.0;
-            ErrorCode::StaleTerm
-        }
-        ReplicaError::StaleGeneration { floor, .. } => {
-            header.term = floor.term.0;
-            header.generation = floor.generation;
-            ErrorCode::StaleGeneration
-        }
-        ReplicaError::InvalidTerm => ErrorCode::InvalidTerm,
-        ReplicaError::InvalidRequest(_) => ErrorCode::InvalidRequest,
-        ReplicaError::Range(RangeError::TooLarge { len, max }) => {
-            header.length = *len;
-            header.offset = *max;
-            ErrorCode::TooLarge
-        }
-        ReplicaError::Range(RangeError::OutOfRange { offset, len, size }) => {
-            header.offset = *offset;
-            header.length = *len;
-            header.generation = *size;
-            ErrorCode::OutOfRange
-        }
-        ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
-            ErrorCode::IdentityMismatch
-        }
-        ReplicaError::Unavailable(_) | ReplicaError::Restarted(_) => ErrorCode::Unavailable,
-        ReplicaError::Io(_) => ErrorCode::Io,
-    };
-    header.flags = code as u16;
-    Frame::new(header, Bytes::from(err.to_string()))
-}
-
-/// The replica error a refusal frame stands for, for a request stamped
-/// `stamp`.
-pub fn error_of(refusal: &Frame, stamp: impl Into<Stamp>) -> ReplicaError {
-    let stamp = stamp.into();
-    let h = &refusal.header;
-    let message = String::from_utf8_lossy(&refusal.payload).into_owned();
-    match ErrorCode::of(h.flags) {
-        ErrorCode::StaleTerm => ReplicaError::StaleTerm {
-            term: stamp.term,
-            floor: Term(h.term),
-        },
-        ErrorCode::StaleGeneration => ReplicaError::StaleGeneration {
-            stamp,
-            floor: Stamp {
-                term: Term(h.term),
-                generation: h.generation,
-            },
-        },
-        ErrorCode::InvalidTerm => ReplicaError::InvalidTerm,
-        ErrorCode::InvalidRequest => ReplicaError::InvalidRequest(message),
-        ErrorCode::TooLarge => ReplicaError::Range(RangeError::TooLarge {
-            len: h.length,
-            max: h.offset,
-        }),
-        ErrorCode::OutOfRange => ReplicaError::Range(RangeError::OutOfRange {
-            offset: h.offset,
-            len: h.length,
-            size: h.generation,
-        }),
-        ErrorCode::IdentityMismatch => ReplicaError::IdentityMismatch(message),
-        ErrorCode::Unavailable => ReplicaError::Unavailable(message),
-        ErrorCode::Io => ReplicaError::Io(message),
     }
 }
 
@@ -253,7 +169,7 @@ impl BlockServer {
         let outcome = match self.guard.admit(Some(&peer)) {
             Err(status) => {
                 let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
-                let _ = replies.send(refusal_of(0, &refusal)).await;
+                let _ = replies.send(to_refusal(0, &refusal)).await;
                 Err(format!("not admitted: {}", status.message()))
             }
             Ok(_) => loop {
@@ -278,7 +194,7 @@ impl BlockServer {
                 // The member list can change while a connection lives.
                 if let Err(status) = self.guard.admit(Some(&peer)) {
                     let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
-                    let _ = replies.send(refusal_of(id, &refusal)).await;
+                    let _ = replies.send(to_refusal(id, &refusal)).await;
                     break Err(format!("not admitted: {}", status.message()));
                 }
                 if !hello {
@@ -295,7 +211,7 @@ impl BlockServer {
                             continue;
                         }
                         Err(err) => {
-                            let _ = replies.send(refusal_of(id, &err)).await;
+                            let _ = replies.send(to_refusal(id, &err)).await;
                             break Err(err.to_string());
                         }
                     }
@@ -379,12 +295,11 @@ impl BlockServer {
         };
         let done = |payload: Bytes| Frame::new(Header::new(Kind::Ok, h.id), payload);
         if h.incarnation != self.incarnation.0 {
-            let err =
-                ReplicaError::IdentityMismatch(crate::replica::serve::service::replaced_disk(
-                    self.incarnation,
-                    Incarnation(h.incarnation),
-                ));
-            return refusal_of(h.id, &err);
+            let err = ReplicaError::IdentityMismatch(crate::replica::wire::replaced_disk(
+                self.incarnation,
+                Incarnation(h.incarnation),
+            ));
+            return to_refusal(h.id, &err);
         }
         let outcome = match h.kind {
             Kind::Write => self
@@ -411,32 +326,7 @@ impl BlockServer {
         };
         match outcome {
             Ok(payload) => done(payload),
-            Err(err) => refusal_of(h.id, &err),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_refusal_comes_back_as_the_same_error() {
-        let more = [
-            (ReplicaError::InvalidTerm, Stamp::term(Term(1))),
-            (ReplicaError::Io("disk".into()), Stamp::term(Term(1))),
-        ];
-        for (err, stamp) in crate::replica::sample_refusals().into_iter().chain(more) {
-            let refusal = refusal_of(9, &err);
-            assert_eq!(refusal.header.id, 9);
-            let back = error_of(&refusal, stamp);
-            match (&err, &back) {
-                // The message comes back as the replica worded it.
-                (ReplicaError::InvalidRequest(_), ReplicaError::InvalidRequest(m))
-                | (ReplicaError::Unavailable(_), ReplicaError::Unavailable(m))
-                | (ReplicaError::Io(_), ReplicaError::Io(m)) => assert_eq!(*m, err.to_string()),
-                _ => assert_eq!(back, err),
-            }
+            Err(err) => to_refusal(h.id, &err),
         }
     }
 }

@@ -7,28 +7,12 @@
 //! and refuses (`FAILED_PRECONDITION`) every request meant for the copy it
 //! replaced, so it never counts as that copy toward S5. The
 //! store enforces the fencing token exactly as in-process (S2, S3), so the
-//! wire adds no path around it. Errors map to gRPC codes in one place,
-//! [`status_of`], and back in one place, [`error_of`]:
-//!
-//! | replica error | gRPC code |
-//! |---|---|
-//! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` |
-//! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` |
-//! | term 0, invalid request | `INVALID_ARGUMENT` |
-//! | request too large | `INVALID_ARGUMENT`, its length and the maximum in `x-range-len` and `x-range-max` |
-//! | out of range | `OUT_OF_RANGE`, offset, length and volume size in `x-range-offset`, `x-range-len`, `x-range-size` |
-//! | identity mismatch | `FAILED_PRECONDITION` |
-//! | unavailable; restarted (found by the writer, never sent) | `UNAVAILABLE` |
-//! | disk or metadata I/O | `INTERNAL` |
-//!
-//! Back on the client, every refusal becomes the same error again (a range
-//! refusal keeps its figures); a code the replica does not send on purpose
-//! means the replica is unavailable for this request.
+//! wire adds no path around it. Its errors go to the wire through
+//! [`crate::replica::wire`].
 
 use std::sync::Arc;
 
-use tonic::metadata::MetadataValue;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
 use tokio::sync::watch;
 
@@ -40,114 +24,8 @@ use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::replica::disk::missed::Unverified;
 use crate::replica::serve::blocks::BlockServer;
-use crate::replica::{DirtyExtent, ReplicaError, ReplicaStore, Stamp};
-use crate::volume::RangeError;
-
-/// The metadata key that carries a replica's fence floor on a stale-term
-/// refusal.
-pub const FLOOR_KEY: &str = "x-fence-floor";
-
-/// The metadata key that carries the floor's generation on a
-/// stale-generation refusal.
-pub const GENERATION_KEY: &str = "x-fence-generation";
-
-/// The metadata keys that carry a range refusal's figures, so the client
-/// gets the same [`RangeError`] back.
-const RANGE_OFFSET_KEY: &str = "x-range-offset";
-const RANGE_LEN_KEY: &str = "x-range-len";
-const RANGE_SIZE_KEY: &str = "x-range-size";
-const RANGE_MAX_KEY: &str = "x-range-max";
-
-fn with_numbers(mut status: Status, numbers: &[(&'static str, u64)]) -> Status {
-    for (key, value) in numbers {
-        if let Ok(value) = MetadataValue::try_from(value.to_string()) {
-            status.metadata_mut().insert(*key, value);
-        }
-    }
-    status
-}
-
-/// Maps a replica error to a gRPC status (see the module table).
-pub fn status_of(err: &ReplicaError) -> Status {
-    let message = err.to_string();
-    match err {
-        ReplicaError::StaleTerm { floor, .. } => with_numbers(
-            Status::failed_precondition(message),
-            &[(FLOOR_KEY, floor.0)],
-        ),
-        ReplicaError::StaleGeneration { floor, .. } => with_numbers(
-            Status::failed_precondition(message),
-            &[
-                (FLOOR_KEY, floor.term.0),
-                (GENERATION_KEY, floor.generation),
-            ],
-        ),
-        ReplicaError::InvalidTerm | ReplicaError::InvalidRequest(_) => {
-            Status::invalid_argument(message)
-        }
-        ReplicaError::Range(RangeError::TooLarge { len, max }) => with_numbers(
-            Status::invalid_argument(message),
-            &[(RANGE_LEN_KEY, *len), (RANGE_MAX_KEY, *max)],
-        ),
-        ReplicaError::Range(RangeError::OutOfRange { offset, len, size }) => with_numbers(
-            Status::out_of_range(message),
-            &[
-                (RANGE_OFFSET_KEY, *offset),
-                (RANGE_LEN_KEY, *len),
-                (RANGE_SIZE_KEY, *size),
-            ],
-        ),
-        ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
-            Status::failed_precondition(message)
-        }
-        ReplicaError::Unavailable(_) | ReplicaError::Restarted(_) => Status::unavailable(message),
-        ReplicaError::Io(_) => Status::internal(message),
-    }
-}
-
-/// Maps a gRPC status from a replica back to a replica error. Anything that
-/// is not a refusal the replica made on purpose counts as the replica being
-/// unavailable for this request.
-pub fn error_of(status: &Status, stamp: impl Into<Stamp>) -> ReplicaError {
-    let stamp = stamp.into();
-    let number = |key: &str| -> Option<u64> {
-        status
-            .metadata()
-            .get(key)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
-    };
-    let floor = number(FLOOR_KEY).map(Term);
-    match (status.code(), floor, number(GENERATION_KEY)) {
-        (Code::FailedPrecondition, Some(term), Some(generation)) => ReplicaError::StaleGeneration {
-            stamp,
-            floor: Stamp { term, generation },
-        },
-        (Code::FailedPrecondition, Some(floor), None) => ReplicaError::StaleTerm {
-            term: stamp.term,
-            floor,
-        },
-        (Code::OutOfRange, ..) => match (
-            number(RANGE_OFFSET_KEY),
-            number(RANGE_LEN_KEY),
-            number(RANGE_SIZE_KEY),
-        ) {
-            (Some(offset), Some(len), Some(size)) => {
-                ReplicaError::Range(RangeError::OutOfRange { offset, len, size })
-            }
-            // Not a range refusal of the replica's own (a transport limit).
-            _ => ReplicaError::Io(format!("refused: {}", status.message())),
-        },
-        (Code::InvalidArgument, ..) => match (number(RANGE_LEN_KEY), number(RANGE_MAX_KEY)) {
-            (Some(len), Some(max)) => ReplicaError::Range(RangeError::TooLarge { len, max }),
-            _ => ReplicaError::InvalidRequest(status.message().to_string()),
-        },
-        (Code::FailedPrecondition, None, _) | (Code::PermissionDenied, ..) => {
-            ReplicaError::IdentityMismatch(status.message().to_string())
-        }
-        _ => ReplicaError::Unavailable(format!("{}: {}", status.code(), status.message())),
-    }
-}
+use crate::replica::wire::{replaced_disk, to_status};
+use crate::replica::{DirtyExtent, ReplicaStore, Stamp};
 
 /// Called with the new floor whenever a fence raised it.
 pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
@@ -261,16 +139,6 @@ impl ReplicaService {
     }
 }
 
-/// Why a request meant for incarnation `asked` of this node's replica is
-/// refused by incarnation `ours` (S8).
-pub fn replaced_disk(ours: Incarnation, asked: Incarnation) -> String {
-    format!(
-        "replaced disk: this replica is incarnation {ours}, not {asked}; it holds no \
-         acknowledged write until a membership change names it and a full resync has \
-         rebuilt it"
-    )
-}
-
 /// A request's stamp, from its protobuf fields.
 fn stamp(term: u64, generation: u64) -> Stamp {
     Stamp {
@@ -298,7 +166,7 @@ impl ReplicaRpc for ReplicaService {
         self.store
             .write(stamp(r.term, r.generation), r.offset, r.data, r.fua)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::WriteReply {}))
     }
 
@@ -312,7 +180,7 @@ impl ReplicaRpc for ReplicaService {
         self.store
             .discard(stamp(r.term, r.generation), r.offset, r.length)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::DiscardReply {}))
     }
 
@@ -327,7 +195,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .read(r.offset, u64::from(r.length))
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::ReadReply { data }))
     }
 
@@ -341,7 +209,7 @@ impl ReplicaRpc for ReplicaService {
         self.store
             .flush(stamp(r.term, r.generation))
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::FlushReply {}))
     }
 
@@ -356,7 +224,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .grow(stamp(r.term, r.generation), r.size)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::GrowReply { size }))
     }
 
@@ -371,7 +239,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .fence(Term(r.term))
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         if let Some(notify) = &self.on_fenced {
             notify(reply.floor);
         }
@@ -394,7 +262,7 @@ impl ReplicaRpc for ReplicaService {
         self.store
             .clear_dirty_below(Term(r.term))
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::ClearDirtyReply {}))
     }
 
@@ -409,7 +277,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .retire_marks(stamp(r.term, r.generation), Term(r.through), &r.extents)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::RetireMarksReply {
             retired: retired as u64,
         }))
@@ -426,7 +294,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .digests(r.offset, r.length)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::DigestReply {
             extent_size: self.store.identity().extent_size,
             first_extent,
@@ -441,7 +309,7 @@ impl ReplicaRpc for ReplicaService {
         request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusReply>, Status> {
         self.admit(request.into_inner().volume.as_ref())?;
-        let info = self.store.info().await.map_err(|e| status_of(&e))?;
+        let info = self.store.info().await.map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::StatusReply {
             floor: info.floor.0,
             size: self.store.size(),
@@ -468,7 +336,7 @@ impl ReplicaRpc for ReplicaService {
                 &r.extents,
             )
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::NoteMissedReply {}))
     }
 
@@ -482,7 +350,7 @@ impl ReplicaRpc for ReplicaService {
         let map = self
             .store
             .missed(NodeId(r.node), r.from)
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(match map {
             Some(map) => pb::MissedReply {
                 open: true,
@@ -525,7 +393,7 @@ impl ReplicaRpc for ReplicaService {
             .store
             .allocation(r.offset, r.length)
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::AllocationReply {
             lengths: runs.iter().map(|run| run.len).collect(),
             holes: runs.iter().map(|run| run.hole).collect(),
@@ -553,7 +421,7 @@ impl ReplicaRpc for ReplicaService {
                 change,
             )
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::SetUnverifiedReply {}))
     }
 
@@ -567,7 +435,7 @@ impl ReplicaRpc for ReplicaService {
         self.store
             .close_missed(stamp(r.term, r.generation), NodeId(r.node))
             .await
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::CloseMissedReply {}))
     }
 }
@@ -575,20 +443,9 @@ impl ReplicaRpc for ReplicaService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replica::ReplicaError;
+    use crate::replica::wire::from_status;
     use bytes::Bytes;
-
-    #[test]
-    fn every_refusal_comes_back_as_the_same_error() {
-        for (err, stamp) in crate::replica::sample_refusals() {
-            let back = error_of(&status_of(&err), stamp);
-            match (&err, &back) {
-                // The message comes back inside gRPC's own wording.
-                (ReplicaError::Unavailable(_), ReplicaError::Unavailable(_))
-                | (ReplicaError::InvalidRequest(_), ReplicaError::InvalidRequest(_)) => {}
-                _ => assert_eq!(back, err),
-            }
-        }
-    }
 
     /// S8: a request meant for another incarnation of this node's replica
     /// (the writer still expects the copy the disk held before it was
@@ -647,7 +504,7 @@ mod tests {
     fn a_bad_request_is_a_bad_request_on_both_sides() {
         let err = ReplicaError::InvalidRequest("no volume".into());
         assert!(matches!(
-            error_of(&status_of(&err), Term(1)),
+            from_status(&to_status(&err), Term(1)),
             ReplicaError::InvalidRequest(_)
         ));
     }
