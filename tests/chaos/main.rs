@@ -259,7 +259,13 @@ fn summary(outcomes: &[Outcome]) -> String {
             .to_string(),
     );
     row("violations", sum(|o| o.violations.len()).to_string());
-    for rule in ["lost write", "stale accept", "gate overlap", "diverged"] {
+    for rule in [
+        "lost write",
+        "stale accept",
+        "gate overlap",
+        "diverged",
+        "role abuse",
+    ] {
         row(
             &format!("  {rule}"),
             by_rule.get(rule).copied().unwrap_or(0).to_string(),
