@@ -15,8 +15,10 @@
 //!   [`Incarnation`] in one number. Votes, log entries and the membership
 //!   name members by it, so a vote that one incarnation cast can never be
 //!   cast again by the next: to Raft they are different members.
+//! - [`VolumeId`] names a volume: its name, the key under which a node's
+//!   volume host keeps it and the NBD export a client asks for.
 //!
-//! All serialise as the bare number, so the Raft log and vote, the
+//! The numeric ones serialise as the bare number, so the Raft log and vote, the
 //! replicated state and the wire keep the formats they had when they were
 //! `u64`, and both print as the bare number, which is what status, metrics
 //! labels and logs show. Protobuf fields and sled keys stay `u64`, and so
@@ -54,6 +56,24 @@ impl FromStr for NodeId {
 impl From<u64> for NodeId {
     fn from(id: u64) -> Self {
         NodeId(id)
+    }
+}
+
+/// A volume's id within its cluster: its name, as the operator gave it and
+/// as NBD clients ask for it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct VolumeId(pub String);
+
+impl fmt::Display for VolumeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for VolumeId {
+    fn from(name: &str) -> Self {
+        VolumeId(name.to_string())
     }
 }
 

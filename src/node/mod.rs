@@ -26,29 +26,33 @@
 //! 5. The first leader fixes the volume config (size, `min_in_sync`) in the
 //!    Raft state; a node whose own config disagrees with it stops (exit 2).
 //!
-//! The volume's own parts (store, replica set, engine, fencer, controller,
-//! resync, data path) are assembled by [`volume::Volume`]; what status
-//! reports is computed by [`crate::status`].
+//! The node keeps only node-wide work: identity, transport, certificates,
+//! Raft, health and the listeners. The volumes it holds a copy of live in
+//! its [`host::VolumeHost`]; each [`volume::Volume`] assembles its own
+//! parts (store, replica set, engine, fencer, controller, resync, scrub,
+//! data path) and starts and stops its own tasks, step 5 among them. What
+//! status reports is computed by [`crate::status`].
 //!
 //! SIGHUP reloads the certificates: new connections use them, established
 //! ones keep working; a reload that fails keeps the old ones and says why.
 //!
-//! Shutdown on SIGTERM or SIGINT: close the gate and resign (hand
-//! leadership to a caught-up peer), send the one stop signal and wait for
-//! the background tasks ([`tasks`]), stop Raft and the server, stop Raft's
+//! Shutdown on SIGTERM or SIGINT: close every volume's gate and resign
+//! (hand leadership to a caught-up peer), stop the node's background tasks
+//! and every volume's ([`tasks`]) at once, stop Raft and the server, stop Raft's
 //! runtime and wait for its threads, flush the Db, exit 0. The gRPC health
 //! service reports NOT_SERVING from the first step on.
 
 pub mod config;
 pub mod formation;
 pub mod hello;
+pub mod host;
 pub mod journal;
 pub mod membership;
 pub mod reads;
 pub mod tasks;
 pub mod volume;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,7 +62,7 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
 use crate::admin::AdminService;
-use crate::ha::{Controller, Coordinator};
+use crate::ha::Coordinator;
 use crate::ids::{Incarnation, MemberId, NodeId};
 use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls, Grant};
@@ -66,13 +70,13 @@ use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
-use crate::raft::{LogStore, Raft, RaftCoordinator, Request, StateMachine};
+use crate::raft::{LogStore, Raft, RaftCoordinator, StateMachine};
 use crate::replica::serve::service::ReplicaService;
 use crate::status::{NodeFacts, NodeParts, NodeView};
-use crate::volume::VolumeSpec;
 use hello::HelloService;
+use host::VolumeHost;
 use tasks::Tasks;
-use volume::{MARK_RETIREMENT, Volume};
+use volume::Volume;
 
 /// Why a node stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -109,7 +113,8 @@ pub struct Node {
     tls: Option<Arc<Tls>>,
     db: sled::Db,
     raft: RaftParts,
-    controller: Arc<Controller>,
+    /// The volumes this node holds a copy of.
+    host: VolumeHost,
     stop_server: watch::Sender<bool>,
     /// The gRPC server and the data listener's.
     servers: [JoinHandle<Result<(), tonic::transport::Error>>; 2],
@@ -229,33 +234,19 @@ impl Node {
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
-        if let Some(channels) = volume.replicas.channels() {
-            tasks.spawn(
-                "replica set follows the membership",
-                membership::follow_membership(
-                    Arc::clone(&raft.coordinator),
-                    Arc::clone(&volume.replicas),
-                    transport.clone(),
-                    membership::remote_maker(
-                        Arc::clone(channels),
-                        config.cluster_id.clone(),
-                        config.volume.clone(),
-                        crate::replica::mirror::liveness::longest_wait(volume::REPLICA_TIMEOUT),
-                    ),
-                ),
-            );
-        }
         spawn_background(
             &mut tasks,
             &config,
             &raft,
-            &volume,
             &view,
             listeners
                 .nbd
                 .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
             listeners.http,
         );
+        let mut host = VolumeHost::default();
+        host.insert(volume)?;
+        host.start(&config, &raft, &transport);
         tracing::info!(
             node = %config.id,
             incarnation = %member.incarnation(),
@@ -270,7 +261,7 @@ impl Node {
             tls,
             db,
             raft,
-            controller: volume.controller,
+            host,
             stop_server: grpc.stop,
             servers: grpc.tasks,
             health: grpc.health,
@@ -292,7 +283,7 @@ impl Node {
             .map_err(|e| failed(format!("cannot watch SIGTERM: {e}")))?;
         let mut hangup = signal(SignalKind::hangup())
             .map_err(|e| failed(format!("cannot watch SIGHUP: {e}")))?;
-        let conflict = self.volume_conflict();
+        let conflict = self.host.conflict(&self.raft);
         tokio::pin!(conflict);
         loop {
             tokio::select! {
@@ -324,37 +315,6 @@ impl Node {
         }
     }
 
-    /// Resolves when the cluster's recorded volume config differs from this
-    /// node's.
-    async fn volume_conflict(&self) -> ConfigError {
-        let mine = volume_spec(&self.config);
-        let mut applied = self.raft.coordinator.state_machine().subscribe();
-        loop {
-            let control = applied.borrow_and_update().control.clone();
-            if let Some(theirs) = control.volume.clone() {
-                // The size may be the created one or any up to the current
-                // one: a config updated after an online resize.
-                let now = control.volume_size().unwrap_or(theirs.size);
-                let size_fits = (theirs.size..=now).contains(&mine.size);
-                let created = VolumeSpec {
-                    size: mine.size,
-                    ..theirs.clone()
-                };
-                if !size_fits || created != mine {
-                    return ConfigError(format!(
-                        "this node is configured with {mine:?} but the cluster was created with {theirs:?} \
-                         and its volume is now {now} bytes (every node, also one added later, must be \
-                         configured with the cluster's min_in_sync, and a size from the created one up \
-                         to the current one; the volume grows only through `replica-ha resize`)"
-                    ));
-                }
-            }
-            if applied.changed().await.is_err() {
-                return std::future::pending().await;
-            }
-        }
-    }
-
     /// Closes the gate, resigns, stops the background tasks, Raft and the
     /// server, and flushes.
     pub async fn shutdown(self) {
@@ -364,19 +324,17 @@ impl Node {
             self.health.set_service_status(service, NotServing).await;
         }
         let grace = self.config.timing.election_max * 4;
-        if tokio::time::timeout(grace, self.controller.stop())
-            .await
-            .is_err()
-        {
-            tracing::warn!("stopping the controller timed out");
-        }
+        self.host.stop_writing(grace).await;
         if tokio::time::timeout(grace, self.raft.coordinator.resign())
             .await
             .is_err()
         {
             tracing::warn!("resigning timed out");
         }
-        self.tasks.stop(STOP_DEADLINE).await;
+        tokio::join!(
+            self.tasks.stop(STOP_DEADLINE),
+            self.host.stop(STOP_DEADLINE)
+        );
         if let Err(err) = self.raft.raft.shutdown().await {
             tracing::warn!(%err, "raft shutdown");
         }
@@ -654,25 +612,17 @@ fn serve_grpc(
     })
 }
 
-/// Steps 4 and 5, and the volume's background work: resync, mark
-/// retirement, the NBD and HTTP listeners, the controller, the failure
-/// detector (after the start-up window) and fixing the volume config.
+/// Step 4, and the node's background work: the NBD and HTTP listeners and
+/// the failure detector (after the start-up window). The volume's own work
+/// (step 5 among it) is its own: see [`volume`].
 fn spawn_background(
     tasks: &mut Tasks,
     config: &NodeConfig,
     raft: &RaftParts,
-    volume: &Volume,
     view: &Arc<NodeView>,
     nbd: Option<(tokio::net::TcpListener, Option<ExportTls>)>,
     http: Option<tokio::net::TcpListener>,
 ) {
-    tasks.spawn("resync", Arc::clone(&volume.resync).run());
-    tasks.spawn("scrub", Arc::clone(&volume.scrub).run());
-    tasks.spawn(
-        "mark retirement",
-        Arc::clone(&volume.engine).run_mark_retirement(MARK_RETIREMENT),
-    );
-    tasks.spawn("mark ahead", Arc::clone(&volume.engine).run_mark_ahead());
     if let Some((listener, tls)) = nbd {
         let description = format!(
             "replica-ha volume {} of cluster {}",
@@ -720,64 +670,13 @@ fn spawn_background(
             }
         });
     }
-    let controller = Arc::clone(&volume.controller);
-    tasks.spawn("controller", async move {
-        if let Err(err) = controller.run().await {
-            tracing::info!(%err, "controller stopped");
-        }
-    });
     let (raft_handle, peers, timing) = (raft.raft.clone(), Arc::clone(&raft.peers), config.timing);
     tasks.spawn_on(raft.runtime.handle(), "failure detector", async move {
         // The start-up window: no campaign before it has passed.
         tokio::time::sleep(timing.election_max).await;
         crate::raft::detector::run(raft_handle, peers, timing).await;
     });
-    tasks.spawn(
-        "predigest",
-        predigest_when_leader_silent(
-            Arc::clone(&volume.store),
-            raft.raft.clone(),
-            Arc::clone(&raft.peers),
-            config.timing,
-        ),
-    );
-    tasks.spawn(
-        "volume config",
-        fix_volume_spec(Arc::clone(&raft.coordinator), volume_spec(config)),
-    );
 }
-
-/// While no leader has been heard for [`PREDIGEST_AFTER_HEARTBEATS`]
-/// heartbeat intervals, keeps the digests of this node's marked extents
-/// hashed ahead (see [`crate::replica::disk::predigest`]): a failover is likely
-/// coming, and its convergence then reads them instead of hashing. The
-/// failure detector waits `election_max` before it campaigns, so this runs
-/// in that wait, off the failover's path.
-async fn predigest_when_leader_silent(
-    store: Arc<crate::replica::ReplicaStore>,
-    raft: Raft,
-    peers: Arc<Peers>,
-    timing: crate::raft::RaftTiming,
-) {
-    let silent_for = timing.heartbeat * PREDIGEST_AFTER_HEARTBEATS;
-    let metrics = raft.metrics();
-    loop {
-        tokio::time::sleep(timing.heartbeat / 2).await;
-        let leads = metrics.borrow().state == openraft::ServerState::Leader;
-        if leads || peers.last_leader_contact().elapsed() < silent_for {
-            continue;
-        }
-        match store.predigest().await {
-            Ok(0) => {}
-            Ok(hashed) => tracing::debug!(hashed, "leader silent: hashed the marked extents ahead"),
-            Err(err) => tracing::warn!(%err, "hashing the marked extents ahead"),
-        }
-    }
-}
-
-/// How many heartbeat intervals without a leader make a node hash its
-/// marked extents ahead of a failover.
-const PREDIGEST_AFTER_HEARTBEATS: u32 = 3;
 
 async fn bind(
     what: &str,
@@ -843,16 +742,6 @@ fn facts(config: &NodeConfig, data: std::net::SocketAddr, member: MemberId) -> N
     }
 }
 
-/// The volume this node is configured for.
-fn volume_spec(config: &NodeConfig) -> VolumeSpec {
-    VolumeSpec::new(
-        &config.cluster_id,
-        &config.volume,
-        config.size,
-        config.min_in_sync,
-    )
-}
-
 /// Refuses a data dir that belongs to another cluster or node, and returns
 /// its incarnation: drawn at random for a new dir (S8), 0 for a dir made
 /// before incarnations existed (recorded as such from then on).
@@ -901,54 +790,5 @@ fn check_data_dir_identity(db: &sled::Db, config: &NodeConfig) -> Result<Incarna
             Ok(incarnation)
         }
         _ => Err(failed("incomplete node identity in the data dir")),
-    }
-}
-
-/// A random (version 4) UUID, in its usual text form.
-fn new_uuid() -> String {
-    let (a, b) = (crate::ids::random_u64(), crate::ids::random_u64());
-    let a = (a & !0xf000) | 0x4000; // version 4
-    let b = (b & !(0b11 << 62)) | (0b10 << 62); // RFC 4122 variant
-    format!(
-        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-        a >> 32,
-        (a >> 16) & 0xffff,
-        a & 0xffff,
-        b >> 48,
-        b & 0xffff_ffff_ffff
-    )
-}
-
-/// Whenever this node leads and the cluster has no volume config yet,
-/// commits this node's, with every member's replica in sync (all empty).
-async fn fix_volume_spec(coordinator: Arc<RaftCoordinator>, volume: VolumeSpec) {
-    let mut observations = coordinator.observe();
-    loop {
-        let seen = observations.borrow_and_update().clone();
-        let unset = coordinator
-            .state_machine()
-            .current()
-            .control
-            .volume
-            .is_none();
-        if seen.is_self && unset {
-            let replicas: BTreeSet<NodeId> = coordinator.book().entries().into_keys().collect();
-            let request = Request::Init {
-                volume: volume.clone(),
-                replicas,
-                uuid: new_uuid(),
-            };
-            match coordinator.commit(seen.term, request).await {
-                Ok(_) => tracing::info!(?volume, "volume config fixed"),
-                Err(err) => tracing::warn!(%err, "could not fix the volume config yet"),
-            }
-        }
-        if !unset {
-            return;
-        }
-        tokio::select! {
-            changed = observations.changed() => if changed.is_err() { return },
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-        }
     }
 }

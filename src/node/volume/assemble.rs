@@ -1,20 +1,20 @@
-//! The assembler of one volume on a node: its replica store, the replica
-//! set (this node's copy without a network hop, every peer's over the
-//! transport), the engine, the fencer, the controller and its write gate,
-//! the resync and the scrub, and the data path that NBD and the admin API use (the read
-//! gate in front of the write gate, counted).
-//!
-//! A node serves one volume today; a node with several would assemble one
-//! of these per volume.
+//! The wiring of one volume's parts on a node: its replica store, the
+//! replica set (this node's copy without a network hop, every peer's over
+//! the transport), the engine, the fencer, the controller and its write
+//! gate, the resync and the scrub, and the data path that NBD and the admin
+//! API use (the read gate in front of the write gate, counted).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::config::{ConfigError, NodeConfig};
-use super::{NodeError, failed, journal, reads};
+use super::{REPLICA_TIMEOUT, Volume, policy};
 use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGate, WriterEngine};
+use crate::ids::VolumeId;
 use crate::metrics::{DeviceMetrics, MeteredDevice};
 use crate::net::Transport;
+use crate::node::config::{ConfigError, NodeConfig};
+use crate::node::tasks::Tasks;
+use crate::node::{NodeError, failed, journal, reads};
 use crate::raft::RaftCoordinator;
 use crate::replica::mirror::fencer::TokenFencer;
 use crate::replica::mirror::resync::{ResyncConfig, Resyncer};
@@ -25,47 +25,21 @@ use crate::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     StoreIdentity,
 };
-use crate::volume::{Device, VolumeSpec};
-
-/// How often the writer retires the marks of extents that are durable on
-/// every in-sync replica (see `Engine::retire_marks`): what a failover must
-/// converge is about what the writer wrote in this long.
-pub const MARK_RETIREMENT: Duration = Duration::from_millis(200);
-
-/// How long a replica may stay silent (answer nothing while it has requests)
-/// before it counts as failed; see `replica::mirror::liveness`.
-pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
+use crate::volume::VolumeSpec;
 
 /// How long one fence attempt may take before the controller retries.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One volume's parts, wired together.
-pub struct Volume {
-    /// This node's copy.
-    pub store: Arc<ReplicaStore>,
-    /// Every copy, this node's first.
-    pub replicas: Arc<ReplicaSet>,
-    /// The mirror the write gate fronts.
-    pub engine: Arc<Engine>,
-    pub controller: Arc<Controller>,
-    pub resync: Arc<Resyncer>,
-    /// The writer's comparison of the in-sync copies.
-    pub scrub: Arc<Scrubber>,
-    /// The data path: the read gate in front of the write gate, counted.
-    pub device: Arc<dyn Device>,
-    /// The data path's counters.
-    pub io: Arc<DeviceMetrics>,
-}
-
 impl Volume {
     /// Opens this node's copy and wires the volume's parts over
-    /// `coordinator` and `transport`.
+    /// `coordinator` and `transport`. Nothing runs yet: see
+    /// [`Volume::start`].
     pub async fn assemble(
         config: &NodeConfig,
         transport: &Transport,
         coordinator: &Arc<RaftCoordinator>,
     ) -> Result<Self, NodeError> {
-        let spec = super::volume_spec(config);
+        let spec = policy::volume_spec(config);
         let store = Arc::new(open_store(config, &spec).await?);
         let replicas = Arc::new(replica_set(
             config,
@@ -145,6 +119,9 @@ impl Volume {
         let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
         let device = Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io)));
         Ok(Self {
+            id: VolumeId(config.volume.clone()),
+            spec,
+            tasks: Tasks::default(),
             store,
             replicas,
             engine,

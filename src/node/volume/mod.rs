@@ -1,0 +1,145 @@
+//! One volume on a node: its parts and the work that keeps it running.
+//!
+//! A [`Volume`] is assembled ([`assemble`]) from this node's copy, the
+//! replica set, the engine, the fencer, the controller and its gate, the
+//! resync, the scrub and the data path; nothing runs until
+//! [`Volume::start`] spawns its tasks: the controller (S1, S4), the resync
+//! and the scrub (S6), mark retirement and marks ahead (S7), hashing ahead
+//! while no leader is heard, keeping the replica set in step with the
+//! membership (S8), and fixing the volume config in Raft when the cluster
+//! has none ([`policy`]). The volume stops them itself: first its writer
+//! ([`Volume::stop_writing`], which closes the gate), then its tasks
+//! ([`Volume::stop`]).
+//!
+//! Every invariant stays local to one volume: nothing here reads or
+//! writes another volume's parts. The node keeps the volumes in its
+//! [`crate::node::host::VolumeHost`].
+
+mod assemble;
+mod policy;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::RaftParts;
+use super::config::{ConfigError, NodeConfig};
+use super::membership;
+use super::tasks::Tasks;
+use crate::ha::Controller;
+use crate::ids::VolumeId;
+use crate::metrics::DeviceMetrics;
+use crate::net::Transport;
+use crate::replica::mirror::resync::Resyncer;
+use crate::replica::mirror::scrub::Scrubber;
+use crate::replica::{Engine, ReplicaSet, ReplicaStore};
+use crate::volume::{Device, VolumeSpec};
+
+/// How often the writer retires the marks of extents that are durable on
+/// every in-sync replica (see `Engine::retire_marks`): what a failover must
+/// converge is about what the writer wrote in this long.
+pub const MARK_RETIREMENT: Duration = Duration::from_millis(200);
+
+/// How long a replica may stay silent (answer nothing while it has requests)
+/// before it counts as failed; see `replica::mirror::liveness`.
+pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// One volume's parts, wired together, and its running tasks.
+pub struct Volume {
+    /// The volume's name.
+    id: VolumeId,
+    /// The volume config this node was configured with.
+    spec: VolumeSpec,
+    /// What [`Volume::start`] spawned.
+    tasks: Tasks,
+    /// This node's copy.
+    pub store: Arc<ReplicaStore>,
+    /// Every copy, this node's first.
+    pub replicas: Arc<ReplicaSet>,
+    /// The mirror the write gate fronts.
+    pub engine: Arc<Engine>,
+    pub controller: Arc<Controller>,
+    pub resync: Arc<Resyncer>,
+    /// The writer's comparison of the in-sync copies.
+    pub scrub: Arc<Scrubber>,
+    /// The data path: the read gate in front of the write gate, counted.
+    pub device: Arc<dyn Device>,
+    /// The data path's counters.
+    pub io: Arc<DeviceMetrics>,
+}
+
+impl Volume {
+    /// The volume's name.
+    pub fn id(&self) -> &VolumeId {
+        &self.id
+    }
+
+    /// Spawns the volume's tasks (see the module docs) over the node's
+    /// Raft and transport.
+    pub(super) fn start(&mut self, config: &NodeConfig, raft: &RaftParts, transport: &Transport) {
+        let tasks = &mut self.tasks;
+        if let Some(channels) = self.replicas.channels() {
+            tasks.spawn(
+                "replica set follows the membership",
+                membership::follow_membership(
+                    Arc::clone(&raft.coordinator),
+                    Arc::clone(&self.replicas),
+                    transport.clone(),
+                    membership::remote_maker(
+                        Arc::clone(channels),
+                        config.cluster_id.clone(),
+                        config.volume.clone(),
+                        crate::replica::mirror::liveness::longest_wait(REPLICA_TIMEOUT),
+                    ),
+                ),
+            );
+        }
+        tasks.spawn("resync", Arc::clone(&self.resync).run());
+        tasks.spawn("scrub", Arc::clone(&self.scrub).run());
+        tasks.spawn(
+            "mark retirement",
+            Arc::clone(&self.engine).run_mark_retirement(MARK_RETIREMENT),
+        );
+        tasks.spawn("mark ahead", Arc::clone(&self.engine).run_mark_ahead());
+        let controller = Arc::clone(&self.controller);
+        tasks.spawn("controller", async move {
+            if let Err(err) = controller.run().await {
+                tracing::info!(%err, "controller stopped");
+            }
+        });
+        tasks.spawn(
+            "predigest",
+            policy::predigest_when_leader_silent(
+                Arc::clone(&self.store),
+                raft.raft.clone(),
+                Arc::clone(&raft.peers),
+                config.timing,
+            ),
+        );
+        tasks.spawn(
+            "volume config",
+            policy::fix_volume_spec(Arc::clone(&raft.coordinator), self.spec.clone()),
+        );
+    }
+
+    /// Resolves when the cluster's recorded config of this volume differs
+    /// from the one this node was configured with.
+    pub(super) async fn conflict(&self, raft: &RaftParts) -> ConfigError {
+        policy::conflict(&raft.coordinator, &self.spec).await
+    }
+
+    /// Closes the gate: no client write is admitted from now on. Gives up
+    /// after `grace`, saying so.
+    pub(super) async fn stop_writing(&self, grace: Duration) {
+        if tokio::time::timeout(grace, self.controller.stop())
+            .await
+            .is_err()
+        {
+            tracing::warn!(volume = %self.id, "stopping the controller timed out");
+        }
+    }
+
+    /// Stops the volume's tasks, waiting up to `deadline`.
+    pub(super) async fn stop(self, deadline: Duration) {
+        self.tasks.stop(deadline).await;
+    }
+}
