@@ -8,8 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::cluster::Cluster;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
+use replica_ha::replica::{ReplicaError, Stamp};
+use replica_ha::volume::RangeError;
 use tokio::time::Instant;
 use tonic::Code;
 
@@ -31,19 +34,15 @@ async fn volume(cluster: &Cluster, id: u64) -> Option<pb::VolumeRef> {
     Some(cluster.volume_ref(id).await)
 }
 
-/// What node `id`'s own replica holds at `offset` (read straight from the
-/// replica service, not through any engine).
+/// What node `id`'s own replica holds at `offset` (read straight from its
+/// block channel, not through any engine).
 async fn on_replica(cluster: &Cluster, id: u64, offset: u64) -> Bytes {
-    replica_client(cluster, id)
-        .read(pb::ReadRequest {
-            volume: volume(cluster, id).await,
-            offset,
-            length: 4096,
-        })
+    cluster
+        .block_client(id)
+        .await
+        .read(offset, 4096)
         .await
         .unwrap()
-        .into_inner()
-        .data
 }
 
 /// The main split-brain case: the writer is paused past its lease, another
@@ -83,19 +82,17 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
     }
     assert!(fenced.len() >= 2, "fenced replicas: {fenced:?}");
     for id in &fenced {
-        let status = replica_client(&cluster, *id)
-            .write(pb::WriteRequest {
-                volume: volume(&cluster, *id).await,
-                term: old_term,
-                offset: 0,
-                data: block(4),
-                fua: false,
-                generation: 0,
-            })
+        let refused = cluster
+            .block_client(*id)
+            .await
+            .write(Stamp::from(Term(old_term)), 0, block(4), false)
             .await
             .unwrap_err();
-        assert_eq!(status.code(), Code::FailedPrecondition, "replica {id}");
-        assert!(status.message().contains("stale term"));
+        assert!(
+            matches!(refused, ReplicaError::StaleTerm { .. }),
+            "replica {id}: {refused:?}"
+        );
+        assert!(refused.to_string().contains("stale term"), "{refused}");
     }
     // No byte the old writer sent after the fence is anywhere, and every
     // in-sync replica holds the new writer's data.
@@ -454,7 +451,7 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     }
 }
 
-/// Bad requests to a node's replica service: each gets its code and the
+/// Bad requests to a node's block channel: each gets its refusal and the
 /// replica's data is unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_replica_requests_to_a_node_change_nothing() {
@@ -463,60 +460,51 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
     let (writer, term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
     cluster.write(writer, 0, block(7)).await.unwrap();
     let target = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
-    let mut client = replica_client(&cluster, target)
-        .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
-    let incarnation = cluster.volume_ref(target).await.incarnation;
-    let write = |cluster_id: &str, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
-        volume: Some(pb::VolumeRef {
-            cluster_id: cluster_id.into(),
-            volume: "vol0".into(),
-            incarnation,
-        }),
-        term,
-        offset,
-        data,
-        fua: false,
-        generation: 0,
-    };
+    // Another cluster's link is refused at its hello.
+    let foreign = common::blocks::BlockClient::connect(
+        &cluster.node_transport(target),
+        &cluster.data_addrs[&target].to_string(),
+        replica_ha::net::Expect::Node(NodeId(target)),
+        "another-cluster",
+        cluster.volume_ref(target).await.incarnation,
+    )
+    .await;
+    assert!(foreign.is_err(), "another cluster's link was taken");
+    let client = cluster.block_client(target).await;
     let size = 16u64 << 20;
-    let cases = [
-        (
-            write("another-cluster", term + 5, 0, block(9)),
-            Code::PermissionDenied,
+    let at = |term: u64| Stamp::from(Term(term));
+    let stale = client.write(at(term - 1), 0, block(9), false).await;
+    assert!(
+        matches!(stale, Err(ReplicaError::StaleTerm { .. })),
+        "{stale:?}"
+    );
+    let beyond = client.write(at(term), size - 1024, block(9), false).await;
+    assert!(
+        matches!(
+            beyond,
+            Err(ReplicaError::Range(RangeError::OutOfRange { .. }))
         ),
-        (
-            write("test-cluster", term - 1, 0, block(9)),
-            Code::FailedPrecondition,
+        "{beyond:?}"
+    );
+    let huge = Bytes::from(vec![9u8; (32 << 20) + 4096]);
+    let oversized = client.write(at(term), 0, huge, false).await;
+    assert!(
+        matches!(
+            oversized,
+            Err(ReplicaError::Range(RangeError::TooLarge { .. }))
         ),
-        (
-            write("test-cluster", term, size - 1024, block(9)),
-            Code::OutOfRange,
-        ),
-        (
-            write(
-                "test-cluster",
-                term,
-                0,
-                Bytes::from(vec![9u8; (32 << 20) + 4096]),
-            ),
-            Code::InvalidArgument,
-        ),
-        // S8: meant for another incarnation of the node (a replaced disk).
-        (
-            pb::WriteRequest {
-                volume: Some(pb::VolumeRef {
-                    incarnation: incarnation ^ 1,
-                    ..cluster.volume_ref(target).await
-                }),
-                ..write("test-cluster", term + 5, 0, block(9))
-            },
-            Code::FailedPrecondition,
-        ),
-    ];
-    for (request, code) in cases {
-        let status = client.write(request).await.unwrap_err();
-        assert_eq!(status.code(), code, "{status:?}");
-    }
+        "{oversized:?}"
+    );
+    // S8: meant for another incarnation of the node (a replaced disk).
+    let incarnation = cluster.volume_ref(target).await.incarnation;
+    let replaced = client
+        .naming(incarnation ^ 1)
+        .write(at(term + 5), 0, block(9), false)
+        .await;
+    assert!(
+        matches!(replaced, Err(ReplicaError::IdentityMismatch(_))),
+        "{replaced:?}"
+    );
     assert!(on_replica(&cluster, target, 0).await == block(7));
     assert_eq!(cluster.status(target).await.unwrap().fence_floor, term);
 }

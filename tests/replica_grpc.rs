@@ -28,8 +28,7 @@ use replica_ha::replica::{
     Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
     Stamp,
 };
-use replica_ha::volume::{Device, DeviceError, MAX_REQUEST};
-use tonic::Code;
+use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
 async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
     common::serve_replica(ReplicaService::new(store)).await
@@ -131,73 +130,54 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), NodeId(1)).await;
     let addr = serve(Arc::clone(&local)).await;
-    let mut client = ReplicaClient::new(
-        replica_ha::net::Transport::default()
-            .channel(&addr.to_string(), replica_ha::net::Expect::AnyNode)
-            .unwrap(),
-    )
-    .max_encoding_message_size(replica_ha::net::Limits::default().max_message);
+    let transport = replica_ha::net::Transport::default();
+    let connect = |cluster: &'static str| {
+        let transport = transport.clone();
+        async move {
+            common::blocks::BlockClient::connect(
+                &transport,
+                &addr.to_string(),
+                replica_ha::net::Expect::AnyNode,
+                cluster,
+                // A replica served alone: the incarnation of a data dir
+                // older than incarnations.
+                0,
+            )
+            .await
+        }
+    };
     local.write(Term(5), 0, block(5), false).await.unwrap();
 
-    let write =
-        |volume: Option<pb::VolumeRef>, term: u64, offset: u64, data: Bytes| pb::WriteRequest {
-            volume,
-            term,
-            offset,
-            data,
-            fua: false,
-            generation: 0,
-        };
+    // Another cluster's link is refused at its hello, with the reason.
+    let foreign = connect("other")
+        .await
+        .err()
+        .expect("another cluster's link");
+    assert!(foreign.to_string().contains("cluster"), "{foreign}");
+    let client = connect("test").await.unwrap();
+    let at = |term: u64| Stamp::from(Term(term));
+    let huge = Bytes::from(vec![9u8; MAX_REQUEST as usize + 4096]);
     let cases = [
+        (client.write(at(4), 0, block(9), false).await, "stale term"),
+        (client.write(at(0), 0, block(9), false).await, "term 0"),
         (
-            write(volume("test"), 4, 0, block(9)),
-            Code::FailedPrecondition,
-            "stale term",
-        ),
-        (
-            write(volume("other"), 9, 0, block(9)),
-            Code::PermissionDenied,
-            "cluster",
-        ),
-        (
-            write(None, 9, 0, block(9)),
-            Code::InvalidArgument,
-            "names no volume",
-        ),
-        (
-            write(volume("test"), 0, 0, block(9)),
-            Code::InvalidArgument,
-            "term 0",
-        ),
-        (
-            write(volume("test"), 9, SIZE - 1024, block(9)),
-            Code::OutOfRange,
+            client.write(at(9), SIZE - 1024, block(9), false).await,
             "beyond",
         ),
-        (
-            write(
-                volume("test"),
-                9,
-                0,
-                Bytes::from(vec![9u8; MAX_REQUEST as usize + 4096]),
-            ),
-            Code::InvalidArgument,
-            "exceeds",
-        ),
+        (client.write(at(9), 0, huge, false).await, "exceeds"),
     ];
-    for (request, code, text) in cases {
-        let status = client.write(request).await.unwrap_err();
-        assert_eq!(status.code(), code, "{status:?}");
-        assert!(status.message().contains(text), "{status:?}");
+    for (outcome, text) in cases {
+        let err = outcome.unwrap_err();
+        assert!(err.to_string().contains(text), "{err:?}");
     }
-    let read = pb::ReadRequest {
-        volume: volume("test"),
-        offset: SIZE,
-        length: 1,
-    };
-    assert_eq!(
-        client.read(read).await.unwrap_err().code(),
-        Code::OutOfRange
+    assert!(matches!(
+        client.read(SIZE, 1).await,
+        Err(ReplicaError::Range(RangeError::OutOfRange { .. }))
+    ));
+    let mut client = ReplicaClient::new(
+        transport
+            .channel(&addr.to_string(), replica_ha::net::Expect::AnyNode)
+            .unwrap(),
     );
     // Nothing changed: data, floor and marks are as before.
     assert_eq!(local.read(0, 4096).await.unwrap(), block(5));
@@ -218,6 +198,50 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
         (status.floor, status.size, status.dirty_extents),
         (5, SIZE, 1)
     );
+}
+
+/// S8 on the block channel: a write meant for another incarnation of the
+/// replica (the writer still expects the copy a replaced disk held) is
+/// refused and changes nothing; the incarnation it is gets served.
+#[tokio::test]
+async fn a_block_write_for_another_incarnation_is_refused_and_changes_nothing() {
+    use replica_ha::ids::Incarnation;
+    let dir = tempfile::tempdir().unwrap();
+    let local = store(dir.path(), NodeId(1)).await;
+    let service = ReplicaService::new(Arc::clone(&local)).of_incarnation(Incarnation(7));
+    let addr = common::serve_replica(service).await;
+    let client = common::blocks::BlockClient::connect(
+        &replica_ha::net::Transport::default(),
+        &addr.to_string(),
+        replica_ha::net::Expect::AnyNode,
+        "test",
+        0,
+    )
+    .await
+    .unwrap();
+    let data = Bytes::from_static(b"acknowledged?");
+    let mut client = Some(client);
+    for former in [0, 6] {
+        let naming = client.take().unwrap().naming(former);
+        let refused = naming
+            .write(Stamp::from(Term(4)), 0, data.clone(), true)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&refused, ReplicaError::IdentityMismatch(why) if why.contains("replaced disk")),
+            "{refused:?}"
+        );
+        client = Some(naming);
+    }
+    assert_eq!(local.floor().await, Term(0));
+    assert_eq!(local.read(0, 13).await.unwrap(), Bytes::from(vec![0; 13]));
+    let client = client.unwrap().naming(7);
+    client
+        .write(Stamp::from(Term(4)), 0, data.clone(), true)
+        .await
+        .unwrap();
+    assert_eq!(local.floor().await, Term(4));
+    assert_eq!(local.read(0, 13).await.unwrap(), data);
 }
 
 #[tokio::test]

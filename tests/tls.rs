@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::cluster::{BIN, Cluster, client_transport, make_certs, one_cluster_at_a_time};
 use replica_ha::certs::TlsFiles;
-use replica_ha::ids::NodeId;
+use replica_ha::ids::{NodeId, Term};
 use replica_ha::nbd::client as nbd_client;
 use replica_ha::nbd::wire as nbd_wire;
 use replica_ha::net::{Expect, Limits, Tls, Transport, tls::Party};
@@ -27,6 +27,7 @@ use replica_ha::proto::raft::RaftMessage;
 use replica_ha::proto::raft::raft_client::RaftClient;
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
+use replica_ha::replica::Stamp;
 use tokio::time::Instant;
 use tonic::Code;
 use tonic::transport::Channel;
@@ -69,16 +70,12 @@ async fn held(cluster: &Cluster, id: u64) -> Held {
         .await
         .expect("replica status")
         .into_inner();
-    let head = client
-        .read(timed(pb::ReadRequest {
-            volume: volume(cluster, id).await,
-            offset: 0,
-            length: 64 * 1024,
-        }))
+    let head = cluster
+        .block_client(id)
         .await
-        .expect("replica read")
-        .into_inner()
-        .data;
+        .read(0, 64 * 1024)
+        .await
+        .expect("replica read");
     let head = blake3::hash(&head).to_hex().to_string();
     Held {
         floor: status.floor,
@@ -91,29 +88,20 @@ async fn held(cluster: &Cluster, id: u64) -> Held {
 /// term far above any floor and meant for the node's incarnation as it is
 /// now (S8), so that only the credentials can be what refuses it.
 async fn block_write(cluster: &Cluster, id: u64, transport: &Transport) -> Result<(), String> {
-    use replica_ha::net::frame::{FUA, Header, Kind};
-    let link = transport
-        .link(
-            &cluster.data_addrs[&id].to_string(),
-            Expect::AnyNode,
-            &cluster.cluster_id,
-            "vol0",
-            Duration::from_secs(5),
-        )
+    let incarnation = volume(cluster, id).await.unwrap().incarnation;
+    let client = common::blocks::BlockClient::connect(
+        transport,
+        &cluster.data_addrs[&id].to_string(),
+        Expect::AnyNode,
+        &cluster.cluster_id,
+        incarnation,
+    )
+    .await
+    .map_err(|err| err.to_string())?;
+    client
+        .write(Stamp::from(Term(1 << 40)), 0, block(0xee, 64 * 1024), true)
         .await
-        .map_err(|err| err.to_string())?;
-    let mut header = Header::new(Kind::Write, 0);
-    header.term = 1 << 40;
-    header.flags = FUA;
-    header.incarnation = volume(cluster, id).await.unwrap().incarnation;
-    let reply = link
-        .call(header, block(0xee, 64 * 1024), Duration::from_secs(5))
-        .await
-        .map_err(|err| err.to_string())?;
-    match reply.header.kind {
-        Kind::Ok => Ok(()),
-        _ => Err(String::from_utf8_lossy(&reply.payload).into_owned()),
-    }
+        .map_err(|err| err.to_string())
 }
 
 /// Every call that did harm before TLS, from whoever holds `channel`;
@@ -132,20 +120,6 @@ async fn attack(
     // credentials can be what refuses.
     let member = cluster.status(id).await.expect("status").member;
     let mut outcomes = Vec::new();
-    outcomes.push((
-        "replica write",
-        replica
-            .write(timed(pb::WriteRequest {
-                volume: volume(cluster, id).await,
-                term: huge,
-                offset: 0,
-                data: block(0xee, 64 * 1024),
-                fua: true,
-                generation: 0,
-            }))
-            .await
-            .map(|_| ()),
-    ));
     outcomes.push((
         "replica fence",
         replica

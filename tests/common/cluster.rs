@@ -204,6 +204,31 @@ impl Cluster {
     /// presents `id`'s own node certificate: the replica service refuses a
     /// client's.
     pub fn peer_channel(&self, id: u64) -> tonic::transport::Channel {
+        self.node_transport(id)
+            .channel(
+                &self.data_addrs[&id].to_string(),
+                replica_ha::net::Expect::Node(replica_ha::ids::NodeId(id)),
+            )
+            .expect("a loopback address")
+    }
+
+    /// A raw client of node `id`'s block channel, with node `id`'s own
+    /// credentials, naming the node's incarnation as it is now (S8).
+    pub async fn block_client(&self, id: u64) -> super::blocks::BlockClient {
+        let incarnation = self.volume_ref(id).await.incarnation;
+        super::blocks::BlockClient::connect(
+            &self.node_transport(id),
+            &self.data_addrs[&id].to_string(),
+            replica_ha::net::Expect::Node(replica_ha::ids::NodeId(id)),
+            &self.cluster_id,
+            incarnation,
+        )
+        .await
+        .expect("a block-channel link")
+    }
+
+    /// A transport with node `id`'s credentials.
+    pub fn node_transport(&self, id: u64) -> replica_ha::net::Transport {
         let node = replica_ha::ids::NodeId(id);
         let files = replica_ha::certs::TlsFiles::for_node(&self.certs, node);
         let tls = replica_ha::net::Tls::load(
@@ -213,11 +238,6 @@ impl Cluster {
         )
         .expect("node credentials");
         replica_ha::net::Transport::secured(replica_ha::net::Limits::default(), tls)
-            .channel(
-                &self.data_addrs[&id].to_string(),
-                replica_ha::net::Expect::Node(node),
-            )
-            .expect("a loopback address")
     }
 
     /// An admin client of node `id` (see [`Cluster::channel`]).

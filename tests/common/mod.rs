@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod blocks;
 pub mod cluster;
 pub mod load;
 pub mod nbd_tls;

@@ -1,8 +1,9 @@
 //! The block channel's server: a node's store, served to the writer as
 //! frames ([`crate::net::frame`]) for writes, discards, reads and flushes.
 //!
-//! It is the replica gRPC service's twin for block data, with the same
-//! checks in the same order, so the channel adds no path around them:
+//! It is block I/O's only server (the replica gRPC service has only the
+//! control calls), and makes the same checks as that service, in the
+//! same order, so neither adds a path around them:
 //! - **S9.** A connection reaches this server only after the data
 //!   listener's TLS handshake; every frame is then admitted by the members'
 //!   [`PeerGuard`] (the member list can change while a connection lives).
@@ -15,7 +16,7 @@
 //! - **S8.** Every request names the incarnation it is for; one meant for
 //!   another incarnation is refused and changes nothing.
 //! - **S2, S3, S6, range.** The store checks the stamp, drains, marks and
-//!   bounds exactly as for a gRPC or in-process request.
+//!   bounds exactly as for an in-process request.
 //! - A frame that does not decode (bad checksum, unknown kind, oversized)
 //!   closes the connection; nothing from it reaches the store.
 //!

@@ -1,4 +1,8 @@
-//! The replica gRPC service: a node's store, served to the writer.
+//! The replica gRPC service: a node's store, served to the writer for its
+//! control calls (fence, grow, marks, digests, missed-write maps, status).
+//! Block I/O (write, discard, read, flush) is not here: it has one server,
+//! the block channel ([`crate::replica::serve::blocks`]), on the same
+//! listener.
 //!
 //! Every request names the cluster and the volume; a request for another
 //! one is refused (`PERMISSION_DENIED`) before the store is touched. It
@@ -156,63 +160,6 @@ fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
 
 #[tonic::async_trait]
 impl ReplicaRpc for ReplicaService {
-    #[tracing::instrument(level = "debug", name = "replica.write", skip_all, fields(node = %self.node, term = request.get_ref().term))]
-    async fn write(
-        &self,
-        request: Request<pb::WriteRequest>,
-    ) -> Result<Response<pb::WriteReply>, Status> {
-        let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
-            .write(stamp(r.term, r.generation), r.offset, r.data, r.fua)
-            .await
-            .map_err(|e| to_status(&e))?;
-        Ok(Response::new(pb::WriteReply {}))
-    }
-
-    #[tracing::instrument(level = "debug", name = "replica.discard", skip_all, fields(node = %self.node, term = request.get_ref().term))]
-    async fn discard(
-        &self,
-        request: Request<pb::DiscardRequest>,
-    ) -> Result<Response<pb::DiscardReply>, Status> {
-        let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
-            .discard(stamp(r.term, r.generation), r.offset, r.length)
-            .await
-            .map_err(|e| to_status(&e))?;
-        Ok(Response::new(pb::DiscardReply {}))
-    }
-
-    #[tracing::instrument(level = "debug", name = "replica.read", skip_all, fields(node = %self.node))]
-    async fn read(
-        &self,
-        request: Request<pb::ReadRequest>,
-    ) -> Result<Response<pb::ReadReply>, Status> {
-        let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let data = self
-            .store
-            .read(r.offset, u64::from(r.length))
-            .await
-            .map_err(|e| to_status(&e))?;
-        Ok(Response::new(pb::ReadReply { data }))
-    }
-
-    #[tracing::instrument(level = "debug", name = "replica.flush", skip_all, fields(node = %self.node, term = request.get_ref().term))]
-    async fn flush(
-        &self,
-        request: Request<pb::FlushRequest>,
-    ) -> Result<Response<pb::FlushReply>, Status> {
-        let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
-            .flush(stamp(r.term, r.generation))
-            .await
-            .map_err(|e| to_status(&e))?;
-        Ok(Response::new(pb::FlushReply {}))
-    }
-
     #[tracing::instrument(name = "replica.grow", skip_all, fields(node = %self.node, term = request.get_ref().term, size = request.get_ref().size))]
     async fn grow(
         &self,
@@ -445,12 +392,11 @@ mod tests {
     use super::*;
     use crate::replica::ReplicaError;
     use crate::replica::wire::from_status;
-    use bytes::Bytes;
 
     /// S8: a request meant for another incarnation of this node's replica
     /// (the writer still expects the copy the disk held before it was
     /// replaced) is refused and changes nothing: neither the floor nor the
-    /// data.
+    /// size. (Block requests are the block channel's; see its tests.)
     #[tokio::test]
     async fn a_request_for_another_incarnation_is_refused_and_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
@@ -464,14 +410,12 @@ mod tests {
                 incarnation,
             })
         };
-        let write = |incarnation| {
-            Request::new(pb::WriteRequest {
+        let grow = |incarnation| {
+            Request::new(pb::GrowRequest {
                 volume: volume(incarnation),
                 term: 4,
-                offset: 0,
-                data: Bytes::from_static(b"acknowledged?"),
-                fua: true,
                 generation: 0,
+                size: 2 << 20,
             })
         };
         let fence = |incarnation| {
@@ -481,7 +425,7 @@ mod tests {
             })
         };
         for former in [0, 6] {
-            let refused = service.write(write(former)).await.unwrap_err();
+            let refused = service.grow(grow(former)).await.unwrap_err();
             assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
             assert!(
                 refused.message().starts_with("replaced disk"),
@@ -494,10 +438,11 @@ mod tests {
             );
         }
         assert_eq!(store.floor().await, Term(0));
-        assert_eq!(store.read(0, 13).await.unwrap(), Bytes::from(vec![0; 13]));
+        assert_eq!(store.size(), 1 << 20);
         // The incarnation it is: served.
-        service.write(write(7)).await.unwrap();
+        service.grow(grow(7)).await.unwrap();
         assert_eq!(store.floor().await, Term(4));
+        assert_eq!(store.size(), 2 << 20);
     }
 
     #[test]
