@@ -15,6 +15,8 @@
 //!   [`Incarnation`] in one number. Votes, log entries and the membership
 //!   name members by it, so a vote that one incarnation cast can never be
 //!   cast again by the next: to Raft they are different members.
+//! - [`Stamp`] is what a writer's request to one replica carries: its
+//!   term and its generation for that replica within the term (S2, S3).
 //! - [`VolumeId`] names a volume: its name, the key under which a node's
 //!   volume host keeps it and the NBD export a client asks for.
 //!
@@ -112,6 +114,52 @@ pub const MAX_NODE_ID: u64 = (1 << NODE_ID_BITS) - 1;
 
 /// How many bits an [`Incarnation`] has: the rest of a [`MemberId`].
 const INCARNATION_BITS: u32 = 64 - NODE_ID_BITS;
+
+/// What a write or flush is stamped with: the writer's term, the fencing
+/// token (S2), and the writer's *generation* for this one replica within the
+/// term. A replica orders stamps by term, then generation, and refuses any
+/// below its floor; a newer stamp first raises the floor, draining every
+/// request admitted under an older one (S3).
+///
+/// The generation is how a writer disowns a request whose outcome it never
+/// learned (a timeout, a broken connection): it raises the generation it
+/// uses for that replica, so the next request it sends there drains the
+/// lost one if it was admitted and refuses it if it arrives later. A
+/// request the writer gave up on can therefore never land after a later
+/// write to the same replica (no late landing).
+///
+/// On the wire it is two numbers, `term` and `generation`, in the block
+/// channel's frame header and in the replica service's messages alike;
+/// `replica::wire` holds the one conversion each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Stamp {
+    /// The writer's term.
+    pub term: Term,
+    /// The writer's generation for the replica within the term.
+    pub generation: u64,
+}
+
+impl Stamp {
+    /// The first generation of `term`.
+    pub fn term(term: Term) -> Self {
+        Self {
+            term,
+            generation: 0,
+        }
+    }
+}
+
+impl From<Term> for Stamp {
+    fn from(term: Term) -> Self {
+        Self::term(term)
+    }
+}
+
+impl fmt::Display for Stamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.term, self.generation)
+    }
+}
 
 /// One life of a node's data dir (see the module docs). Incarnation 0 is
 /// that of a data dir made before incarnations existed; a new dir draws a

@@ -841,7 +841,7 @@ async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
 
     let write = |term: u64, offset: u64, incarnation: u64| {
         let mut header = Header::new(Kind::Write, 7);
-        header.term = term;
+        header.stamp = Stamp::from(Term(term));
         header.offset = offset;
         header.incarnation = incarnation;
         Frame::new(header, block(9))

@@ -47,6 +47,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use crate::ids::{Stamp, Term};
+
 /// What a client sends first on a block-channel connection. Not the start
 /// of an HTTP/2 preface (`PRI * HTTP/2.0`), so one listener serves both.
 pub const PREFACE: &[u8; 8] = b"RHABLK\x00\x01";
@@ -158,8 +160,9 @@ pub struct Header {
     pub flags: u16,
     pub payload_len: u32,
     pub id: u64,
-    pub term: u64,
-    pub generation: u64,
+    /// The writer's stamp: term and generation (S2, S3). A refusal
+    /// reuses the two numbers as its [`ErrorCode`] says.
+    pub stamp: Stamp,
     pub offset: u64,
     pub length: u64,
     pub incarnation: u64,
@@ -195,8 +198,7 @@ impl Header {
             flags: 0,
             payload_len: 0,
             id,
-            term: 0,
-            generation: 0,
+            stamp: Stamp::default(),
             offset: 0,
             length: 0,
             incarnation: 0,
@@ -211,8 +213,8 @@ impl Header {
         out.put_u32(self.payload_len);
         for n in [
             self.id,
-            self.term,
-            self.generation,
+            self.stamp.term.0,
+            self.stamp.generation,
             self.offset,
             self.length,
             self.incarnation,
@@ -263,8 +265,10 @@ impl Header {
             flags,
             payload_len,
             id: buf.get_u64(),
-            term: buf.get_u64(),
-            generation: buf.get_u64(),
+            stamp: Stamp {
+                term: Term(buf.get_u64()),
+                generation: buf.get_u64(),
+            },
             offset: buf.get_u64(),
             length: buf.get_u64(),
             incarnation: buf.get_u64(),
@@ -407,8 +411,10 @@ mod tests {
 
     fn write_frame(id: u64, data: &[u8]) -> Frame {
         let mut header = Header::new(Kind::Write, id);
-        header.term = 7;
-        header.generation = 2;
+        header.stamp = Stamp {
+            term: Term(7),
+            generation: 2,
+        };
         header.offset = 4096;
         header.incarnation = 99;
         header.flags = FUA;

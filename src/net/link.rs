@@ -496,7 +496,7 @@ mod tests {
 
     fn frame_of(id: u64, len: usize) -> Frame {
         let mut header = Header::new(Kind::Write, id);
-        header.term = 3;
+        header.stamp = crate::ids::Stamp::from(crate::ids::Term(3));
         header.offset = 1 << 20;
         let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ id as u8).collect();
         Frame::new(header, Bytes::from(payload))

@@ -38,52 +38,11 @@ pub use mirror::engine::{
 };
 pub use mirror::set::{ReplicaSet, SetError};
 
+pub use crate::ids::Stamp;
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::volume::RangeError;
 use disk::missed::{self, MissedMap};
 use std::collections::BTreeMap;
-
-/// What a write or flush is stamped with: the writer's term, the fencing
-/// token (S2), and the writer's *generation* for this one replica within the
-/// term. A replica orders stamps by term, then generation, and refuses any
-/// below its floor; a newer stamp first raises the floor, draining every
-/// request admitted under an older one (S3).
-///
-/// The generation is how a writer disowns a request whose outcome it never
-/// learned (a timeout, a broken connection): it raises the generation it
-/// uses for that replica, so the next request it sends there drains the
-/// lost one if it was admitted and refuses it if it arrives later. A
-/// request the writer gave up on can therefore never land after a later
-/// write to the same replica (no late landing).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Stamp {
-    /// The writer's term.
-    pub term: Term,
-    /// The writer's generation for the replica within the term.
-    pub generation: u64,
-}
-
-impl Stamp {
-    /// The first generation of `term`.
-    pub fn term(term: Term) -> Self {
-        Self {
-            term,
-            generation: 0,
-        }
-    }
-}
-
-impl From<Term> for Stamp {
-    fn from(term: Term) -> Self {
-        Self::term(term)
-    }
-}
-
-impl std::fmt::Display for Stamp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.term, self.generation)
-    }
-}
 
 /// What the fencer found and left at its last fence, shared with the engine
 /// of the same node:

@@ -8,18 +8,25 @@
 //!
 //! | replica error | gRPC code | block-channel code, figures in the header |
 //! |---|---|---|
-//! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` | `StaleTerm`, floor in `term` |
-//! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` | `StaleGeneration`, floor in `term`, `generation` |
+//! | stale term | `FAILED_PRECONDITION`, "stale term", floor in `x-fence-floor` | `StaleTerm`, floor in the stamp's `term` |
+//! | stale generation | `FAILED_PRECONDITION`, "stale generation", floor in `x-fence-floor` and `x-fence-generation` | `StaleGeneration`, floor in the stamp |
 //! | term 0 | `INVALID_ARGUMENT` | `InvalidTerm` |
 //! | invalid request | `INVALID_ARGUMENT` | `InvalidRequest` |
 //! | request too large | `INVALID_ARGUMENT`, `x-range-len`, `x-range-max` | `TooLarge`, length in `length`, maximum in `offset` |
-//! | out of range | `OUT_OF_RANGE`, `x-range-offset`, `x-range-len`, `x-range-size` | `OutOfRange`, `offset`, `length`, volume size in `generation` |
+//! | out of range | `OUT_OF_RANGE`, `x-range-offset`, `x-range-len`, `x-range-size` | `OutOfRange`, `offset`, `length`, volume size in the stamp's `generation` |
 //! | identity mismatch, invalid identity | `FAILED_PRECONDITION` | `IdentityMismatch` |
 //! | unavailable; restarted (found by the writer, never sent) | `UNAVAILABLE` | `Unavailable` |
 //! | disk or metadata I/O | `INTERNAL` | `Io` |
 //!
 //! Back on the client every refusal becomes the same error again (a range
 //! refusal keeps its figures).
+//!
+//! A writer's [`Stamp`] crosses the wire as two numbers, `term` and
+//! `generation`: in the frame header (as a `Stamp` field of
+//! [`Header`]) and in the replica service's stamped requests, whose one
+//! conversion each way is [`Stamped`]. The numbers, and so the bytes on
+//! the wire, are those of earlier builds: nodes of both can talk during a
+//! rolling restart.
 
 use bytes::Bytes;
 use tonic::metadata::MetadataValue;
@@ -28,7 +35,45 @@ use tonic::{Code, Status};
 use super::{ReplicaError, Stamp};
 use crate::ids::{Incarnation, Term};
 use crate::net::frame::{ErrorCode, Frame, Header, Kind};
+use crate::proto::replica as pb;
 use crate::volume::RangeError;
+
+/// A replica-service request that carries a writer's [`Stamp`] in its
+/// `term` and `generation` fields.
+pub trait Stamped: Sized {
+    /// The stamp the request carries.
+    fn stamp(&self) -> Stamp;
+    /// The request, stamped with `stamp`.
+    fn stamped(self, stamp: Stamp) -> Self;
+}
+
+macro_rules! stamped {
+    ($($message:ty),+) => {
+        $(impl Stamped for $message {
+            fn stamp(&self) -> Stamp {
+                Stamp {
+                    term: Term(self.term),
+                    generation: self.generation,
+                }
+            }
+            fn stamped(self, stamp: Stamp) -> Self {
+                Self {
+                    term: stamp.term.0,
+                    generation: stamp.generation,
+                    ..self
+                }
+            }
+        })+
+    };
+}
+
+stamped!(
+    pb::GrowRequest,
+    pb::RetireMarksRequest,
+    pb::NoteMissedRequest,
+    pb::SetUnverifiedRequest,
+    pb::CloseMissedRequest
+);
 
 /// The metadata key that carries a replica's fence floor on a stale-term
 /// refusal.
@@ -151,12 +196,11 @@ pub fn to_refusal(id: u64, err: &ReplicaError) -> Frame {
     let mut header = Header::new(Kind::Refused, id);
     let code = match err {
         ReplicaError::StaleTerm { floor, .. } => {
-            header.term = floor.0;
+            header.stamp = Stamp::from(*floor);
             ErrorCode::StaleTerm
         }
         ReplicaError::StaleGeneration { floor, .. } => {
-            header.term = floor.term.0;
-            header.generation = floor.generation;
+            header.stamp = *floor;
             ErrorCode::StaleGeneration
         }
         ReplicaError::InvalidTerm => ErrorCode::InvalidTerm,
@@ -169,7 +213,7 @@ pub fn to_refusal(id: u64, err: &ReplicaError) -> Frame {
         ReplicaError::Range(RangeError::OutOfRange { offset, len, size }) => {
             header.offset = *offset;
             header.length = *len;
-            header.generation = *size;
+            header.stamp.generation = *size;
             ErrorCode::OutOfRange
         }
         ReplicaError::IdentityMismatch(_) | ReplicaError::InvalidIdentity(_) => {
@@ -191,14 +235,11 @@ pub fn from_refusal(refusal: &Frame, stamp: impl Into<Stamp>) -> ReplicaError {
     match ErrorCode::of(h.flags) {
         ErrorCode::StaleTerm => ReplicaError::StaleTerm {
             term: stamp.term,
-            floor: Term(h.term),
+            floor: h.stamp.term,
         },
         ErrorCode::StaleGeneration => ReplicaError::StaleGeneration {
             stamp,
-            floor: Stamp {
-                term: Term(h.term),
-                generation: h.generation,
-            },
+            floor: h.stamp,
         },
         ErrorCode::InvalidTerm => ReplicaError::InvalidTerm,
         ErrorCode::InvalidRequest => ReplicaError::InvalidRequest(message),
@@ -209,7 +250,7 @@ pub fn from_refusal(refusal: &Frame, stamp: impl Into<Stamp>) -> ReplicaError {
         ErrorCode::OutOfRange => ReplicaError::Range(RangeError::OutOfRange {
             offset: h.offset,
             len: h.length,
-            size: h.generation,
+            size: h.stamp.generation,
         }),
         ErrorCode::IdentityMismatch => ReplicaError::IdentityMismatch(message),
         ErrorCode::Unavailable => ReplicaError::Unavailable(message),

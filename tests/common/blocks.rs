@@ -71,8 +71,7 @@ impl BlockClient {
 
     fn header(&self, kind: Kind, stamp: Stamp) -> Header {
         let mut header = Header::new(kind, 0);
-        header.term = stamp.term.0;
-        header.generation = stamp.generation;
+        header.stamp = stamp;
         header.incarnation = self.incarnation;
         header
     }

@@ -172,7 +172,7 @@ impl Channels {
             self.timeout,
         )
         .await
-        .map_err(unreachable)?;
+        .map_err(|err| unreachable(err.to_string()))?;
         data_address(&reply.data_address, control).ok_or_else(|| {
             unreachable(format!(
                 "its data address {:?} is not HOST:PORT",
@@ -198,10 +198,8 @@ pub async fn hello(
     id: NodeId,
     control: &str,
     timeout: Duration,
-) -> Result<HelloReply, String> {
-    let mut client = transport
-        .client(control, Expect::Node(id), NodeClient::new)
-        .map_err(|err| err.to_string())?;
+) -> Result<HelloReply, HelloError> {
+    let mut client = transport.client(control, Expect::Node(id), NodeClient::new)?;
     let (from, waiting_member) = match from.into() {
         Asker::Node(node) => (node, 0),
         Asker::Waiting(member) => (member.node(), member.0),
@@ -212,17 +210,27 @@ pub async fn hello(
         waiting_member,
     });
     request.set_timeout(timeout);
-    let reply = client
-        .hello(request)
-        .await
-        .map_err(|status| status.message().to_string())?
-        .into_inner();
+    let reply = client.hello(request).await?.into_inner();
     if reply.node_id != id.0
         || (reply.member != 0 && reply.member & crate::ids::MAX_NODE_ID != id.0)
     {
-        return Err(format!("node {} answered", reply.node_id));
+        return Err(HelloError::OtherNode(reply.node_id));
     }
     Ok(reply)
+}
+
+/// Why a [`hello`] got no answer from the node it asked.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    /// No channel to the address (it is not one the transport can dial).
+    #[error(transparent)]
+    Address(#[from] crate::net::TransportError),
+    /// The call failed or was refused.
+    #[error("{}", .0.message())]
+    Call(#[from] tonic::Status),
+    /// Another node answered at the address.
+    #[error("node {0} answered")]
+    OtherNode(u64),
 }
 
 /// Who asks in a [`hello`].

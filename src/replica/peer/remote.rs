@@ -30,7 +30,7 @@ use crate::proto::replica as pb;
 use crate::proto::replica::replica_client::ReplicaClient;
 use crate::replica::disk::missed::{MissedMap, Unverified};
 use crate::replica::peer::channels::Channels;
-use crate::replica::wire::{from_refusal, from_status};
+use crate::replica::wire::{Stamped, from_refusal, from_status};
 use crate::replica::{DirtyExtent, FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 use std::collections::BTreeMap;
 
@@ -211,8 +211,7 @@ impl RemoteReplica {
         payload: Bytes,
     ) -> Result<Frame, ReplicaError> {
         let mut header = Header::new(kind, 0);
-        header.term = stamp.term.0;
-        header.generation = stamp.generation;
+        header.stamp = stamp;
         header.incarnation = self.channels.incarnation(self.id).0;
         fill(&mut header);
         let link = self.link().await?;
@@ -370,12 +369,14 @@ impl Replica for RemoteReplica {
     }
 
     async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
-        let request = self.request(pb::GrowRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-            size,
-        });
+        let request = self.request(
+            pb::GrowRequest {
+                volume: self.volume(),
+                size,
+                ..Default::default()
+            }
+            .stamped(stamp),
+        );
         self.client()
             .await?
             .grow(request)
@@ -431,13 +432,15 @@ impl Replica for RemoteReplica {
         through: Term,
         extents: &[u64],
     ) -> Result<usize, ReplicaError> {
-        let request = self.request(pb::RetireMarksRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-            through: through.0,
-            extents: extents.to_vec(),
-        });
+        let request = self.request(
+            pb::RetireMarksRequest {
+                volume: self.volume(),
+                through: through.0,
+                extents: extents.to_vec(),
+                ..Default::default()
+            }
+            .stamped(stamp),
+        );
         let reply = self
             .client()
             .await?
@@ -494,14 +497,16 @@ impl Replica for RemoteReplica {
         incarnation: Incarnation,
         extents: &[u64],
     ) -> Result<(), ReplicaError> {
-        let request = self.request(pb::NoteMissedRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-            node: node.0,
-            incarnation: incarnation.0,
-            extents: extents.to_vec(),
-        });
+        let request = self.request(
+            pb::NoteMissedRequest {
+                volume: self.volume(),
+                node: node.0,
+                incarnation: incarnation.0,
+                extents: extents.to_vec(),
+                ..Default::default()
+            }
+            .stamped(stamp),
+        );
         self.client()
             .await?
             .note_missed(request)
@@ -550,12 +555,14 @@ impl Replica for RemoteReplica {
     }
 
     async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
-        let request = self.request(pb::CloseMissedRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-            node: node.0,
-        });
+        let request = self.request(
+            pb::CloseMissedRequest {
+                volume: self.volume(),
+                node: node.0,
+                ..Default::default()
+            }
+            .stamped(stamp),
+        );
         self.client()
             .await?
             .close_missed(request)
@@ -575,15 +582,17 @@ impl Replica for RemoteReplica {
             Unverified::Lower(extent) => (false, extent),
             Unverified::Raise(extent) => (true, extent),
         };
-        let request = self.request(pb::SetUnverifiedRequest {
-            volume: self.volume(),
-            term: stamp.term.0,
-            generation: stamp.generation,
-            node: node.0,
-            incarnation: incarnation.0,
-            raise,
-            extent,
-        });
+        let request = self.request(
+            pb::SetUnverifiedRequest {
+                volume: self.volume(),
+                node: node.0,
+                incarnation: incarnation.0,
+                raise,
+                extent,
+                ..Default::default()
+            }
+            .stamped(stamp),
+        );
         self.client()
             .await?
             .set_unverified(request)

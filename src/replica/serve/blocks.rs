@@ -34,13 +34,13 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use crate::ids::{Incarnation, Term};
+use crate::ids::Incarnation;
 use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
 use crate::net::frame::{FUA, Frame, Header, Kind, parse_hello};
 use crate::net::link::{FrameReader, ReadError, send_frames};
 use crate::replica::wire::to_refusal;
-use crate::replica::{ReplicaError, ReplicaStore, Stamp};
+use crate::replica::{ReplicaError, ReplicaStore};
 
 /// The most requests one connection runs at once.
 pub const IN_FLIGHT: usize = 256;
@@ -80,6 +80,23 @@ impl AsRef<[u8]> for Held {
     fn as_ref(&self) -> &[u8] {
         &self.data
     }
+}
+
+/// Why the server closed a connection before its peer did.
+#[derive(Debug, thiserror::Error)]
+enum Closed {
+    /// The guard does not (or no longer) admit the peer (S9).
+    #[error("not admitted: {0}")]
+    NotAdmitted(String),
+    /// What arrived is no frame, or the connection failed.
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    /// The first frame was no `Hello` for this replica.
+    #[error(transparent)]
+    Hello(ReplicaError),
+    /// A reply or a second `Hello` where a request belongs.
+    #[error("a {0:?} frame where a request belongs")]
+    Misplaced(Kind),
 }
 
 /// Serves one store's block channel; see the module docs.
@@ -152,7 +169,7 @@ impl BlockServer {
         &self,
         accepted: Accepted,
         mut stop: watch::Receiver<bool>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Closed> {
         let peer = accepted.peer().clone();
         let (reader, writer) = tokio::io::split(accepted);
         let (replies, outgoing) = mpsc::channel::<Frame>(IN_FLIGHT);
@@ -171,7 +188,7 @@ impl BlockServer {
             Err(status) => {
                 let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
                 let _ = replies.send(to_refusal(0, &refusal)).await;
-                Err(format!("not admitted: {}", status.message()))
+                Err(Closed::NotAdmitted(status.message().to_string()))
             }
             Ok(_) => loop {
                 if *stop.borrow() {
@@ -189,14 +206,14 @@ impl BlockServer {
                 let frame = match read {
                     Ok(Some(frame)) => frame,
                     Ok(None) => break Ok(()),
-                    Err(err) => break Err(err.to_string()),
+                    Err(err) => break Err(Closed::Read(err)),
                 };
                 let id = frame.header.id;
                 // The member list can change while a connection lives.
                 if let Err(status) = self.guard.admit(Some(&peer)) {
                     let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
                     let _ = replies.send(to_refusal(id, &refusal)).await;
-                    break Err(format!("not admitted: {}", status.message()));
+                    break Err(Closed::NotAdmitted(status.message().to_string()));
                 }
                 if !hello {
                     match self.hello(&frame) {
@@ -213,15 +230,12 @@ impl BlockServer {
                         }
                         Err(err) => {
                             let _ = replies.send(to_refusal(id, &err)).await;
-                            break Err(err.to_string());
+                            break Err(Closed::Hello(err));
                         }
                     }
                 }
                 if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
-                    break Err(format!(
-                        "a {:?} frame where a request belongs",
-                        frame.header.kind
-                    ));
+                    break Err(Closed::Misplaced(frame.header.kind));
                 }
                 let (Ok(slot), Ok(bytes)) = (
                     Arc::clone(&in_flight).acquire_owned().await,
@@ -287,13 +301,10 @@ impl BlockServer {
     }
 
     /// Runs one request against the store; the reply to send.
-    #[tracing::instrument(level = "debug", name = "blocks.request", skip_all, fields(node = %self.node, kind = ?frame.header.kind, term = frame.header.term))]
+    #[tracing::instrument(level = "debug", name = "blocks.request", skip_all, fields(node = %self.node, kind = ?frame.header.kind, term = %frame.header.stamp.term))]
     async fn handle(&self, frame: Frame) -> Frame {
         let h = frame.header;
-        let stamp = Stamp {
-            term: Term(h.term),
-            generation: h.generation,
-        };
+        let stamp = h.stamp;
         let done = |payload: Bytes| Frame::new(Header::new(Kind::Ok, h.id), payload);
         if h.incarnation != self.incarnation.0 {
             let err = ReplicaError::IdentityMismatch(crate::replica::wire::replaced_disk(

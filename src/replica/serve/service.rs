@@ -28,8 +28,8 @@ use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
 use crate::replica::disk::missed::Unverified;
 use crate::replica::serve::blocks::BlockServer;
-use crate::replica::wire::{replaced_disk, to_status};
-use crate::replica::{DirtyExtent, ReplicaStore, Stamp};
+use crate::replica::wire::{Stamped, replaced_disk, to_status};
+use crate::replica::{DirtyExtent, ReplicaStore};
 
 /// Called with the new floor whenever a fence raised it.
 pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
@@ -143,14 +143,6 @@ impl ReplicaService {
     }
 }
 
-/// A request's stamp, from its protobuf fields.
-fn stamp(term: u64, generation: u64) -> Stamp {
-    Stamp {
-        term: Term(term),
-        generation,
-    }
-}
-
 fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
     pb::DirtyExtent {
         term: mark.term.0,
@@ -169,7 +161,7 @@ impl ReplicaRpc for ReplicaService {
         self.admit(r.volume.as_ref())?;
         let size = self
             .store
-            .grow(stamp(r.term, r.generation), r.size)
+            .grow(r.stamp(), r.size)
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::GrowReply { size }))
@@ -222,7 +214,7 @@ impl ReplicaRpc for ReplicaService {
         self.admit(r.volume.as_ref())?;
         let retired = self
             .store
-            .retire_marks(stamp(r.term, r.generation), Term(r.through), &r.extents)
+            .retire_marks(r.stamp(), Term(r.through), &r.extents)
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::RetireMarksReply {
@@ -277,7 +269,7 @@ impl ReplicaRpc for ReplicaService {
         self.admit(r.volume.as_ref())?;
         self.store
             .note_missed(
-                stamp(r.term, r.generation),
+                r.stamp(),
                 NodeId(r.node),
                 Incarnation(r.incarnation),
                 &r.extents,
@@ -362,7 +354,7 @@ impl ReplicaRpc for ReplicaService {
         };
         self.store
             .set_unverified(
-                stamp(r.term, r.generation),
+                r.stamp(),
                 NodeId(r.node),
                 Incarnation(r.incarnation),
                 change,
@@ -380,7 +372,7 @@ impl ReplicaRpc for ReplicaService {
         let r = request.into_inner();
         self.admit(r.volume.as_ref())?;
         self.store
-            .close_missed(stamp(r.term, r.generation), NodeId(r.node))
+            .close_missed(r.stamp(), NodeId(r.node))
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::CloseMissedReply {}))
