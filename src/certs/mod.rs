@@ -82,12 +82,16 @@ use rcgen::{
     Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType,
 };
 use time::{Duration, OffsetDateTime};
-use x509_parser::certificate::X509Certificate;
-use x509_parser::extensions::GeneralName;
-use x509_parser::pem::Pem;
-use x509_parser::prelude::FromDer;
 
 use crate::ids::NodeId;
+
+mod identity;
+#[cfg(test)]
+mod test_support;
+
+pub use identity::{PeerIdentity, Role, cluster_id_of_ca, identity_of};
+
+use identity::{MAX_NAME_LEN, ca_uri, is_name, parse_der, pem_certificate};
 
 /// How long a CA is valid by default, in days.
 pub const DEFAULT_CA_DAYS: u32 = 3650;
@@ -96,12 +100,6 @@ pub const DEFAULT_LEAF_DAYS: u32 = 365;
 /// The longest validity accepted, in days (a hundred years).
 pub const MAX_DAYS: u32 = 36_500;
 
-/// The URI scheme of every identity.
-const SCHEME: &str = "replica-ha";
-/// An identity URI starts with exactly this.
-const URI_PREFIX: &str = "replica-ha://";
-/// The longest cluster id or client name.
-const MAX_NAME_LEN: usize = 64;
 /// How far back a certificate's validity starts (clock skew).
 const BACKDATE: Duration = Duration::hours(1);
 /// The default hosts of a node certificate.
@@ -188,105 +186,6 @@ pub enum CertError {
     NotALeaf { uri: String },
 }
 
-/// What a client certificate allows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum)]
-pub enum Role {
-    /// Reads and changes: status, transfer and every other admin call,
-    /// and the volume's data (it can write it through the admin API
-    /// anyway, so NBD grants it a writable export too).
-    Admin,
-    /// Uses the volume: reads and writes its data through NBD (and
-    /// `attach`), reads status; changes nothing in the cluster.
-    User,
-    /// Reads only: status and the like, and the volume's data through a
-    /// read-only NBD export.
-    Viewer,
-}
-
-impl Role {
-    /// The role as it appears in the URI SAN and on the command line.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Admin => "admin",
-            Role::User => "user",
-            Role::Viewer => "viewer",
-        }
-    }
-
-    /// Whether a holder may change the volume's data (an NBD export
-    /// opened writable): `admin` and `user`, not `viewer`.
-    pub fn writes_data(self) -> bool {
-        match self {
-            Role::Admin | Role::User => true,
-            Role::Viewer => false,
-        }
-    }
-
-    fn parse(text: &str) -> Option<Role> {
-        match text {
-            "admin" => Some(Role::Admin),
-            "user" => Some(Role::User),
-            "viewer" => Some(Role::Viewer),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Who a verified peer certificate says its holder is (C1).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum PeerIdentity {
-    /// Node `id` of cluster `cluster_id`.
-    Node { cluster_id: String, id: NodeId },
-    /// Client tool `name` of cluster `cluster_id`, allowed `role`.
-    Client {
-        cluster_id: String,
-        name: String,
-        role: Role,
-    },
-}
-
-impl PeerIdentity {
-    /// The cluster the certificate was issued for.
-    pub fn cluster_id(&self) -> &str {
-        match self {
-            PeerIdentity::Node { cluster_id, .. } | PeerIdentity::Client { cluster_id, .. } => {
-                cluster_id
-            }
-        }
-    }
-
-    /// The node id, if this is a node of `cluster_id`; `None` for a client
-    /// or a node of another cluster. A message that claims to be from node
-    /// N is accepted only if this returns `Some(N)`.
-    pub fn node_in(&self, cluster_id: &str) -> Option<NodeId> {
-        match self {
-            PeerIdentity::Node { cluster_id: c, id } if c == cluster_id => Some(*id),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for PeerIdentity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PeerIdentity::Node { cluster_id, id } => {
-                write!(f, "node {id} of cluster {cluster_id}")
-            }
-            PeerIdentity::Client {
-                cluster_id,
-                name,
-                role,
-            } => write!(f, "client {name} ({role}) of cluster {cluster_id}"),
-        }
-    }
-}
-
 /// The files a certificate was written to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Issued {
@@ -327,7 +226,7 @@ pub fn init(dir: &Path, cluster_id: &str, days: u32, force: bool) -> Result<Issu
     let tag = blake3::hash(key.der_bytes()).to_hex();
     let common_name = format!("replica-ha CA {cluster_id} {}", &tag[..16]);
     params.distinguished_name = name(&common_name, cluster_id);
-    params.subject_alt_names = vec![uri_san(format!("{URI_PREFIX}{cluster_id}/ca"))?];
+    params.subject_alt_names = vec![uri_san(ca_uri(cluster_id))?];
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![
         KeyUsagePurpose::KeyCertSign,
@@ -378,10 +277,11 @@ pub fn issue_node_with_validity(
     }
     let mut sans = host_sans(hosts)?;
     let ca = Ca::load(dir)?;
-    sans.push(uri_san(format!(
-        "{URI_PREFIX}{}/node/{node_id}",
-        ca.cluster_id
-    ))?);
+    let identity = PeerIdentity::Node {
+        cluster_id: ca.cluster_id.clone(),
+        id: node_id,
+    };
+    sans.push(uri_san(identity.uri())?);
     let files = TlsFiles::for_node(dir, node_id);
     let leaf = Leaf {
         common_name: format!("replica-ha node {node_id}"),
@@ -403,10 +303,12 @@ pub fn issue_client(dir: &Path, name: &str, role: Role, days: u32) -> Result<Iss
     check_name(name)?;
     let (not_before, not_after) = validity(days)?;
     let ca = Ca::load(dir)?;
-    let sans = vec![uri_san(format!(
-        "{URI_PREFIX}{}/client/{name}/{role}",
-        ca.cluster_id
-    ))?];
+    let identity = PeerIdentity::Client {
+        cluster_id: ca.cluster_id.clone(),
+        name: name.to_owned(),
+        role,
+    };
+    let sans = vec![uri_san(identity.uri())?];
     let files = TlsFiles::for_client(dir, name);
     let leaf = Leaf {
         common_name: format!("replica-ha client {name} ({role})"),
@@ -435,29 +337,6 @@ pub fn issue_unnamed(dir: &Path, name: &str, days: u32) -> Result<Issued, CertEr
         not_after,
     };
     ca.issue(leaf, &TlsFiles::for_client(dir, name))
-}
-
-/// The identity in a peer's leaf certificate (DER), from its one
-/// `replica-ha` URI SAN (C1, C3). The chain must already be verified (C2).
-pub fn identity_of(cert_der: &[u8]) -> Result<PeerIdentity, CertError> {
-    let cert = parse_der(cert_der)?;
-    match identity_in(&cert)? {
-        Parsed::Leaf(identity) => Ok(identity),
-        Parsed::Ca { uri, .. } => Err(CertError::NotALeaf { uri }),
-    }
-}
-
-/// The cluster id a CA certificate (PEM, as in `ca.crt`) was made for; a
-/// node checks it against its configured cluster id.
-pub fn cluster_id_of_ca(ca_pem: &[u8]) -> Result<String, CertError> {
-    let der = pem_certificate(ca_pem).map_err(CertError::BadCertificate)?;
-    let cert = parse_der(&der)?;
-    match identity_in(&cert)? {
-        Parsed::Ca { cluster_id, .. } if cert.is_ca() => Ok(cluster_id),
-        _ => Err(CertError::BadCertificate(
-            "it is not a replica-ha CA certificate".into(),
-        )),
-    }
 }
 
 /// The conventional paths of one party's TLS files in a certificate
@@ -866,100 +745,6 @@ impl Ca {
     }
 }
 
-/// An identity URI, parsed.
-enum Parsed {
-    Ca { uri: String, cluster_id: String },
-    Leaf(PeerIdentity),
-}
-
-/// The identity in `cert`'s one `replica-ha` URI SAN (C3).
-fn identity_in(cert: &X509Certificate<'_>) -> Result<Parsed, CertError> {
-    let san = cert
-        .subject_alternative_name()
-        .map_err(|e| CertError::BadCertificate(e.to_string()))?;
-    let ours: Vec<&str> = san
-        .iter()
-        .flat_map(|ext| ext.value.general_names.iter())
-        .filter_map(|name| match name {
-            GeneralName::URI(uri) => Some(*uri),
-            _ => None,
-        })
-        .filter(|uri| {
-            uri.split_once(':')
-                .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case(SCHEME))
-        })
-        .collect();
-    match ours.as_slice() {
-        [] => Err(CertError::NoIdentity),
-        [uri] => parse_uri(uri),
-        several => Err(CertError::SeveralIdentities {
-            count: several.len(),
-        }),
-    }
-}
-
-fn parse_uri(uri: &str) -> Result<Parsed, CertError> {
-    let malformed = |reason| CertError::MalformedIdentity {
-        uri: uri.to_owned(),
-        reason,
-    };
-    let rest = uri
-        .strip_prefix(URI_PREFIX)
-        .ok_or_else(|| malformed("it must start with exactly `replica-ha://`"))?;
-    let parts: Vec<&str> = rest.split('/').collect();
-    let (cluster_id, path) = parts
-        .split_first()
-        .ok_or_else(|| malformed("no cluster id"))?;
-    if !is_name(cluster_id) {
-        return Err(malformed("bad cluster id"));
-    }
-    let cluster_id = (*cluster_id).to_owned();
-    match path {
-        ["ca"] => Ok(Parsed::Ca {
-            uri: uri.to_owned(),
-            cluster_id,
-        }),
-        ["node", id] => match parse_node_id(id) {
-            Some(id) => Ok(Parsed::Leaf(PeerIdentity::Node { cluster_id, id })),
-            None => Err(CertError::BadNodeId {
-                uri: uri.to_owned(),
-            }),
-        },
-        ["client", name, role] => {
-            if !is_name(name) {
-                return Err(malformed("bad client name"));
-            }
-            let role = Role::parse(role).ok_or_else(|| malformed("unknown role"))?;
-            Ok(Parsed::Leaf(PeerIdentity::Client {
-                cluster_id,
-                name: (*name).to_owned(),
-                role,
-            }))
-        }
-        ["ca" | "node" | "client", ..] => Err(malformed("wrong number of path segments")),
-        [kind, ..] => Err(CertError::UnknownKind {
-            uri: uri.to_owned(),
-            kind: (*kind).to_owned(),
-        }),
-        [] => Err(malformed("no kind after the cluster id")),
-    }
-}
-
-/// A positive decimal without sign or leading zeros.
-fn parse_node_id(text: &str) -> Option<NodeId> {
-    if text.is_empty() || text.starts_with('0') || !text.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    text.parse().ok()
-}
-
-fn is_name(text: &str) -> bool {
-    (1..=MAX_NAME_LEN).contains(&text.len())
-        && text
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
-
 fn check_cluster_id(cluster_id: &str) -> Result<(), CertError> {
     if is_name(cluster_id) {
         Ok(())
@@ -1042,30 +827,6 @@ fn validity(days: u32) -> Result<(OffsetDateTime, OffsetDateTime), CertError> {
     Ok((now - BACKDATE, not_after))
 }
 
-/// The DER of the first PEM block of `pem`, which must be a certificate.
-fn pem_certificate(pem: &[u8]) -> Result<Vec<u8>, String> {
-    match Pem::iter_from_buffer(pem).next() {
-        Some(Ok(block)) if block.label == "CERTIFICATE" => Ok(block.contents),
-        Some(Ok(block)) => Err(format!(
-            "its PEM block is {:?}, not CERTIFICATE",
-            block.label
-        )),
-        Some(Err(e)) => Err(format!("not PEM: {e}")),
-        None => Err("no PEM certificate in it".into()),
-    }
-}
-
-fn parse_der(der: &[u8]) -> Result<X509Certificate<'_>, CertError> {
-    let (rest, cert) =
-        X509Certificate::from_der(der).map_err(|e| CertError::BadCertificate(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(CertError::BadCertificate(
-            "trailing bytes after the certificate".into(),
-        ));
-    }
-    Ok(cert)
-}
-
 fn read(path: &Path, remedy: &str) -> Result<Vec<u8>, CertError> {
     fs::read(path).map_err(|source| match source.kind() {
         io::ErrorKind::NotFound => CertError::Missing {
@@ -1140,26 +901,14 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32, replace: bool) -> Result<(
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::PermissionsExt;
     use std::sync::Arc;
 
     use rustls::client::danger::ServerCertVerifier;
     use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
     use rustls::{CertificateError, RootCertStore};
 
+    use super::test_support::{CLUSTER, ca_dir, der_of, mode_of};
     use super::*;
-
-    const CLUSTER: &str = "test-cluster";
-
-    fn ca_dir() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        init(dir.path(), CLUSTER, DEFAULT_CA_DAYS, false).unwrap();
-        dir
-    }
-
-    fn der_of(path: &Path) -> Vec<u8> {
-        pem_certificate(&fs::read(path).unwrap()).unwrap()
-    }
 
     fn provider() -> Arc<rustls::crypto::CryptoProvider> {
         Arc::new(rustls::crypto::ring::default_provider())
@@ -1204,10 +953,6 @@ mod tests {
             .map(|_| ())
     }
 
-    fn mode_of(path: &Path) -> u32 {
-        fs::metadata(path).unwrap().permissions().mode() & 0o777
-    }
-
     #[test]
     fn init_node_and_client_write_the_conventional_files_with_private_keys_0600() {
         let parent = tempfile::tempdir().unwrap();
@@ -1246,41 +991,6 @@ mod tests {
         assert_eq!(material.cert_pem, fs::read(&node.cert).unwrap());
         assert!(!format!("{material:?}").contains("PRIVATE"));
         TlsFiles::for_client(&dir, "ops_1").load().unwrap();
-    }
-
-    #[test]
-    fn identity_round_trips_for_a_node_and_a_client() {
-        let dir = ca_dir();
-        let hosts = vec!["10.0.0.5".to_owned(), "node5.example".to_owned()];
-        let node = issue_node(dir.path(), NodeId(5), &hosts, 30).unwrap();
-        let identity = identity_of(&der_of(&node.cert)).unwrap();
-        assert_eq!(
-            identity,
-            PeerIdentity::Node {
-                cluster_id: CLUSTER.into(),
-                id: NodeId(5)
-            }
-        );
-        assert_eq!(identity.node_in(CLUSTER), Some(NodeId(5)));
-        assert_eq!(identity.node_in("other"), None);
-
-        let client = issue_client(dir.path(), "viewer-bot", Role::Viewer, 30).unwrap();
-        let identity = identity_of(&der_of(&client.cert)).unwrap();
-        assert_eq!(
-            identity,
-            PeerIdentity::Client {
-                cluster_id: CLUSTER.into(),
-                name: "viewer-bot".into(),
-                role: Role::Viewer
-            }
-        );
-        assert_eq!(identity.node_in(CLUSTER), None);
-
-        // The CA itself is no peer.
-        assert!(matches!(
-            identity_of(&der_of(&dir.path().join(CA_CERT))),
-            Err(CertError::NotALeaf { .. })
-        ));
     }
 
     #[test]
@@ -1440,113 +1150,6 @@ mod tests {
             .load()
             .unwrap_err();
         assert!(matches!(err, CertError::KeyMismatch { .. }), "{err}");
-    }
-
-    /// A certificate with `uris` as its URI SANs, self-signed (the parser
-    /// does not look at the signature).
-    fn with_uris(uris: &[&str]) -> Vec<u8> {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::default();
-        params.subject_alt_names = uris
-            .iter()
-            .map(|u| SanType::URI((*u).try_into().unwrap()))
-            .collect();
-        params
-            .subject_alt_names
-            .push(SanType::DnsName("localhost".try_into().unwrap()));
-        params.self_signed(&key).unwrap().der().to_vec()
-    }
-
-    #[test]
-    fn anything_but_exactly_one_well_formed_identity_is_refused() {
-        let ok = with_uris(&["https://example.com/x", "replica-ha://c/node/7"]);
-        assert_eq!(
-            identity_of(&ok).unwrap(),
-            PeerIdentity::Node {
-                cluster_id: "c".into(),
-                id: NodeId(7)
-            }
-        );
-
-        type Check = fn(&CertError) -> bool;
-        let cases: &[(&[&str], Check)] = &[
-            (&[], |e| matches!(e, CertError::NoIdentity)),
-            (&["https://c/node/1"], |e| {
-                matches!(e, CertError::NoIdentity)
-            }),
-            (&["replica-ha://c/node/1", "replica-ha://c/node/2"], |e| {
-                matches!(e, CertError::SeveralIdentities { count: 2 })
-            }),
-            (&["replica-ha://c/node/1", "REPLICA-HA://c/node/2"], |e| {
-                matches!(e, CertError::SeveralIdentities { count: 2 })
-            }),
-            (&["Replica-HA://c/node/1"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha:c/node/1"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/peer/1"], |e| {
-                matches!(e, CertError::UnknownKind { .. })
-            }),
-            (&["replica-ha://c/node/0"], |e| {
-                matches!(e, CertError::BadNodeId { .. })
-            }),
-            (&["replica-ha://c/node/01"], |e| {
-                matches!(e, CertError::BadNodeId { .. })
-            }),
-            (&["replica-ha://c/node/+1"], |e| {
-                matches!(e, CertError::BadNodeId { .. })
-            }),
-            (&["replica-ha://c/node/18446744073709551616"], |e| {
-                matches!(e, CertError::BadNodeId { .. })
-            }),
-            (&["replica-ha://c/node/"], |e| {
-                matches!(e, CertError::BadNodeId { .. })
-            }),
-            (&["replica-ha://c/node/1/x"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/node"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha:///node/1"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c?x/node/1"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/client/bob/root"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/client/bob/Admin"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/client/b.b/admin"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/client/bob"], |e| {
-                matches!(e, CertError::MalformedIdentity { .. })
-            }),
-            (&["replica-ha://c/ca"], |e| {
-                matches!(e, CertError::NotALeaf { .. })
-            }),
-        ];
-        for (uris, expected) in cases {
-            let err = identity_of(&with_uris(uris)).unwrap_err();
-            assert!(expected(&err), "{uris:?}: {err}");
-        }
-
-        assert!(matches!(
-            identity_of(b"not a certificate"),
-            Err(CertError::BadCertificate(_))
-        ));
-        let mut trailing = ok.clone();
-        trailing.push(0);
-        assert!(matches!(
-            identity_of(&trailing),
-            Err(CertError::BadCertificate(_))
-        ));
     }
 
     #[test]
