@@ -11,10 +11,8 @@
 
 use std::path::PathBuf;
 
-use super::{
-    CertError, DEFAULT_CA_DAYS, DEFAULT_HOSTS, DEFAULT_LEAF_DAYS, Role, init, issue_client,
-    issue_node,
-};
+use super::issue::{DEFAULT_HOSTS, init, issue_client, issue_node};
+use super::{CertError, DEFAULT_CA_DAYS, DEFAULT_LEAF_DAYS, Role};
 use crate::ids::NodeId;
 
 /// `replica-ha certs`: make the cluster's CA and issue node and client

@@ -308,8 +308,9 @@ mod tests {
     use rcgen::{CertificateParams, KeyPair, SanType};
 
     use super::*;
+    use crate::certs::files::CA_CERT;
     use crate::certs::test_support::{CLUSTER, ca_dir, der_of};
-    use crate::certs::{CA_CERT, issue_client, issue_node};
+    use crate::certs::{issue_client, issue_node};
 
     #[test]
     fn identity_round_trips_for_a_node_and_a_client() {
