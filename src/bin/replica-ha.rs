@@ -1,4 +1,3 @@
-#![recursion_limit = "256"]
 //! The `replica-ha` command line: run a node, ask a node for its status,
 //! hand leadership over, inspect a replica offline.
 //!
@@ -10,6 +9,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use replica_ha::api::status::{StatusJson, Table, Watch, member_line};
 use replica_ha::certs::{self, CertsCommand, TlsFiles};
 use replica_ha::ids::NodeId;
 use replica_ha::net::tls::Party;
@@ -649,11 +649,11 @@ async fn fetch_status(addr: &str, tls: &ClientTls) -> Result<StatusReply, String
 async fn status(addr: &str, json: bool, tls: &ClientTls) -> ExitCode {
     match fetch_status(addr, tls).await {
         Ok(reply) if json => {
-            println!("{}", status_json(&reply));
+            println!("{}", StatusJson::new(&reply));
             ExitCode::SUCCESS
         }
         Ok(reply) => {
-            print_status_table(&reply);
+            print!("{}", Table(&reply));
             ExitCode::SUCCESS
         }
         Err(err) => {
@@ -665,7 +665,7 @@ async fn status(addr: &str, json: bool, tls: &ClientTls) -> ExitCode {
 
 /// `status --watch`: the live view, redrawn once a second until Ctrl-C.
 async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
-    let mut last: Option<(std::time::Instant, u64, u64)> = None;
+    let mut watch = Watch::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
@@ -674,21 +674,8 @@ async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
         }
         let now = std::time::Instant::now();
         let view = match fetch_status(addr, tls).await {
-            Ok(reply) => {
-                let rate = last.map(|(at, writes, bytes)| {
-                    let seconds = now.duration_since(at).as_secs_f64().max(1e-3);
-                    (
-                        reply.writes_total.saturating_sub(writes) as f64 / seconds,
-                        reply.write_bytes_total.saturating_sub(bytes) as f64 / seconds,
-                    )
-                });
-                last = Some((now, reply.writes_total, reply.write_bytes_total));
-                watch_view(&reply, rate)
-            }
-            Err(err) => {
-                last = None;
-                format!("cannot reach {addr}: {err} (trying again every second)\n")
-            }
+            Ok(reply) => watch.frame(&reply, now, unix_now()),
+            Err(err) => watch.unreachable(addr, &err),
         };
         // Clear the screen and draw from the top.
         print!("\x1b[2J\x1b[H{view}");
@@ -697,339 +684,11 @@ async fn watch_status(addr: &str, tls: &ClientTls) -> ExitCode {
     }
 }
 
-/// "resync 42% (from the missed-write map: 100 of 240 MiB compared, 4 MiB
-/// copied, 128 MiB/s, 1 s left)": a running rebuild of replica `r`, for the
-/// table and the watch; "full" when it compares every extent.
-fn resync_progress(r: &replica_ha::proto::admin::ReplicaStatus) -> String {
-    format!(
-        "resync {:.0}% ({}: {} of {} MiB compared, {} MiB copied, {:.0} MiB/s, {:.0} s left)",
-        100.0 * r.resync_done_bytes as f64 / r.resync_total_bytes.max(1) as f64,
-        if r.resync_full {
-            "full"
-        } else {
-            "from the missed-write map"
-        },
-        r.resync_done_bytes >> 20,
-        r.resync_total_bytes >> 20,
-        r.resync_copied_bytes >> 20,
-        r.resync_rate_bytes_per_second / 1048576.0,
-        r.resync_eta_seconds
-    )
-}
-
-/// The live view of one status reply; `rate` is writes and bytes per
-/// second since the last sample.
-fn watch_view(reply: &StatusReply, rate: Option<(f64, f64)>) -> String {
-    let leader = if reply.leader == 0 {
-        "-".to_string()
-    } else {
-        reply.leader.to_string()
-    };
-    let writes = match rate {
-        Some((ops, bytes)) => format!("{ops:.0} writes/s, {:.1} MiB/s", bytes / 1048576.0),
-        None => "writes/s: measuring".to_string(),
-    };
-    let mut view = format!(
-        "replica-ha node {} ({}), {}\n\
-         role {}  term {}  leader {leader}  gate {}  lease {} ms\n\
-         in sync [{}]  reads {}\n\
-         I/O {}  {writes}\n\
-         scrub {}\n\n\
-         {:<8} {:<11} {:>11} {:>6}  progress\n",
-        reply.node_id,
-        reply.cluster_id,
-        utc(std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())),
-        reply.role,
-        reply.term,
-        if reply.gate_open { "open" } else { "closed" },
-        reply.lease_remaining_ms,
-        reply.in_sync.join(", "),
-        reads_line(reply),
-        io_line(reply),
-        scrub_line(reply),
-        "replica",
-        "state",
-        "fence floor",
-        "dirty",
-    );
-    for r in &reply.replicas {
-        let progress = if r.resync_running {
-            resync_progress(r)
-        } else if !r.reachable {
-            format!("unreachable: {}", r.error)
-        } else {
-            String::new()
-        };
-        let (floor, dirty) = if r.reachable {
-            (r.fence_floor.to_string(), r.dirty_extents.to_string())
-        } else {
-            ("?".into(), "?".into())
-        };
-        let id = if r.local {
-            format!("{}*", r.id)
-        } else {
-            r.id.clone()
-        };
-        view.push_str(&format!(
-            "{id:<8} {:<11} {floor:>11} {dirty:>6}  {progress}\n",
-            r.state
-        ));
-    }
-    view.push_str("\n(* this node; Ctrl-C to stop)\n");
-    view
-}
-
-fn status_json(reply: &StatusReply) -> String {
-    let optional = |id: u64| {
-        if id == 0 {
-            serde_json::Value::Null
-        } else {
-            id.into()
-        }
-    };
-    serde_json::json!({
-        "node_id": reply.node_id,
-        "cluster_id": reply.cluster_id,
-        "raft_state": reply.raft_state,
-        "term": reply.term,
-        "leader": optional(reply.leader),
-        "is_self": reply.is_self,
-        "lease_remaining_ms": reply.lease_remaining_ms,
-        "members": reply.members,
-        "incarnation": format!("{:010x}", reply.incarnation),
-        "cluster_uuid": (!reply.cluster_uuid.is_empty()).then_some(&reply.cluster_uuid),
-        "not_member": (!reply.not_member.is_empty()).then_some(&reply.not_member),
-        "prev_writer": optional(reply.prev_writer),
-        "prev_writer_term": reply.prev_writer_term,
-        "in_sync": reply.in_sync,
-        "volume_size": reply.volume_size,
-        "min_in_sync": reply.min_in_sync,
-        "last_applied": reply.last_applied,
-        "role": reply.role,
-        "active": reply.gate_open,
-        "fence_floor": reply.fence_floor,
-        "fence_failures": reply.fence_failures,
-        "promotions": reply.promotions,
-        "volume": reply.volume,
-        "nbd_address": reply.nbd_address,
-        "security": reply.security,
-        "io": if reply.io_suspended_requests > 0 { "suspended" } else { "flowing" },
-        "io_suspended": (reply.io_suspended_requests > 0).then(|| serde_json::json!({
-            "requests": reply.io_suspended_requests,
-            "seconds": reply.io_suspended_seconds,
-            "why": reply.io_suspended_why,
-        })),
-        "data_address": reply.data_address,
-        "scrub": serde_json::json!({
-            "running": reply.scrub_running,
-            "done_bytes": reply.scrub_done_bytes,
-            "total_bytes": reply.scrub_total_bytes,
-            "passes": reply.scrub_passes,
-            "last_finished_unix": optional(reply.scrub_last_finished_unix),
-            "last_checked_extents": reply.scrub_last_checked_extents,
-            "last_found": reply.scrub_last_found,
-            "last_repaired": reply.scrub_last_repaired,
-            "found": reply.scrub_found,
-            "repaired": reply.scrub_repaired,
-            "rate_bytes_per_second": reply.scrub_rate_bytes_per_second,
-        }),
-        "reads": if reply.reads_served { "served" } else { "refused" },
-        "reads_refused": (!reply.reads_served).then_some(&reply.reads_refused),
-        "replicas": reply.replicas.iter().map(|r| serde_json::json!({
-            "id": r.id,
-            "state": r.state,
-            "local": r.local,
-            "reachable": r.reachable,
-            "fence_floor": r.reachable.then_some(r.fence_floor),
-            "dirty_extents": r.reachable.then_some(r.dirty_extents),
-            "stale_accepts": r.reachable.then_some(r.stale_accepts),
-            "first_touch_marks": r.reachable.then_some(r.first_touch_marks),
-            "error": (!r.error.is_empty()).then_some(&r.error),
-            "resync": (r.resync_total_bytes > 0).then(|| serde_json::json!({
-                "running": r.resync_running,
-                "done_bytes": r.resync_done_bytes,
-                "total_bytes": r.resync_total_bytes,
-                "copied_bytes": r.resync_copied_bytes,
-                "rate_bytes_per_second": r.resync_rate_bytes_per_second,
-                "eta_seconds": r.resync_eta_seconds,
-            })),
-        })).collect::<Vec<_>>(),
-    })
-    .to_string()
-}
-
-/// "flowing", or "suspended: 3 requests waiting 1.2 s (1 in-sync replica
-/// of the 2 needed; waiting for node 3's rebuild, 62%)".
-fn io_line(reply: &StatusReply) -> String {
-    if reply.io_suspended_requests == 0 {
-        return "flowing".into();
-    }
-    format!(
-        "suspended: {} requests waiting {:.1} s ({})",
-        reply.io_suspended_requests, reply.io_suspended_seconds, reply.io_suspended_why
-    )
-}
-
-/// The writer's scrub: "42% of a pass (last pass ...; 4 MiB/s)", "last
-/// pass 2026-12-04 14:30:02 UTC: 64 extents, 1 differed, 1 repaired (4
-/// MiB/s)", or "-" on a node that is not the writer and never scrubbed.
-fn scrub_line(reply: &StatusReply) -> String {
-    if !reply.gate_open && reply.scrub_passes == 0 && !reply.scrub_running {
-        return "-".into();
-    }
-    let last = if reply.scrub_last_finished_unix == 0 {
-        "no pass finished yet".to_string()
-    } else {
-        format!(
-            "last pass {}: {} extents, {} differed, {} repaired",
-            utc(reply.scrub_last_finished_unix),
-            reply.scrub_last_checked_extents,
-            reply.scrub_last_found,
-            reply.scrub_last_repaired
-        )
-    };
-    let rate = match reply.scrub_rate_bytes_per_second {
-        0 => "on request".to_string(),
-        r => format!("{} MiB/s", r as f64 / 1048576.0),
-    };
-    if reply.scrub_running {
-        format!(
-            "{:.0}% of a pass ({last}; {rate})",
-            100.0 * reply.scrub_done_bytes as f64 / reply.scrub_total_bytes.max(1) as f64
-        )
-    } else {
-        format!("{last} ({rate})")
-    }
-}
-
-/// A Unix time as "YYYY-MM-DD HH:MM:SS UTC".
-fn utc(unix: u64) -> String {
-    match time::OffsetDateTime::from_unix_timestamp(unix as i64) {
-        Ok(t) => format!(
-            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second()
-        ),
-        Err(_) => format!("{unix} (Unix time)"),
-    }
-}
-
-/// "member", or why this node is not one (S8): "replaced disk: waiting to
-/// be re-added (`replica-ha members replace --id 3`)".
-fn member_line(reply: &StatusReply) -> String {
-    if reply.not_member.is_empty() {
-        "member".into()
-    } else {
-        reply.not_member.clone()
-    }
-}
-
-/// "served", or "refused (replica not in sync)".
-fn reads_line(reply: &StatusReply) -> String {
-    if reply.reads_served {
-        "served".into()
-    } else {
-        format!("refused ({})", reply.reads_refused)
-    }
-}
-
-fn print_status_table(reply: &StatusReply) {
-    let or_none = |id: u64| {
-        if id == 0 {
-            "-".to_string()
-        } else {
-            id.to_string()
-        }
-    };
-    let rows = [
-        ("node", reply.node_id.to_string()),
-        ("incarnation", format!("{:010x}", reply.incarnation)),
-        ("membership", member_line(reply)),
-        (
-            "cluster",
-            match reply.cluster_uuid.as_str() {
-                "" => reply.cluster_id.clone(),
-                uuid => format!("{} ({uuid})", reply.cluster_id),
-            },
-        ),
-        ("security", reply.security.clone()),
-        ("data address", reply.data_address.clone()),
-        ("role", reply.role.clone()),
-        ("gate open", reply.gate_open.to_string()),
-        ("raft state", reply.raft_state.clone()),
-        ("term", reply.term.to_string()),
-        ("leader", or_none(reply.leader)),
-        (
-            "holds lease",
-            format!("{} ({} ms left)", reply.is_self, reply.lease_remaining_ms),
-        ),
-        ("live members", format!("{:?}", reply.members)),
-        (
-            "prev writer",
-            format!(
-                "{} (term {})",
-                or_none(reply.prev_writer),
-                reply.prev_writer_term
-            ),
-        ),
-        ("in sync", reply.in_sync.join(", ")),
-        ("reads", reads_line(reply)),
-        ("I/O", io_line(reply)),
-        ("fence floor", reply.fence_floor.to_string()),
-        ("scrub", scrub_line(reply)),
-        ("volume size", reply.volume_size.to_string()),
-        ("min in sync", reply.min_in_sync.to_string()),
-    ];
-    for (name, value) in rows {
-        println!("{name:<14} {value}");
-    }
-    if !reply.nbd_address.is_empty() {
-        let mode = if reply.gate_open {
-            "read-write"
-        } else if reply.reads_served {
-            "read-only"
-        } else {
-            "not available: reads refused"
-        };
-        println!(
-            "{:<14} nbd://{}/{} ({mode})",
-            "nbd export", reply.nbd_address, reply.volume
-        );
-    }
-    println!();
-    println!(
-        "{:<8} {:<11} {:>11} {:>6}  note",
-        "replica", "state", "fence floor", "dirty"
-    );
-    for r in &reply.replicas {
-        let local = if r.local { "this node" } else { "" };
-        let (floor, dirty, note) = if r.reachable {
-            (
-                r.fence_floor.to_string(),
-                r.dirty_extents.to_string(),
-                local.to_string(),
-            )
-        } else {
-            ("?".into(), "?".into(), format!("unreachable: {}", r.error))
-        };
-        let note = if r.resync_running {
-            format!("{note} {}", resync_progress(r))
-        } else if r.resync_total_bytes > 0 {
-            format!(
-                "{note} last resync copied {} MiB",
-                r.resync_copied_bytes >> 20
-            )
-        } else {
-            note
-        };
-        println!("{:<8} {:<11} {floor:>11} {dirty:>6}  {note}", r.id, r.state);
-    }
+/// Seconds since the Unix epoch, now.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn scrub(addr: &str, now: bool, tls: &ClientTls) -> ExitCode {
