@@ -8,6 +8,8 @@
 //!   answer when it changes;
 //! - [`nbd`]: the NBD server through which programs use the volume (and
 //!   the client side `attach` speaks to it with);
+//! - [`cli`]: the `replica-ha` command line, one file per command, and
+//!   the admin client they share;
 //! - [`api`]: the operator-facing front ends: `api::admin` (the operator's
 //!   gRPC service) and `api::http` (metrics and health over HTTP); they
 //!   render what `api::status` computes, and [`metrics`] counts;
@@ -44,6 +46,7 @@ compile_error!(
 pub mod api;
 pub mod attach;
 pub mod certs;
+pub mod cli;
 pub mod ha;
 pub mod ids;
 pub mod members;
