@@ -8,9 +8,11 @@
 //!   answer when it changes;
 //! - [`nbd`]: the NBD server through which programs use the volume (and
 //!   the client side `attach` speaks to it with);
-//! - [`admin`] and [`http`]: the operator's gRPC service, and metrics and
-//!   health over HTTP; they render what [`status`] computes, and
-//!   [`metrics`] counts;
+//! - [`cli`]: the `replica-ha` command line, one file per command, and
+//!   the admin client they share;
+//! - [`api`]: the operator-facing front ends: `api::admin` (the operator's
+//!   gRPC service) and `api::http` (metrics and health over HTTP); they
+//!   render what `api::status` computes, and [`metrics`] counts;
 //! - [`node`]: one node process: configuration, wiring, start-up and
 //!   shutdown, the gate journal;
 //! - [`raft`]: the embedded Raft group (openraft over gRPC and sled): the
@@ -41,11 +43,11 @@ compile_error!(
      checker; it must never be built in release"
 );
 
-pub mod admin;
+pub mod api;
 pub mod attach;
 pub mod certs;
+pub mod cli;
 pub mod ha;
-pub mod http;
 pub mod ids;
 pub mod members;
 pub mod metrics;
@@ -56,5 +58,4 @@ pub mod proto;
 pub mod raft;
 pub mod replica;
 pub mod sled_ops;
-pub mod status;
 pub mod volume;

@@ -5,7 +5,7 @@
 //! node puts in front of the gate, so the NBD server and the admin `Write`
 //! are counted alike. Everything else (role, term, replica states, Raft) is
 //! read from the node's parts when `/metrics` is scraped; see
-//! [`crate::http`]. Counters are relaxed atomics: a scrape may see one
+//! [`crate::api::http`]. Counters are relaxed atomics: a scrape may see one
 //! counter a request ahead of another, never a torn value.
 
 use std::sync::Arc;

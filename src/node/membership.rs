@@ -38,7 +38,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::Instant;
 
-use crate::admin::{MembersChanges, MembershipError};
+use crate::api::admin::{MembersChanges, MembershipError};
 use crate::ha::{Controller, Coordinator};
 use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;

@@ -31,7 +31,7 @@
 //! its [`host::VolumeHost`]; each [`volume::Volume`] assembles its own
 //! parts (store, replica set, engine, fencer, controller, resync, scrub,
 //! data path) and starts and stops its own tasks, step 5 among them. What
-//! status reports is computed by [`crate::status`].
+//! status reports is computed by [`crate::api::status`].
 //!
 //! SIGHUP reloads the certificates: new connections use them, established
 //! ones keep working; a reload that fails keeps the old ones and says why.
@@ -61,7 +61,8 @@ use tokio::task::JoinHandle;
 
 pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
-use crate::admin::AdminService;
+use crate::api::admin::AdminService;
+use crate::api::status::{NodeFacts, NodeParts, NodeView};
 use crate::ha::Coordinator;
 use crate::ids::{Incarnation, MemberId, NodeId};
 use crate::members::MemberBook;
@@ -72,7 +73,6 @@ use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, StateMachine};
 use crate::replica::serve::service::ReplicaService;
-use crate::status::{NodeFacts, NodeParts, NodeView};
 use hello::HelloService;
 use host::VolumeHost;
 use tasks::Tasks;
@@ -548,7 +548,7 @@ fn serve_grpc(
 ) -> Result<GrpcServer, NodeError> {
     let (stop_server, stopped) = watch::channel(false);
     let admin = AdminService::new(Arc::clone(view))
-        .with_membership(Arc::clone(members) as Arc<dyn crate::admin::MembersChanges>);
+        .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>);
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -665,7 +665,7 @@ fn spawn_background(
     if let Some(listener) = http {
         let (view, stopped) = (Arc::clone(view), tasks.stopped());
         tasks.spawn_draining("HTTP server", async move {
-            if let Err(err) = crate::http::serve(listener, view, stopped).await {
+            if let Err(err) = crate::api::http::serve(listener, view, stopped).await {
                 tracing::warn!(%err, "the HTTP listener failed");
             }
         });

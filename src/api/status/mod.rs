@@ -7,6 +7,23 @@
 //! knows (a member that is failing but cannot be dropped is `degraded`).
 //! Fence floors are asked of each replica with a short deadline; an
 //! unreachable one is reported as such, never guessed.
+//!
+//! The admin service sends a [`NodeStatus`] as a `StatusReply`; the CLI's
+//! renderings of such a reply live here too, beside what they render, and
+//! add nothing the reply does not say: [`Table`] (`replica-ha status`),
+//! [`Watch`] (`--watch`, the live view) and [`StatusJson`] (`--json`).
+
+mod json;
+mod lines;
+#[cfg(test)]
+mod samples;
+mod table;
+mod watch;
+
+pub use json::StatusJson;
+pub use lines::member_line;
+pub use table::Table;
+pub use watch::Watch;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

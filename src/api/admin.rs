@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response, Status};
 
+use crate::api::status::{LeaderView, NodeView, ReplicaReport};
 use crate::ha::HaError;
 use crate::ids::NodeId;
 use crate::net::Caller;
@@ -38,7 +39,6 @@ use crate::proto::admin::{
     WatchLeaderRequest, WriteReply, WriteRequest,
 };
 use crate::replica::{RebuildError, ReplicaError, ResizeError};
-use crate::status::{LeaderView, NodeView, ReplicaReport};
 use crate::volume::{DeviceError, RangeError};
 
 /// The admin service of one node.

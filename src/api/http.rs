@@ -22,10 +22,10 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
 
+use crate::api::status::{NodeStatus, NodeView};
 use crate::ha::ReplicaState;
 use crate::metrics::{Kind, Text, load};
 use crate::replica::ReplicaInfo;
-use crate::status::{NodeStatus, NodeView};
 
 /// The routes over a node's view.
 pub fn router(view: Arc<NodeView>) -> Router {

@@ -1,0 +1,115 @@
+//! Sample status replies for the renderings' tests: one of a busy writer
+//! (every optional part present) and one of a node with next to nothing
+//! to say (every optional part absent).
+
+use crate::proto::admin::{ReplicaStatus, StatusReply};
+
+/// A writer with everything to show: a running scrub, held I/O, a replica
+/// rebuilding, one unreachable and one rebuilt earlier.
+pub(super) fn busy_writer() -> StatusReply {
+    StatusReply {
+        node_id: 1,
+        cluster_id: "c1".into(),
+        raft_state: "leader".into(),
+        term: 7,
+        leader: 1,
+        is_self: true,
+        lease_remaining_ms: 812,
+        members: vec![1, 2, 3],
+        prev_writer: 1,
+        prev_writer_term: 7,
+        in_sync: vec!["1".into(), "2".into()],
+        volume_size: 16 << 20,
+        min_in_sync: 2,
+        last_applied: 42,
+        role: "leader".into(),
+        gate_open: true,
+        fence_floor: 7,
+        fence_failures: 1,
+        promotions: 3,
+        replicas: vec![
+            ReplicaStatus {
+                id: "1".into(),
+                state: "in_sync".into(),
+                local: true,
+                reachable: true,
+                fence_floor: 7,
+                dirty_extents: 4,
+                stale_accepts: 0,
+                first_touch_marks: 9,
+                ..Default::default()
+            },
+            ReplicaStatus {
+                id: "2".into(),
+                state: "rebuilding".into(),
+                reachable: true,
+                fence_floor: 7,
+                resync_done_bytes: 100 << 20,
+                resync_total_bytes: 240 << 20,
+                resync_copied_bytes: 4 << 20,
+                resync_rate_bytes_per_second: 128.0 * 1048576.0,
+                resync_eta_seconds: 1.5,
+                resync_running: true,
+                resync_full: true,
+                stale_accepts: 2,
+                ..Default::default()
+            },
+            ReplicaStatus {
+                id: "3".into(),
+                state: "offline".into(),
+                error: "no answer within 300ms".into(),
+                resync_total_bytes: 16 << 20,
+                resync_done_bytes: 16 << 20,
+                resync_copied_bytes: 3 << 20,
+                ..Default::default()
+            },
+        ],
+        volume: "vol0".into(),
+        nbd_address: "127.0.0.1:10809".into(),
+        reads_served: true,
+        reads_refused: String::new(),
+        security: "mutual TLS".into(),
+        data_address: "127.0.0.1:7101".into(),
+        io_suspended_requests: 3,
+        io_suspended_seconds: 1.25,
+        io_suspended_why: "1 in-sync replica of the 2 needed; waiting for node 2's rebuild, 41%"
+            .into(),
+        scrub_running: true,
+        scrub_done_bytes: 6 << 20,
+        scrub_total_bytes: 16 << 20,
+        scrub_last_finished_unix: 1_796_000_000,
+        scrub_last_checked_extents: 64,
+        scrub_last_found: 1,
+        scrub_last_repaired: 1,
+        scrub_found: 2,
+        scrub_repaired: 2,
+        scrub_passes: 5,
+        scrub_rate_bytes_per_second: 4 << 20,
+        writes_total: 1000,
+        write_bytes_total: 4 << 20,
+        incarnation: 0xabc123,
+        member: 77,
+        not_member: String::new(),
+        cluster_uuid: "5f0c9a1e-0000-4000-8000-000000000001".into(),
+    }
+}
+
+/// A node that waits to be re-added: no leader known, reads refused, no
+/// replica report, nothing optional set.
+pub(super) fn waiting_node() -> StatusReply {
+    StatusReply {
+        node_id: 3,
+        cluster_id: "c1".into(),
+        raft_state: "learner".into(),
+        role: "follower".into(),
+        volume: "vol0".into(),
+        reads_served: false,
+        reads_refused: "replica not in sync".into(),
+        security: "insecure".into(),
+        data_address: "127.0.0.1:7103".into(),
+        incarnation: 0x1f,
+        not_member: "replaced disk: waiting to be re-added (`replica-ha members replace --id 3`)"
+            .into(),
+        ..Default::default()
+    }
+}
