@@ -17,6 +17,7 @@
 //!   cast again by the next: to Raft they are different members.
 //! - [`Stamp`] is what a writer's request to one replica carries: its
 //!   term and its generation for that replica within the term (S2, S3).
+//! - [`GroupId`] names a Raft group on a node.
 //! - [`VolumeId`] names a volume: its name, the key under which a node's
 //!   volume host keeps it and the NBD export a client asks for.
 //!
@@ -58,6 +59,27 @@ impl FromStr for NodeId {
 impl From<u64> for NodeId {
     fn from(id: u64) -> Self {
         NodeId(id)
+    }
+}
+
+/// A Raft group's id on a node. Each volume will have a group of its own,
+/// and the cluster one more; their logs, votes and state live side by side
+/// in the node's Raft Db ([`crate::raft::storage`]). Group 0 is the group a
+/// node ran before there were many, so its trees keep the names they had.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct GroupId(pub u64);
+
+impl GroupId {
+    /// The group every node ran before there were many: today's only one.
+    pub const FIRST: GroupId = GroupId(0);
+}
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
     }
 }
 

@@ -64,14 +64,14 @@ pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 use crate::api::admin::AdminService;
 use crate::api::status::{NodeFacts, NodeParts, NodeView};
 use crate::ha::Coordinator;
-use crate::ids::{Incarnation, MemberId, NodeId};
+use crate::ids::{GroupId, Incarnation, MemberId, NodeId};
 use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::network::{Network, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
-use crate::raft::{LogStore, Raft, RaftCoordinator, StateMachine};
+use crate::raft::{LogStore, Raft, RaftCoordinator, RaftDb, StateMachine};
 use crate::replica::serve::service::ReplicaService;
 use hello::HelloService;
 use host::VolumeHost;
@@ -430,8 +430,9 @@ async fn start_raft(
     transport: &Transport,
     member: MemberId,
 ) -> Result<RaftParts, NodeError> {
-    let log_store = LogStore::open(db).map_err(failed)?;
-    let state_machine = StateMachine::open(db).map_err(failed)?;
+    let raft_db = RaftDb::new(db);
+    let log_store = LogStore::of_group(&raft_db, GroupId::FIRST).map_err(failed)?;
+    let state_machine = StateMachine::of_group(&raft_db, GroupId::FIRST).map_err(failed)?;
     let addresses: BTreeMap<_, _> = config
         .peers
         .iter()

@@ -1,7 +1,8 @@
 //! The Raft log, vote and commit index in sled.
 //!
-//! Trees of the node's Raft Db: `log` (big-endian index → JSON entry) and
-//! `log_meta` (`vote`, `committed`, `purged`). S7: `save_vote` returns only
+//! Trees of the node's Raft Db, one pair per group ([`super::storage`]):
+//! `log` (big-endian index → JSON entry) and `log_meta` (`vote`,
+//! `committed`, `purged`). S7: `save_vote` returns only
 //! after the vote is flushed to disk, and `append` signals openraft's IO
 //! callback only after the entries are flushed — a vote or an entry that was
 //! acknowledged to a peer survives a crash. Purge removes applied entries
@@ -19,7 +20,9 @@ use openraft::{Entry, LogId, StorageError, StorageIOError, Vote};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::storage::RaftDb;
 use super::{MemberId, TypeConfig};
+use crate::ids::GroupId;
 
 const VOTE: &str = "vote";
 const COMMITTED: &str = "committed";
@@ -36,12 +39,17 @@ pub struct LogStore {
 type Result<T> = std::result::Result<T, StorageError<MemberId>>;
 
 impl LogStore {
-    /// Opens the log trees of `db`.
+    /// Opens the log trees of `db`'s first group (see [`RaftDb`]).
     pub fn open(db: &sled::Db) -> std::result::Result<Self, sled::Error> {
+        Self::of_group(&RaftDb::new(db), GroupId::FIRST)
+    }
+
+    /// Opens group `group`'s log trees of `db`.
+    pub fn of_group(db: &RaftDb, group: GroupId) -> std::result::Result<Self, sled::Error> {
         Ok(Self {
-            flusher: Flusher::new(db),
-            log: db.open_tree("log")?,
-            meta: db.open_tree("log_meta")?,
+            flusher: db.flusher().clone(),
+            log: db.tree(group, "log")?,
+            meta: db.tree(group, "log_meta")?,
         })
     }
 

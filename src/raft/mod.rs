@@ -55,6 +55,8 @@
 //! - [`log_store`]: the sled log (entries, vote, committed, purged); every
 //!   append and vote is flushed before it is acknowledged (S7).
 //! - [`state_machine`]: the control state and snapshots, in the same sled Db.
+//! - [`storage`]: the node's Raft Db shared by its groups: a set of trees
+//!   per group and one grouped flusher.
 //! - [`network`]: the tonic client and server for Raft's RPCs.
 //! - [`detector`]: the failure detector that starts elections.
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
@@ -68,6 +70,7 @@ pub mod log_store;
 pub mod network;
 pub mod runtime;
 pub mod state_machine;
+pub mod storage;
 
 use std::collections::BTreeSet;
 use std::io::Cursor;
@@ -79,6 +82,7 @@ use crate::volume::VolumeSpec;
 pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
 pub use state_machine::StateMachine;
+pub use storage::RaftDb;
 
 pub use crate::ids::{Incarnation, MemberId, NodeId, Term};
 

@@ -1,7 +1,7 @@
 //! The Raft state machine: the control state, persisted in sled.
 //!
 //! After every applied batch the whole [`Applied`] state (last applied log
-//! id, membership, [`ControlState`]) is written to the `state` tree and
+//! id, membership, [`ControlState`]) is written to the group's `state` tree and
 //! flushed (S7: an in-sync change is durable before anyone acts on it); it is
 //! a few hundred bytes. Snapshots are that same state as JSON. Every applied
 //! state is also published on a watch channel, so the coordinator can wait
@@ -23,7 +23,9 @@ use openraft::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use super::storage::RaftDb;
 use super::{ControlState, MemberId, MemberNode, Response, TypeConfig};
+use crate::ids::GroupId;
 
 const STATE: &str = "state";
 const SNAPSHOT: &str = "snapshot";
@@ -64,9 +66,16 @@ fn sm_write(err: impl ToString) -> StorageError<MemberId> {
 }
 
 impl StateMachine {
-    /// Opens the state tree of `db` and loads what was applied before.
+    /// Opens the state tree of `db`'s first group (see [`RaftDb`]) and
+    /// loads what was applied before.
     pub fn open(db: &sled::Db) -> std::result::Result<Self, String> {
-        let tree = db.open_tree("state").map_err(|e| e.to_string())?;
+        Self::of_group(&RaftDb::new(db), GroupId::FIRST)
+    }
+
+    /// Opens group `group`'s state tree of `db` and loads what was applied
+    /// before.
+    pub fn of_group(db: &RaftDb, group: GroupId) -> std::result::Result<Self, String> {
+        let tree = db.tree(group, "state").map_err(|e| e.to_string())?;
         let applied = match tree.get(STATE).map_err(|e| e.to_string())? {
             None => Applied::default(),
             Some(bytes) => {
@@ -74,7 +83,7 @@ impl StateMachine {
             }
         };
         Ok(Self {
-            flusher: Flusher::new(db),
+            flusher: db.flusher().clone(),
             tree,
             applied: Arc::new(watch::channel(applied).0),
         })
