@@ -5,7 +5,7 @@
 //! written: [`Engine::begin_rebuild`] makes it a write-only member (it
 //! receives every write, but its answers do not count for S5), and a
 //! barrier waits out the writes that began without it, and it is given the
-//! source's missed-write maps of other absent members (see
+//! source's missed-write maps of other absent members (see `maps.rs` and
 //! [`crate::replica::disk::missed`]). Extents are then compared and copied
 //! with [`Engine::copy_extent`] and [`Engine::copy_differing_run`], which
 //! hold the extents' stripes exclusively so no write to them interleaves
@@ -23,8 +23,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-
-use futures::future::join_all;
 
 use super::{Engine, Outcomes, STRIPES};
 use crate::ha::InSyncError;
@@ -359,24 +357,8 @@ impl Engine {
         {
             tracing::debug!(replica = %id, %err, "could not clear older marks");
         }
-        // Invariant M: back in sync, it needs no map any more. Best
-        // effort: a map left open is a superset, which costs only copies.
-        let keepers: Vec<Arc<dyn Replica>> = self
-            .map_keepers(&self.in_sync())
-            .into_iter()
-            .filter(|r| r.id() != id)
-            .collect();
-        let closes = keepers.iter().map(|replica| async move {
-            let closed = self
-                .stamped(term, replica, |stamp| replica.close_missed(stamp, id))
-                .await;
-            (replica.id(), closed)
-        });
-        for (keeper, closed) in join_all(closes).await {
-            if let Err(err) = closed {
-                tracing::debug!(replica = %keeper, of = %id, %err, "could not close a missed-write map");
-            }
-        }
+        // Invariant M: back in sync, it needs no map any more.
+        self.close_maps_of_returned(term, id).await;
         tracing::info!(%term, replica = %id, "replica back in the in-sync set");
         Ok(())
     }
