@@ -13,7 +13,7 @@
 //! extent with an unacknowledged write may differ among the members (the
 //! write reached some, and the ones it missed could not be dropped); the
 //! same pass copies it from one in-sync member to the others first
-//! ([`Engine::repair_unsure`]), so the set agrees again
+//! ([`Engine::repair_unsure`], in `repair.rs`), so the set agrees again
 //! within the term, not only at the next promotion. The first pass after
 //! an activation also finishes the promotion's convergence: once its flush
 //! made every member durable, it drops the older terms' marks (see
