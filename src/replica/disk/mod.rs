@@ -8,6 +8,9 @@
 //! - `data`: the data file below admission (`DataFile`: direct and cached
 //!   I/O, holes, sync), private to this wing so that nothing reaches the
 //!   bytes without passing the store.
+//! - `identity`: which cluster and volume a store's dir belongs to, written
+//!   once and checked at every open (its type, [`store::StoreIdentity`], is
+//!   named through the store).
 //! - [`meta`]: the metadata database (sled) and its recovery after an I/O
 //!   failure (S7: durable before acknowledged).
 //! - [`missed`]: the missed-write maps kept for absent members (C4,
@@ -18,6 +21,7 @@
 //! Nothing here knows of the network or of other copies.
 
 mod data;
+mod identity;
 pub mod meta;
 pub mod missed;
 pub mod predigest;
