@@ -119,11 +119,7 @@ impl Engine {
         id: NodeId,
     ) -> Result<(), RebuildError> {
         let _counted = self.count_maps_opened();
-        let source = self
-            .read_order()
-            .into_iter()
-            .next()
-            .ok_or(RebuildError::NoSource)?;
+        let source = self.rebuild_source()?;
         let target = self.target(id)?;
         let maps = self
             .bounded(source.id(), source.missed_maps())
@@ -234,11 +230,7 @@ impl Engine {
     /// S8).
     pub async fn missed_plan(&self, id: NodeId) -> Result<Option<RebuildPlan>, RebuildError> {
         let term = self.term().ok_or(RebuildError::Inactive)?;
-        let source = self
-            .read_order()
-            .into_iter()
-            .next()
-            .ok_or(RebuildError::NoSource)?;
+        let source = self.rebuild_source()?;
         let Some(map) = self.whole_missed_map(&source, id).await? else {
             return Ok(None);
         };

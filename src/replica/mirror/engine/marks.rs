@@ -153,13 +153,7 @@ impl Engine {
                 // write that reached it and no other copy, which its
                 // rebuild compares (see `missed_plan`); its return retires
                 // them (`finish_rebuild`).
-                let members: Vec<Arc<dyn Replica>> = self
-                    .replicas
-                    .members()
-                    .iter()
-                    .filter(|r| state.in_sync.contains(&r.id()))
-                    .cloned()
-                    .collect();
+                let members = self.in_sync_members(&state);
                 (ready, members)
             };
             if ready.is_empty() {
@@ -198,15 +192,7 @@ impl Engine {
     /// durable since the flush). A member that fails keeps them, and the
     /// next pass tries again; until then a failover converges them again.
     async fn clear_older_marks(&self, term: Term) {
-        let members: Vec<Arc<dyn Replica>> = {
-            let state = self.lock();
-            self.replicas
-                .members()
-                .iter()
-                .filter(|r| state.in_sync.contains(&r.id()))
-                .cloned()
-                .collect()
-        };
+        let members = self.in_sync_members(&self.lock());
         let calls = members.iter().map(|replica| async move {
             self.bounded(replica.id(), replica.clear_dirty_below(term))
                 .await

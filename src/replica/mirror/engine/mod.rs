@@ -155,6 +155,16 @@ pub struct Engine {
 /// How many stripes the extents map onto.
 const STRIPES: u64 = 64;
 
+/// The stripes of extents `first..=last`, each once, in ascending order:
+/// whoever holds several takes them in this order, so no two holders wait
+/// on each other.
+fn stripes_of(first: u64, last: u64) -> Vec<u64> {
+    let mut stripes: Vec<u64> = (first..=last).map(|e| e % STRIPES).collect();
+    stripes.sort_unstable();
+    stripes.dedup();
+    stripes
+}
+
 /// The generation an activation stamps its requests with first; the fencer
 /// uses generation 0 of the term (see [`Engine::stamp`]).
 const FIRST_GENERATION: u64 = 1;
@@ -416,9 +426,7 @@ impl Engine {
     async fn lock_span(&self, offset: u64, len: u64) -> Vec<RwLockReadGuard<'_, ()>> {
         let first = offset / self.extent_size;
         let last = (offset + len.max(1) - 1) / self.extent_size;
-        let mut stripes: Vec<u64> = (first..=last).map(|e| e % STRIPES).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
+        let stripes = stripes_of(first, last);
         let mut guards = Vec::with_capacity(stripes.len());
         for stripe in stripes {
             guards.push(self.stripes[stripe as usize].read().await);
@@ -788,15 +796,20 @@ impl Engine {
     fn read_order(&self) -> Vec<Arc<dyn Replica>> {
         let state = self.lock();
         let local = self.config.local_id;
-        let mut order: Vec<Arc<dyn Replica>> = self
-            .replicas
+        let mut order = self.in_sync_members(&state);
+        order.sort_by_key(|r| r.id() != local);
+        order
+    }
+
+    /// The members of the replica set that `state` counts as in sync, in
+    /// the set's order.
+    fn in_sync_members(&self, state: &EngineState) -> Vec<Arc<dyn Replica>> {
+        self.replicas
             .members()
             .iter()
             .filter(|r| state.in_sync.contains(&r.id()))
             .cloned()
-            .collect();
-        order.sort_by_key(|r| r.id() != local);
-        order
+            .collect()
     }
 }
 

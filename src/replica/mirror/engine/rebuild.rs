@@ -24,7 +24,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use super::{Engine, Outcomes, STRIPES};
+use super::{Engine, Outcomes, stripes_of};
 use crate::ha::InSyncError;
 use crate::ids::{NodeId, Term};
 use crate::replica::{Replica, ReplicaError};
@@ -190,9 +190,7 @@ impl Engine {
                 ReplicaError::InvalidRequest(format!("a run of extents {first}..={last}")),
             ));
         }
-        let mut stripes: Vec<u64> = (first..=last).map(|e| e % STRIPES).collect();
-        stripes.sort_unstable();
-        stripes.dedup();
+        let stripes = stripes_of(first, last);
         let mut _exclusive = Vec::with_capacity(stripes.len());
         for stripe in stripes {
             _exclusive.push(self.stripes[stripe as usize].write().await);
@@ -201,11 +199,7 @@ impl Engine {
         if self.rebuild_failed(id) {
             return Err(RebuildError::Abandoned(id));
         }
-        let source = self
-            .read_order()
-            .into_iter()
-            .next()
-            .ok_or(RebuildError::NoSource)?;
+        let source = self.rebuild_source()?;
         let target = self.target(id)?;
         let offset = first * self.extent_size;
         let size = self.current_size();
@@ -410,6 +404,16 @@ impl Engine {
             }
         }
         joining_failed
+    }
+
+    /// Where a rebuild copies from and reads the missed-write maps of: the
+    /// first in-sync replica in read order (this node's own while it is in
+    /// sync).
+    pub(super) fn rebuild_source(&self) -> Result<Arc<dyn Replica>, RebuildError> {
+        self.read_order()
+            .into_iter()
+            .next()
+            .ok_or(RebuildError::NoSource)
     }
 
     /// The replica `id`, as the target of a rebuild step.
