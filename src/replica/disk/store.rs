@@ -1,10 +1,20 @@
 //! One node's copy of the volume on disk.
 //!
-//! A store is a data file (`volume.img`, created sparse at the volume size and
-//! written with positioned I/O on the blocking pool, never on the runtime's
-//! worker threads) and one `sled::Db` (`meta/`) with three trees:
-//! `identity` (cluster id, volume, size, extent size), `fence` (the fence
-//! floor) and `dirty` (the extents each term touched).
+//! A store is a data file (`volume.img`, created sparse at the volume size)
+//! and one `sled::Db` (`meta/`) with three trees: `identity` (cluster id,
+//! volume, size, extent size), `fence` (the fence floor) and `dirty` (the
+//! extents each term touched).
+//!
+//! **Admission above, data below.** This file decides whether and when a
+//! request may touch the copy; it never does the data I/O itself. Every
+//! read, write, punch, sync and growth of the data file goes through
+//! `DataFile` (`disk/data.rs`), and only after the request was admitted
+//! and its marks were made durable. What the data layer promises in return
+//! (durable on `sync`, holes read as zeroes, any byte range in) is written
+//! there; a layer that keeps those promises, a snapshot layer say, can take
+//! its place without a line of admission changing. The I/O runs on the
+//! blocking pool, or on the calling thread when it is small enough for the
+//! page cache to serve at once.
 //!
 //! Invariants this file upholds:
 //! - **S2, token on every write.** `write` and `flush` carry the writer's
@@ -49,11 +59,11 @@
 //!   through `replica-ha resize`).
 
 use crate::ids::{Incarnation, NodeId};
+use crate::replica::disk::data::{DataFile, RunOn, run_io};
+use crate::replica::disk::identity::{check_identity, read_identity, write_identity};
 use crate::replica::disk::meta::{Meta, MetaSlot};
 use crate::replica::disk::missed::{self, MAX_MISSED_EXTENTS, MissedMap, MissedMaps, Unverified};
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -66,6 +76,7 @@ use crate::replica::disk::predigest::{Digest, DigestCache};
 use crate::replica::{DirtyExtent, FenceReply, ReplicaError, Stamp};
 use crate::volume::check_request;
 
+pub use crate::replica::disk::identity::StoreIdentity;
 pub use crate::volume::DEFAULT_EXTENT_SIZE;
 
 /// The most extents one digest request may cover (256 MiB at 1 MiB).
@@ -78,71 +89,11 @@ pub const MAX_PREDIGEST_EXTENTS: usize = 1024;
 /// The most extents one mark retirement may name.
 pub const MAX_RETIRE_EXTENTS: u64 = 4096;
 
-const DATA_FILE: &str = "volume.img";
 const META_DIR: &str = "meta";
 const FLOOR_KEY: &[u8] = b"floor";
 /// The audit counter's key in the `fence` tree (only the broken build
 /// writes it).
 const STALE_ACCEPTS_KEY: &[u8] = b"stale_accepts";
-
-/// Which cluster and volume a store belongs to, and its shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreIdentity {
-    /// The cluster's id; a node of another cluster is refused.
-    pub cluster_id: String,
-    /// The volume's name.
-    pub volume: String,
-    /// The volume's size in bytes (a multiple of 512).
-    pub size: u64,
-    /// The granularity of dirty tracking in bytes (a power of two).
-    pub extent_size: u64,
-}
-
-impl From<&crate::volume::VolumeSpec> for StoreIdentity {
-    fn from(spec: &crate::volume::VolumeSpec) -> Self {
-        Self {
-            cluster_id: spec.cluster_id.clone(),
-            volume: spec.name.clone(),
-            size: spec.size,
-            extent_size: spec.extent_size,
-        }
-    }
-}
-
-impl StoreIdentity {
-    /// An identity with the default extent size.
-    pub fn new(cluster_id: impl Into<String>, volume: impl Into<String>, size: u64) -> Self {
-        Self {
-            cluster_id: cluster_id.into(),
-            volume: volume.into(),
-            size,
-            extent_size: DEFAULT_EXTENT_SIZE,
-        }
-    }
-
-    fn validate(&self) -> Result<(), ReplicaError> {
-        let bad = |why: String| Err(ReplicaError::InvalidIdentity(why));
-        if self.cluster_id.is_empty() {
-            return bad("the cluster id is empty".into());
-        }
-        if self.volume.is_empty() {
-            return bad("the volume name is empty".into());
-        }
-        if self.size == 0 || self.size % 512 != 0 {
-            return bad(format!(
-                "the volume size {} is not a positive multiple of 512",
-                self.size
-            ));
-        }
-        if !self.extent_size.is_power_of_two() || self.extent_size < 4096 {
-            return bad(format!(
-                "the extent size {} is not a power of two of at least 4096",
-                self.extent_size
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// One copy of the volume, on disk. See the module docs for its invariants.
 pub struct ReplicaStore {
@@ -152,10 +103,9 @@ pub struct ReplicaStore {
     size: AtomicU64,
     /// Serializes growths.
     growing: tokio::sync::Mutex<()>,
-    file: Arc<File>,
-    /// The data file opened again with `O_DIRECT`, where the file system
-    /// allows it: most of a large write goes through it (see [`DIRECT_IO`]).
-    direct: Option<Arc<File>>,
+    /// The data file; every byte of the copy is read and written through
+    /// it (see [`crate::replica::disk::data`]).
+    data: Arc<DataFile>,
     /// The metadata database (see [`crate::replica::disk::meta`]).
     meta: Arc<MetaSlot>,
     /// The durable fence floor, mirrored in memory. Read guard: a request in
@@ -221,39 +171,12 @@ impl ReplicaStore {
         let identity_tree = meta.identity.clone();
         let fence_tree = &meta.fence;
 
-        let data_path = dir.join(DATA_FILE);
         let stored = read_identity(&identity_tree)?;
         let mut identity = identity;
-        let file = match &stored {
+        let data = match &stored {
             Some(stored) => {
                 check_identity(stored, &identity)?;
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(&data_path)
-                    .map_err(|err| {
-                        ReplicaError::Io(format!("opening {}: {err}", data_path.display()))
-                    })?;
-                let len = file.metadata()?.len();
-                if len < stored.size {
-                    return Err(ReplicaError::IdentityMismatch(format!(
-                        "{} is {len} bytes, the volume is {} bytes",
-                        data_path.display(),
-                        stored.size
-                    )));
-                }
-                if len > stored.size {
-                    // A growth that crashed before it was recorded. The
-                    // tail is kept, never served, and zeroed by the next
-                    // growth: opening a store never cuts its data file.
-                    tracing::warn!(
-                        file = %data_path.display(),
-                        len,
-                        size = stored.size,
-                        "the data file is longer than the recorded size (a growth that \
-                         was cut off); serving the recorded size"
-                    );
-                }
+                let data = DataFile::open(&dir, stored.size)?;
                 if identity.size != stored.size {
                     // The recorded size is the copy's: it grows only when a
                     // writer grows it, stamped, for a resize (the config's
@@ -266,29 +189,13 @@ impl ReplicaStore {
                     );
                     identity.size = stored.size;
                 }
-                file
+                data
             }
             None => {
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(false)
-                    .open(&data_path)?;
-                let len = file.metadata()?.len();
-                if len != 0 && len != identity.size {
-                    return Err(ReplicaError::IdentityMismatch(format!(
-                        "{} already exists with {len} bytes and no replica metadata; \
-                         refusing to resize it to {}",
-                        data_path.display(),
-                        identity.size
-                    )));
-                }
-                file.set_len(identity.size)?;
-                file.sync_all()?;
+                let data = DataFile::create(&dir, identity.size)?;
                 write_identity(&identity_tree, &identity)?;
                 db.flush()?;
-                file
+                data
             }
         };
         let floor = match fence_tree.get(FLOOR_KEY)? {
@@ -301,14 +208,12 @@ impl ReplicaStore {
         };
         let missed = MissedMaps::load(&meta.missed)?;
         let meta_path = dir.join(META_DIR);
-        let direct = open_direct(&dir.join(DATA_FILE)).map(Arc::new);
         Ok(Self {
             dir,
-            direct,
             size: AtomicU64::new(identity.size),
             growing: tokio::sync::Mutex::new(()),
             identity,
-            file: Arc::new(file),
+            data: Arc::new(data),
             meta: MetaSlot::new(meta_path, meta),
             floor: Arc::new(RwLock::new(floor)),
             marked: Mutex::default(),
@@ -360,12 +265,12 @@ impl ReplicaStore {
             return Ok(self.size());
         }
         let meta = self.meta.get()?;
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         // The last extent's digest changes when it was partial: no
         // predigest taken before the growth is served after it.
         let _touch = self.predigests.touch();
         let from = self.size();
-        run_io(RunOn::Pool, move || extend_file(&file, from, size)).await?;
+        run_io(RunOn::Pool, move || file.grow(from, size)).await?;
         meta.identity
             .insert("size", &size.to_be_bytes())
             .map_err(|e| self.meta.failed(e))?;
@@ -405,8 +310,7 @@ impl ReplicaStore {
         let admitted = self.admit_change(stamp, offset, data.len() as u64).await?;
         self.mark_dirty(stamp.term, offset, data.len() as u64)
             .await?;
-        let file = Arc::clone(&self.file);
-        let direct = self.direct.clone();
+        let file = Arc::clone(&self.data);
         #[cfg(test)]
         let delay = *self.io_delay.lock().unwrap_or_else(|p| p.into_inner());
         let touch = self.predigests.touch();
@@ -425,11 +329,7 @@ impl ReplicaStore {
             let (_admitted, _touch) = (admitted, touch);
             #[cfg(test)]
             std::thread::sleep(delay);
-            write_data(&file, direct.as_deref(), &data, offset)?;
-            if fua {
-                file.sync_data()?;
-            }
-            Ok(())
+            file.write(&data, offset, fua)
         })
         .await
     }
@@ -449,12 +349,12 @@ impl ReplicaStore {
         let stamp = stamp.into();
         let admitted = self.admit_change(stamp, offset, len).await?;
         self.mark_dirty(stamp.term, offset, len).await?;
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         let touch = self.predigests.touch();
         run_io(RunOn::Pool, move || {
             // As for a write: held until the I/O is done (S3).
             let (_admitted, _touch) = (admitted, touch);
-            punch_hole(&file, offset, len)
+            file.punch(offset, len)
         })
         .await
     }
@@ -483,10 +383,10 @@ impl ReplicaStore {
     /// serve them.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
         check_request(offset, len, self.size())?;
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         run_io(RunOn::for_read(len), move || {
             // check_request bounds len by MAX_REQUEST, so it fits in usize.
-            read_at(&file, len as usize, offset).map(Bytes::from)
+            file.read(len as usize, offset).map(Bytes::from)
         })
         .await
     }
@@ -501,9 +401,9 @@ impl ReplicaStore {
         len: u64,
     ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
         crate::volume::check_span(offset, len, self.size())?;
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         run_io(RunOn::Pool, move || {
-            Ok(allocation_of(&file, offset, offset + len))
+            Ok(file.allocation(offset, offset + len))
         })
         .await
     }
@@ -515,10 +415,10 @@ impl ReplicaStore {
         let stamp = stamp.into();
         check_term(stamp.term)?;
         let admitted = self.admit(stamp).await?;
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         run_io(RunOn::Pool, move || {
             let _admitted = admitted;
-            file.sync_data()?;
+            file.sync()?;
             Ok(())
         })
         .await
@@ -625,7 +525,7 @@ impl ReplicaStore {
         until: u64,
     ) -> impl FnOnce() -> std::io::Result<Vec<Digest>> + Send + 'static {
         let (size, volume) = (self.identity.extent_size, until.min(self.size()));
-        let file = Arc::clone(&self.file);
+        let file = Arc::clone(&self.data);
         move || {
             let mut buf = vec![0u8; size as usize];
             let mut zeroes: Option<Digest> = None;
@@ -635,7 +535,7 @@ impl ReplicaStore {
                     let start = extent * size;
                     let end = (start + size).min(volume).max(start);
                     let chunk = &mut buf[..(end - start) as usize];
-                    if is_hole(&file, start, end) {
+                    if file.is_hole(start, end) {
                         if chunk.len() as u64 != size {
                             chunk.fill(0);
                             return Ok(*blake3::hash(chunk).as_bytes());
@@ -644,7 +544,7 @@ impl ReplicaStore {
                             *blake3::hash(&vec![0u8; size as usize]).as_bytes()
                         }));
                     }
-                    file.read_exact_at(chunk, start)?;
+                    file.read_into(chunk, start)?;
                     Ok(*blake3::hash(chunk).as_bytes())
                 })
                 .collect()
@@ -1199,161 +1099,6 @@ enum Touch {
     Ahead,
 }
 
-/// The largest read, or write without FUA, that runs on the calling task's
-/// thread. A 4 KiB write into the page cache takes a few µs; handing it to
-/// the blocking pool and back costs two thread wake-ups, which perf showed
-/// as most of a small replica write's CPU time.
-const INLINE_IO: usize = 64 * 1024;
-
-/// Writes at least this long (a rebuild's runs of extents, a client's
-/// large writes) bypass the page cache for their [`FOLIO_ALIGN`]ed middle.
-/// Such data is streamed, not reread soon; through the cache it costs a
-/// copy into newly allocated pages, which on a VM whose free memory went
-/// back to the host costs several times the disk write (measured: a
-/// buffered 1 GiB `dd` into a file took 0.8 s right after another and
-/// 1.8–3.1 s after 5 s idle, an `O_DIRECT` one 0.58 s either way), and a
-/// flush later writes it all back anyway.
-const DIRECT_IO: usize = 4 << 20;
-/// What part of a large write goes direct: whole, aligned blocks of the
-/// largest page-cache folio (2 MiB, a PMD, with 4 KiB pages). Folios are
-/// aligned to their size, so no cached folio straddles the direct part's
-/// ends: a cached write next to it (S11 lets writes that share no byte run
-/// at once) can never dirty a folio the direct write must drop from the
-/// cache, which the kernel could not do, leaving stale bytes cached.
-const FOLIO_ALIGN: u64 = 2 << 20;
-/// The largest piece a write hands the page cache at once. The kernel
-/// gives a buffered write a folio as large as the write (up to 2 MiB), and
-/// ext4 then walks every 4 KiB block of that folio on each later small
-/// write into it. Measured on a 6.18 kernel, three replicas on one disk:
-/// after 1 MiB sequential writes, random 4 KiB writes into the same range
-/// ran at QD1 p50 194–208 µs and 13.5k IOPS at QD32, until the cache was
-/// dropped; written in these pieces, 146 µs and 23–24k IOPS. It costs
-/// large buffered writes a few more system calls (1 MiB writes at QD8:
-/// about 5% less throughput).
-const CACHED_PIECE: u64 = 64 * 1024;
-/// The alignment of a direct write's memory: the largest logical block
-/// size of a common disk.
-const MEMORY_ALIGN: usize = 4096;
-
-/// The part of `[offset, offset + len)` that a write sends direct: its
-/// whole [`FOLIO_ALIGN`]ed blocks, if it is large enough to bother.
-fn direct_part(offset: u64, len: usize) -> Option<std::ops::Range<u64>> {
-    let start = offset.checked_next_multiple_of(FOLIO_ALIGN)?;
-    let end = offset.checked_add(len as u64)? / FOLIO_ALIGN * FOLIO_ALIGN;
-    (len >= DIRECT_IO && end > start).then_some(start..end)
-}
-
-/// The data file opened for writing with `O_DIRECT`, or `None` where the
-/// file system refuses it (then every write goes through the cache).
-fn open_direct(path: &Path) -> Option<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    OpenOptions::new()
-        .write(true)
-        .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
-        .open(path)
-        .ok()
-}
-
-/// Writes `data` at `offset`: the [`direct_part`] of a large write
-/// through `direct`, the rest (or all, if the direct write is refused as
-/// misaligned) through the page cache of `file`.
-///
-/// Mixing the two on one file is coherent here: the kernel writes back
-/// and drops the cached pages of a direct write's range around it, the
-/// engine never lets two writes that share a byte overlap (its extent
-/// stripes and S11), and no folio straddles the direct part's ends (see
-/// [`FOLIO_ALIGN`]).
-fn write_data(file: &File, direct: Option<&File>, data: &[u8], offset: u64) -> std::io::Result<()> {
-    let (Some(direct), Some(part)) = (direct, direct_part(offset, data.len())) else {
-        return write_cached(file, data, offset);
-    };
-    let (head, rest) = data.split_at((part.start - offset) as usize);
-    let (middle, tail) = rest.split_at((part.end - part.start) as usize);
-    write_cached(file, head, offset)?;
-    let refused =
-        |err: &std::io::Error| err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error());
-    // A payload the block channel received apart is aligned already (see
-    // `crate::net::link::FrameReader`): written as it is, with no copy.
-    if middle.as_ptr().align_offset(MEMORY_ALIGN) == 0 {
-        match direct.write_all_at(middle, part.start) {
-            Err(err) if refused(&err) => {
-                tracing::debug!(%err, "a direct write was refused; writing through the cache");
-                write_cached(file, middle, part.start)?;
-            }
-            done => done?,
-        }
-        return write_cached(file, tail, part.end);
-    }
-    // Otherwise through one aligned buffer of DIRECT_IO bytes, reused for
-    // each piece of the middle: an aligned copy of the whole would double
-    // the memory a large write holds (a full rebuild's target peaked at
-    // 149-165 MiB that way, 125 MiB this way). Only its first bytes, up to
-    // the alignment, are zeroed.
-    let block = DIRECT_IO;
-    let mut room: Vec<u8> = Vec::with_capacity(block + MEMORY_ALIGN);
-    room.resize(room.as_ptr().align_offset(MEMORY_ALIGN), 0u8);
-    let skip = room.len();
-    let mut at = part.start;
-    for piece in middle.chunks(block) {
-        room.truncate(skip);
-        room.extend_from_slice(piece);
-        match direct.write_all_at(&room[skip..], at) {
-            Err(err) if refused(&err) => {
-                tracing::debug!(%err, "a direct write was refused; writing through the cache");
-                let done = (at - part.start) as usize;
-                write_cached(file, &middle[done..], at)?;
-                break;
-            }
-            done => done?,
-        }
-        at += piece.len() as u64;
-    }
-    write_cached(file, tail, part.end)
-}
-
-/// Writes `data` at `offset` through the page cache in pieces that end on
-/// [`CACHED_PIECE`] boundaries of the file.
-fn write_cached(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
-    for piece in cached_pieces(offset, data.len()) {
-        file.write_all_at(&data[piece.clone()], offset + piece.start as u64)?;
-    }
-    Ok(())
-}
-
-/// The pieces, as ranges of the data, in which [`write_cached`] writes
-/// `len` bytes at `offset`: each ends on a [`CACHED_PIECE`] boundary of the
-/// file or at the end of the data.
-fn cached_pieces(offset: u64, len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let mut done = 0;
-    std::iter::from_fn(move || {
-        if done >= len {
-            return None;
-        }
-        let at = offset + done as u64;
-        let room = (CACHED_PIECE - at % CACHED_PIECE) as usize;
-        let piece = done..done + room.min(len - done);
-        done = piece.end;
-        Some(piece)
-    })
-}
-
-/// Reads exactly `len` bytes at `offset` into a new buffer, which it does
-/// not zero first (zeroing 8 MiB costs as much as reading it from the
-/// page cache).
-fn read_at(file: &File, len: usize, offset: u64) -> std::io::Result<Vec<u8>> {
-    let mut buf = Vec::with_capacity(len);
-    while buf.len() < len {
-        let at = offset + buf.len() as u64;
-        match rustix::io::pread(file, rustix::buffer::spare_capacity(&mut buf), at) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) | Err(rustix::io::Errno::INTR) => {}
-            Err(err) => return Err(err.into()),
-        }
-    }
-    buf.truncate(len);
-    Ok(buf)
-}
-
 /// A number drawn at random for one opening of a store, never 0: the
 /// standard library seeds each `RandomState` from the operating system's
 /// randomness, and the time and process id are hashed in as well.
@@ -1363,50 +1108,6 @@ fn new_session() -> u64 {
     std::process::id().hash(&mut hasher);
     std::time::SystemTime::now().hash(&mut hasher);
     hasher.finish().max(1)
-}
-
-/// Where a piece of file I/O runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RunOn {
-    /// On the calling task's thread: small I/O that the page cache serves.
-    Caller,
-    /// On the blocking pool: large I/O, syncs, punches, hashing.
-    Pool,
-}
-
-impl RunOn {
-    fn for_write(len: usize, fua: bool) -> Self {
-        if !fua && len <= INLINE_IO {
-            Self::Caller
-        } else {
-            Self::Pool
-        }
-    }
-
-    fn for_read(len: u64) -> Self {
-        if len <= INLINE_IO as u64 {
-            Self::Caller
-        } else {
-            Self::Pool
-        }
-    }
-}
-
-/// Runs positioned file I/O where `on` says. Raft has a runtime of its
-/// own (`raft::runtime`), so a small write that blocks a data-plane thread
-/// briefly cannot delay a heartbeat.
-async fn run_io<T, F>(on: RunOn, io: F) -> Result<T, ReplicaError>
-where
-    T: Send + 'static,
-    F: FnOnce() -> std::io::Result<T> + Send + 'static,
-{
-    if on == RunOn::Caller {
-        return io().map_err(ReplicaError::from);
-    }
-    tokio::task::spawn_blocking(io)
-        .await
-        .map_err(|err| ReplicaError::Io(format!("I/O task failed: {err}")))?
-        .map_err(ReplicaError::from)
 }
 
 fn check_term(term: Term) -> Result<(), ReplicaError> {
@@ -1464,225 +1165,15 @@ fn decode_u64(bytes: &[u8], what: &str) -> Result<u64, ReplicaError> {
     Ok(u64::from_be_bytes(array))
 }
 
-/// The identity field `key`, decoded by `decode`, if it is there.
-fn identity_field<T>(
-    tree: &sled::Tree,
-    key: &str,
-    decode: impl FnOnce(&[u8]) -> Option<T>,
-) -> Result<Option<T>, ReplicaError> {
-    tree.get(key)?
-        .map(|v| {
-            decode(&v).ok_or_else(|| ReplicaError::Io(format!("corrupt identity field {key}")))
-        })
-        .transpose()
-}
-
-fn read_identity(tree: &sled::Tree) -> Result<Option<StoreIdentity>, ReplicaError> {
-    let text = |key| identity_field(tree, key, |v| String::from_utf8(v.to_vec()).ok());
-    let number = |key| {
-        identity_field(tree, key, |v| {
-            <[u8; 8]>::try_from(v).ok().map(u64::from_be_bytes)
-        })
-    };
-    match (
-        text("cluster_id")?,
-        text("volume")?,
-        number("size")?,
-        number("extent_size")?,
-    ) {
-        (Some(cluster_id), Some(volume), Some(size), Some(extent_size)) => {
-            Ok(Some(StoreIdentity {
-                cluster_id,
-                volume,
-                size,
-                extent_size,
-            }))
-        }
-        (None, None, None, None) => Ok(None),
-        _ => Err(ReplicaError::Io("incomplete identity metadata".into())),
-    }
-}
-
-fn write_identity(tree: &sled::Tree, identity: &StoreIdentity) -> Result<(), ReplicaError> {
-    let size = identity.size.to_be_bytes();
-    let extent_size = identity.extent_size.to_be_bytes();
-    let fields: [(&str, &[u8]); 4] = [
-        ("cluster_id", identity.cluster_id.as_bytes()),
-        ("volume", identity.volume.as_bytes()),
-        ("size", &size),
-        ("extent_size", &extent_size),
-    ];
-    crate::sled_ops::insert_all(tree, fields)?;
-    Ok(())
-}
-
-/// Extends the data file from the served size `from` to `size`, durably.
-/// Cutting it to `from` first drops whatever tail an earlier, unfinished
-/// growth left, so the new range reads as zeroes.
-fn extend_file(file: &File, from: u64, size: u64) -> std::io::Result<()> {
-    file.set_len(from)?;
-    file.set_len(size)?;
-    file.sync_all()
-}
-
-fn check_identity(stored: &StoreIdentity, wanted: &StoreIdentity) -> Result<(), ReplicaError> {
-    let mismatch = |field: &str, have: &dyn std::fmt::Display, want: &dyn std::fmt::Display| {
-        Err(ReplicaError::IdentityMismatch(format!(
-            "the data dir holds {field} {have}, the configuration says {want}"
-        )))
-    };
-    if stored.cluster_id != wanted.cluster_id {
-        return mismatch("cluster id", &stored.cluster_id, &wanted.cluster_id);
-    }
-    if stored.volume != wanted.volume {
-        return mismatch("volume", &stored.volume, &wanted.volume);
-    }
-    if stored.extent_size != wanted.extent_size {
-        return mismatch("extent size", &stored.extent_size, &wanted.extent_size);
-    }
-    Ok(())
-}
-
-/// Frees `[offset, offset + len)` of `file`, keeping its size; where the file
-/// system cannot punch holes, writes zeroes instead.
-fn punch_hole(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
-    use rustix::fs::FallocateFlags;
-    if len == 0 {
-        return Ok(());
-    }
-    let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-    match rustix::fs::fallocate(file, flags, offset, len) {
-        Ok(()) => Ok(()),
-        Err(rustix::io::Errno::OPNOTSUPP) => {
-            let zeroes = vec![0u8; len.min(1 << 20) as usize];
-            let mut at = offset;
-            while at < offset + len {
-                let n = (offset + len - at).min(zeroes.len() as u64) as usize;
-                file.write_all_at(&zeroes[..n], at)?;
-                at += n as u64;
-            }
-            Ok(())
-        }
-        Err(err) => Err(err.into()),
-    }
-}
-
-/// The data and hole runs of `[start, end)` of `file`, in order (see
-/// [`ReplicaStore::allocation`]); adjacent runs alike are merged. Stops
-/// after [`crate::volume::MAX_RUNS`] runs: the runs then cover a prefix.
-fn allocation_of(file: &std::fs::File, start: u64, end: u64) -> Vec<crate::volume::Extent> {
-    use rustix::fs::{SeekFrom, seek};
-    fn push(runs: &mut Vec<crate::volume::Extent>, len: u64, hole: bool) {
-        if len == 0 {
-            return;
-        }
-        match runs.last_mut() {
-            Some(last) if last.hole == hole => last.len += len,
-            _ => runs.push(crate::volume::Extent { len, hole }),
-        }
-    }
-    let mut runs: Vec<crate::volume::Extent> = Vec::new();
-    let mut at = start;
-    while at < end && (runs.len() as u64) < crate::volume::MAX_RUNS {
-        let data = match seek(file, SeekFrom::Data(at)) {
-            Ok(data) => data.clamp(at, end),
-            // No data from `at` to the end of the file.
-            Err(rustix::io::Errno::NXIO) => end,
-            // The file system cannot say: all data.
-            Err(_) => {
-                push(&mut runs, end - at, false);
-                break;
-            }
-        };
-        push(&mut runs, data - at, true);
-        if data >= end {
-            break;
-        }
-        let hole = match seek(file, SeekFrom::Hole(data)) {
-            Ok(hole) => hole.min(end),
-            Err(_) => end,
-        };
-        // A hole at `data` would contradict SEEK_DATA; never loop in place.
-        let hole = hole.max(data + 1).min(end);
-        push(&mut runs, hole - data, false);
-        at = hole;
-    }
-    runs
-}
-
-/// Whether `[start, end)` of `file` holds no data at all, so it reads as
-/// zeroes: `SEEK_DATA` from `start` finds none before `end`. The kernel
-/// counts written data still in the page cache (delayed allocation) as
-/// data. Where the file system cannot say, the range holds data.
-fn is_hole(file: &std::fs::File, start: u64, end: u64) -> bool {
-    match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(start)) {
-        Ok(next) => next >= end,
-        // No data from `start` to the end of the file.
-        Err(rustix::io::Errno::NXIO) => true,
-        Err(_) => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replica::disk::data::{DATA_FILE, DIRECT_IO, INLINE_IO, MEMORY_ALIGN};
     use crate::volume::{MAX_REQUEST, RangeError};
+    use std::os::unix::fs::FileExt;
     use std::time::Duration;
 
     const SIZE: u64 = 8 * 1024 * 1024;
-
-    /// Runs of data and holes, in order, merged, covering the range; a
-    /// query that would return too many runs covers a prefix.
-    #[test]
-    fn allocation_runs_follow_the_file() {
-        use crate::volume::Extent;
-        use std::os::unix::fs::FileExt;
-        let dir = tempfile::tempdir().unwrap();
-        let file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.path().join("f"))
-            .unwrap();
-        file.set_len(8 << 20).unwrap();
-        file.write_all_at(&[7u8; 8192], 1 << 20).unwrap();
-        let runs = allocation_of(&file, 0, 8 << 20);
-        assert_eq!(runs.iter().map(|r| r.len).sum::<u64>(), 8 << 20);
-        assert_eq!(
-            runs,
-            [
-                Extent {
-                    len: 1 << 20,
-                    hole: true
-                },
-                Extent {
-                    len: 8192,
-                    hole: false
-                },
-                Extent {
-                    len: (7 << 20) - 8192,
-                    hole: true
-                },
-            ]
-        );
-        // A range inside the data, and one inside a hole.
-        assert_eq!(
-            allocation_of(&file, (1 << 20) + 4096, (1 << 20) + 8192),
-            [Extent {
-                len: 4096,
-                hole: false
-            }]
-        );
-        assert_eq!(
-            allocation_of(&file, 0, 4096),
-            [Extent {
-                len: 4096,
-                hole: true
-            }]
-        );
-    }
-
     fn identity() -> StoreIdentity {
         StoreIdentity::new("c1", "vol0", SIZE)
     }
@@ -1768,49 +1259,6 @@ mod tests {
         assert!(format!("{store:?}").contains("ReplicaStore"));
     }
 
-    #[test]
-    fn a_cached_write_in_pieces_lands_whole_at_any_offset() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.path().join("data"))
-            .unwrap();
-        let piece = CACHED_PIECE as usize;
-        // Within one piece, across one boundary, across many, from one.
-        for (offset, len) in [
-            (100, 10),
-            (piece as u64 - 7, 20),
-            (3, 5 * piece + 11),
-            (0, 2 * piece),
-        ] {
-            // The pieces cover the data in order, none crosses a boundary.
-            let mut next = 0;
-            for cut in cached_pieces(offset, len) {
-                assert_eq!(cut.start, next, "{len} bytes at {offset}: a gap or overlap");
-                let (first, last) = (offset + cut.start as u64, offset + cut.end as u64 - 1);
-                assert_eq!(
-                    first / CACHED_PIECE,
-                    last / CACHED_PIECE,
-                    "{cut:?} crosses a boundary"
-                );
-                next = cut.end;
-            }
-            assert_eq!(next, len, "{len} bytes at {offset}: not all written");
-            let data: Vec<u8> = (0..len).map(|i| (i * 31 + offset as usize) as u8).collect();
-            write_cached(&file, &data, offset).unwrap();
-            let mut got = vec![0u8; len];
-            file.read_exact_at(&mut got, offset).unwrap();
-            assert!(
-                got == data,
-                "{len} bytes at {offset}: not the bytes written"
-            );
-        }
-        write_cached(&file, &[], 5).unwrap();
-    }
-
     /// Most of a large write bypasses the page cache: what the cache held
     /// of its range (even dirty) is not served afterwards, its unaligned
     /// ends go through the cache, and the bytes are on the disk once
@@ -1819,7 +1267,7 @@ mod tests {
     async fn large_writes_bypass_the_cache_and_read_back_coherently() {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path()).await;
-        if store.direct.is_none() {
+        if !store.data.has_direct() {
             eprintln!("this file system refuses O_DIRECT: only the cached path is tested");
         }
         let reads = |offset: u64, expected: Bytes, what: &'static str| {
@@ -1859,8 +1307,9 @@ mod tests {
         whole().await;
         store.flush(Term(1)).await.unwrap();
         // From the disk, not the cache.
-        let uncache =
-            || rustix::fs::fadvise(&*store.file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        let uncache = || {
+            rustix::fs::fadvise(store.data.file(), 0, None, rustix::fs::Advice::DontNeed).unwrap()
+        };
         uncache();
         whole().await;
         // A payload aligned in memory, as the block channel receives a
@@ -1884,20 +1333,6 @@ mod tests {
         store.flush(Term(1)).await.unwrap();
         uncache();
         after_aligned().await;
-    }
-
-    #[test]
-    fn only_whole_folio_blocks_of_a_large_write_go_direct() {
-        const MIB: u64 = 1 << 20;
-        let big = DIRECT_IO;
-        assert_eq!(direct_part(0, big), Some(0..4 * MIB));
-        assert_eq!(direct_part(MIB, big), Some(2 * MIB..4 * MIB));
-        assert_eq!(direct_part(MIB + 512, big), Some(2 * MIB..4 * MIB));
-        assert_eq!(direct_part(MIB, 8 * MIB as usize), Some(2 * MIB..8 * MIB));
-        assert_eq!(direct_part(0, big - 4096), None, "too short");
-        // Any 4 MiB holds a whole aligned 2 MiB block.
-        assert_eq!(direct_part(MIB + 1, big), Some(2 * MIB..4 * MIB));
-        assert_eq!(direct_part(u64::MAX - 10, big), None, "no overflow");
     }
 
     #[tokio::test]
