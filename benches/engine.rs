@@ -18,9 +18,10 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use replica_ha::ha::WriterEngine;
 use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::replica::{
-    Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
-};
+use replica_ha::replica::Replica;
+use replica_ha::replica::disk::local::LocalReplica;
+use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
+use replica_ha::replica::mirror::engine::{Engine, EngineConfig};
 use replica_ha::volume::Device;
 
 const VOLUME: u64 = 256 * 1024 * 1024;

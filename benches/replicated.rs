@@ -27,11 +27,12 @@ use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ids::{NodeId, Term};
 use replica_ha::net::tls::Party;
 use replica_ha::net::{Limits, Tls, Transport};
+use replica_ha::replica::Replica;
+use replica_ha::replica::disk::local::LocalReplica;
+use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
+use replica_ha::replica::mirror::engine::{Engine, EngineConfig};
 use replica_ha::replica::peer::remote::RemoteReplica;
 use replica_ha::replica::serve::service::ReplicaService;
-use replica_ha::replica::{
-    Engine, EngineConfig, LocalReplica, Replica, ReplicaStore, StoreIdentity,
-};
 use replica_ha::volume::Device;
 
 const VOLUME: u64 = 256 << 20;

@@ -14,14 +14,18 @@
 //!   gRPC service) and `api::http` (metrics and health over HTTP); they
 //!   render what `api::status` computes, and [`metrics`] counts;
 //! - [`node`]: one node process: configuration, wiring, start-up and
-//!   shutdown, the gate journal;
+//!   shutdown of what is node-wide, the gate journal, and the volume host
+//!   whose volumes start and stop their own tasks;
 //! - [`raft`]: the embedded Raft group (openraft over gRPC and sled): the
-//!   writer's term, its lease, and the replicated volume state;
+//!   writer's term, its lease, and the replicated volume state; its
+//!   storage keeps a set of trees per group in the node's one Raft Db;
 //! - [`replica`]: the data plane, in four wings: `disk` (the on-disk
-//!   replica store that enforces the fencing token, S2, S3, S6, S7),
-//!   `serve` (that store on the wire), `peer` (the writer's client of it)
-//!   and `mirror` (the mirroring [`replica::Engine`], S5, the fencer and
-//!   the resync), around the [`replica::Replica`] seam;
+//!   replica store that enforces the fencing token, S2, S3, S6, S7, above
+//!   the data file's I/O), `serve` (that store on the wire), `peer` (the
+//!   writer's client of it) and `mirror` (the mirroring
+//!   [`replica::mirror::engine::Engine`], S5, the fencer and the resync),
+//!   around the [`replica::Replica`] seam and `replica::wire`, the one
+//!   mapping of its errors and stamps to the wire;
 //! - [`ha`]: the reconcile core — `Coordinator`, `Fencer`, `InSyncTracker`,
 //!   `Controller` and the `ActiveDevice` gate (S1, S4) — pure logic over
 //!   traits;

@@ -2,7 +2,7 @@
 //!
 //! [`Device`] is the one interface of the data path: the NBD server calls it,
 //! the write gate ([`crate::ha::ActiveDevice`]) implements it in front of the
-//! engine, and the engine ([`crate::replica::Engine`]) implements it over the
+//! engine, and the engine ([`crate::replica::mirror::engine::Engine`]) implements it over the
 //! replicas. Every layer of the write path speaks it, so each can be tested
 //! alone and stacked without adapters.
 //!

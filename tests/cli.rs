@@ -4,7 +4,7 @@ use std::process::Command;
 
 use bytes::Bytes;
 use replica_ha::ids::Term;
-use replica_ha::replica::{ReplicaStore, StoreIdentity};
+use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
 
 const SIZE: u64 = 4 * 1024 * 1024;
 

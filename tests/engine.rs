@@ -28,7 +28,8 @@ use common::{Fault, FaultyReplica, LoggingTracker, SHORT, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::{ReplicaState, WriterEngine};
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::replica::{Engine, EngineConfig, Replica};
+use replica_ha::replica::Replica;
+use replica_ha::replica::mirror::engine::{Engine, EngineConfig};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
 const IDS: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
@@ -640,8 +641,8 @@ async fn a_write_the_engine_gave_up_on_never_lands_on_the_rebuilt_replica() {
 /// replace that would leave no copy to rebuild from is refused too.
 #[tokio::test]
 async fn a_replaced_copy_leaves_the_in_sync_set_below_min_in_sync_and_writes_wait() {
+    use replica_ha::replica::mirror::engine::{Leaving, MembershipError};
     use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
-    use replica_ha::replica::{Leaving, MembershipError};
     let rig = Rig::new(3).await;
     rig.engine.activate(Term(2)).await.unwrap();
     rig.engine.write_at(0, block(1), false).await.unwrap();
@@ -700,7 +701,7 @@ async fn a_replaced_copy_leaves_the_in_sync_set_below_min_in_sync_and_writes_wai
 /// it: the set that must hold it is now too small (S5).
 #[tokio::test]
 async fn a_write_in_flight_when_the_set_shrinks_below_min_in_sync_is_not_acknowledged() {
-    use replica_ha::replica::Leaving;
+    use replica_ha::replica::mirror::engine::Leaving;
     let rig = Rig::new(3).await;
     rig.engine.activate(Term(2)).await.unwrap();
     rig.replicas[2].set(Fault::HoldWritesOf(0xab));
@@ -722,7 +723,7 @@ async fn a_write_in_flight_when_the_set_shrinks_below_min_in_sync_is_not_acknowl
 /// finishes (here, while it flushes the target) does not bring it back.
 #[tokio::test]
 async fn a_rebuild_abandoned_while_it_finishes_does_not_return_the_copy() {
-    use replica_ha::replica::{Leaving, RebuildError};
+    use replica_ha::replica::mirror::engine::{Leaving, RebuildError};
     let rig = Rig::new(1).await;
     rig.engine.activate(Term(2)).await.unwrap();
     rig.engine
@@ -1065,8 +1066,9 @@ async fn acknowledged_fua_writes_and_flushed_writes_survive_a_power_cut_of_every
 /// is on every member of the committed in-sync set at the end.
 #[tokio::test]
 async fn the_replica_set_takes_a_member_in_and_lets_one_go_while_writes_flow() {
+    use replica_ha::replica::mirror::engine::MembershipError;
     use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
-    use replica_ha::replica::{MembershipError, ReplicaSet};
+    use replica_ha::replica::mirror::set::ReplicaSet;
     use std::sync::atomic::{AtomicBool, Ordering};
     common::init_tracing();
     // Nothing here injects a fault: a generous timeout keeps a loaded
@@ -1218,8 +1220,9 @@ async fn an_in_sync_replica_that_left_the_set_is_removed_before_the_next_ack() {
 /// that differ, and the rebuilt replica equals the others.
 #[tokio::test]
 async fn the_engine_counts_extents_in_the_volumes_extent_size() {
+    use replica_ha::replica::disk::local::LocalReplica;
+    use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
     use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
-    use replica_ha::replica::{LocalReplica, ReplicaStore, StoreIdentity};
     use replica_ha::volume::VolumeSpec;
     common::init_tracing();
     let dir = tempfile::tempdir().unwrap();
@@ -1437,7 +1440,7 @@ async fn a_scrub_pass_with_a_silent_replica_ends_and_reports_what_it_could_not_c
 
 #[tokio::test]
 async fn a_resize_grows_every_in_sync_replica_before_the_size_is_committed_and_served() {
-    use replica_ha::replica::ResizeError;
+    use replica_ha::replica::mirror::engine::ResizeError;
     let rig = Rig::new(2).await;
     assert_eq!(
         rig.engine.resize(2 * SIZE).await,
@@ -1556,7 +1559,7 @@ async fn a_rebuilt_replica_grows_to_a_committed_size_the_writer_does_not_serve_y
     // and the committed one again is served once every copy has grown.
     assert_eq!(
         rig.engine.resize(SIZE + SIZE / 2).await,
-        Err(replica_ha::replica::ResizeError::Shrink {
+        Err(replica_ha::replica::mirror::engine::ResizeError::Shrink {
             now: 2 * SIZE,
             asked: SIZE + SIZE / 2
         })
@@ -1580,7 +1583,7 @@ async fn a_resize_grows_every_replica_of_the_committed_set() {
 /// fails before anything is committed.
 #[tokio::test]
 async fn a_resize_fails_when_an_in_sync_replica_is_missing_from_the_set() {
-    use replica_ha::replica::ResizeError;
+    use replica_ha::replica::mirror::engine::ResizeError;
     let rig = Rig::new(2).await;
     rig.engine.activate(Term(5)).await.unwrap();
     rig.engine.replica_set().remove(NodeId(3)).unwrap();

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use replica_ha::ids::Term;
-use replica_ha::replica::{ReplicaStore, StoreIdentity};
+use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
 use tokio::time::Instant;
 
 struct Tmpfs(tempfile::TempDir);

@@ -21,13 +21,14 @@ use replica_ha::ha::{Fencer, WriterEngine};
 use replica_ha::ids::{NodeId, Term};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
+use replica_ha::replica::disk::local::LocalReplica;
+use replica_ha::replica::disk::store::ReplicaStore;
+use replica_ha::replica::mirror::engine::{Engine, EngineConfig};
 use replica_ha::replica::mirror::fencer::TokenFencer;
+use replica_ha::replica::mirror::set::ReplicaSet;
 use replica_ha::replica::peer::remote::RemoteReplica;
 use replica_ha::replica::serve::service::ReplicaService;
-use replica_ha::replica::{
-    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
-    Stamp,
-};
+use replica_ha::replica::{FloorBook, Replica, ReplicaError, Stamp};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 
 async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
@@ -405,7 +406,7 @@ async fn fence_rig_of(in_sync: &[NodeId], size: u64, timeout: Duration) -> Fence
     for id in [NodeId(1), NodeId(2), NodeId(3)] {
         let store = ReplicaStore::open(
             dir.path().join(id.to_string()),
-            replica_ha::replica::StoreIdentity::new("test", "vol0", size),
+            replica_ha::replica::disk::store::StoreIdentity::new("test", "vol0", size),
         )
         .await
         .expect("open store");

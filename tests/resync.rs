@@ -457,7 +457,7 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
     // and applied. The rebuild must compare that extent although no other
     // copy's missed-write map names it. (Bytes changed behind the store's
     // back, with no mark, are the scrub's to find: tests/scrub.rs.)
-    let store = replica_ha::replica::ReplicaStore::open(
+    let store = replica_ha::replica::disk::store::ReplicaStore::open(
         cluster.data_dir(follower).join("replica"),
         replica_ha::replica::disk::store::StoreIdentity::new(
             &cluster.cluster_id,

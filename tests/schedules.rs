@@ -351,10 +351,11 @@ mod engine_world {
     use replica_ha::ha::fake::MemoryInSync;
     use replica_ha::ha::{Fencer, InSyncTracker, WriterEngine};
     use replica_ha::ids::{NodeId, Term};
+    use replica_ha::replica::mirror::engine::{Engine, EngineConfig};
     use replica_ha::replica::mirror::fencer::TokenFencer;
     use replica_ha::replica::mirror::resync::{ResyncConfig, Resyncer};
     use replica_ha::replica::mirror::set::ReplicaSet;
-    use replica_ha::replica::{Engine, EngineConfig, FloorBook, Replica};
+    use replica_ha::replica::{FloorBook, Replica};
     use replica_ha::volume::{Device, VolumeSpec};
     use tokio::task::JoinHandle;
 

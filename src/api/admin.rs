@@ -38,7 +38,8 @@ use crate::proto::admin::{
     ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
     WatchLeaderRequest, WriteReply, WriteRequest,
 };
-use crate::replica::{RebuildError, ReplicaError, ResizeError};
+use crate::replica::ReplicaError;
+use crate::replica::mirror::engine::{RebuildError, ResizeError};
 use crate::volume::{DeviceError, RangeError};
 
 /// The admin service of one node.

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use clap::Args;
 
 use super::{failure, usage_error};
-use crate::replica::{ReplicaStore, StoreIdentity};
+use crate::replica::disk::store::{ReplicaStore, StoreIdentity};
 
 /// The flags of `replica-ha inspect`.
 #[derive(Args)]

@@ -43,10 +43,10 @@ use crate::ha::{Controller, Coordinator};
 use crate::ids::{MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
+use crate::replica::Replica;
+use crate::replica::mirror::engine::{Engine, Leaving, MembershipError as EngineMembershipError};
+use crate::replica::mirror::set::ReplicaSet;
 use crate::replica::peer::remote::RemoteReplica;
-use crate::replica::{
-    Engine, Leaving, MembershipError as EngineMembershipError, Replica, ReplicaSet,
-};
 
 /// How long one membership entry may take to commit.
 const CHANGE_TIMEOUT: Duration = Duration::from_secs(30);

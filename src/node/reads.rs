@@ -117,10 +117,10 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let spec = crate::volume::VolumeSpec::new("c", "v", 1 << 20, 2);
-        let opened = crate::replica::ReplicaStore::open(dir.path(), (&spec).into())
+        let opened = crate::replica::disk::store::ReplicaStore::open(dir.path(), (&spec).into())
             .await
             .unwrap();
-        let store: Arc<dyn Replica> = Arc::new(crate::replica::LocalReplica::new(
+        let store: Arc<dyn Replica> = Arc::new(crate::replica::disk::local::LocalReplica::new(
             NodeId(3),
             Arc::new(opened),
         ));

@@ -14,7 +14,7 @@
 //!   and quorum rules, the fencer (S1, S6), resync (C4) and scrub (S11).
 //!
 //! Beside them: the [`Replica`] seam the engine writes through
-//! ([`LocalReplica`] calls a store in-process; [`peer::remote`] reaches a
+//! ([`disk::local::LocalReplica`] calls a store in-process; [`peer::remote`] reaches a
 //! peer's), [`Stamp`], [`ReplicaError`] and [`wire`], the one mapping of
 //! that error to the wire and back. The in-sync set is changed only
 //! through the core's [`crate::ha::InSyncTracker`]: the engine may
@@ -27,22 +27,58 @@ pub mod peer;
 pub mod serve;
 pub mod wire;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-pub use disk::store::{ReplicaStore, StoreIdentity};
-pub use mirror::engine::{
-    Engine, EngineConfig, Leaving, MembershipError, RebuildError, RebuildPlan, ResizeError,
-};
-pub use mirror::set::{ReplicaSet, SetError};
-
 pub use crate::ids::Stamp;
 use crate::ids::{Incarnation, NodeId, Term};
 use crate::volume::RangeError;
-use disk::missed::{self, MissedMap};
 use std::collections::BTreeMap;
+
+/// One absent member's map, as a store returns it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MissedMap {
+    /// The incarnation of the member's data dir the map is about.
+    pub incarnation: Incarnation,
+    /// The extents, ascending, from the page's start.
+    pub extents: Vec<u64>,
+    /// Whether more extents follow (ask again from the last one plus one).
+    pub more: bool,
+    /// Where the member's unverified range begins, while a full rebuild
+    /// of it has not compared every extent: it may differ in every extent
+    /// from this one on, besides those listed.
+    pub unverified_from: Option<u64>,
+}
+
+/// A change to a map's unverified range (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unverified {
+    /// The member may differ from extent `.0` on: the range begins there
+    /// or earlier. Opens the map if it is not open (and replaces one of
+    /// another incarnation).
+    Lower(u64),
+    /// A full rebuild compared and copied every extent below `.0`, and the
+    /// member flushed them: the range begins there or later. Nothing
+    /// happens unless the map is open, about this incarnation, with a
+    /// range.
+    Raise(u64),
+}
+
+impl Unverified {
+    /// The range after this change, from `current` (the range of a map
+    /// open about the same incarnation; `None` for none, or no such map),
+    /// or `None` when the change does nothing.
+    pub fn apply(self, open: bool, current: Option<u64>) -> Option<Option<u64>> {
+        match (self, open, current) {
+            (Unverified::Lower(from), _, None) => Some(Some(from)),
+            (Unverified::Lower(from), _, Some(now)) if from < now => Some(Some(from)),
+            (Unverified::Raise(to), true, Some(now)) if to > now => Some(Some(to)),
+            _ => None,
+        }
+    }
+}
 
 /// What the fencer found and left at its last fence, shared with the engine
 /// of the same node:
@@ -120,7 +156,7 @@ pub struct FenceReply {
     pub dirty: Vec<DirtyExtent>,
     /// The extent size the marks are counted in.
     pub extent_size: u64,
-    /// The store's session ([`store::ReplicaStore::session`]); 0 from a
+    /// The store's session ([`disk::store::ReplicaStore::session`]); 0 from a
     /// replica that does not say.
     pub session: u64,
 }
@@ -250,7 +286,7 @@ pub trait Replica: Send + Sync {
     /// it reads back as zeroes, and its space is freed.
     async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError>;
     /// Marks the extents of `[offset, offset+len)` for the writer of
-    /// `stamp` before it writes them (see [`ReplicaStore::mark_ahead`]).
+    /// `stamp` before it writes them (see [`disk::store::ReplicaStore::mark_ahead`]).
     async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError>;
     /// Reads `len` bytes at `offset`.
     async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError>;
@@ -267,7 +303,7 @@ pub trait Replica: Send + Sync {
     async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError>;
     /// Drops the marks of terms up to `through` on `extents`, for the
     /// writer of `stamp`, once they are durable on every in-sync replica
-    /// (see [`ReplicaStore::retire_marks`]). Returns how many were dropped.
+    /// (see [`disk::store::ReplicaStore::retire_marks`]). Returns how many were dropped.
     async fn retire_marks(
         &self,
         stamp: Stamp,
@@ -282,7 +318,7 @@ pub trait Replica: Send + Sync {
     async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError>;
     /// Opens the missed-write map of member `node` (about `incarnation`)
     /// if it is not open, and adds `extents`, on behalf of the writer of
-    /// `stamp` (see [`missed`]).
+    /// `stamp` (see [`disk::missed`]).
     async fn note_missed(
         &self,
         stamp: Stamp,
@@ -305,122 +341,8 @@ pub trait Replica: Send + Sync {
         stamp: Stamp,
         node: NodeId,
         incarnation: Incarnation,
-        change: missed::Unverified,
+        change: Unverified,
     ) -> Result<(), ReplicaError>;
-}
-
-/// A replica in this process: the store without a network hop.
-pub struct LocalReplica {
-    id: NodeId,
-    store: Arc<ReplicaStore>,
-}
-
-impl LocalReplica {
-    /// Wraps `store`, held by node `id`.
-    pub fn new(id: NodeId, store: Arc<ReplicaStore>) -> Self {
-        Self { id, store }
-    }
-
-    /// The store behind this replica.
-    pub fn store(&self) -> &Arc<ReplicaStore> {
-        &self.store
-    }
-}
-
-#[async_trait]
-impl Replica for LocalReplica {
-    fn id(&self) -> NodeId {
-        self.id
-    }
-    async fn allocation(
-        &self,
-        offset: u64,
-        len: u64,
-    ) -> Result<Vec<crate::volume::Extent>, ReplicaError> {
-        self.store.allocation(offset, len).await
-    }
-    async fn write(
-        &self,
-        stamp: Stamp,
-        offset: u64,
-        data: Bytes,
-        fua: bool,
-    ) -> Result<(), ReplicaError> {
-        self.store.write(stamp, offset, data, fua).await
-    }
-    async fn discard(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
-        self.store.discard(stamp, offset, len).await
-    }
-    async fn mark_ahead(&self, stamp: Stamp, offset: u64, len: u64) -> Result<(), ReplicaError> {
-        self.store.mark_ahead(stamp, offset, len).await
-    }
-    async fn read(&self, offset: u64, len: u64) -> Result<Bytes, ReplicaError> {
-        self.store.read(offset, len).await
-    }
-    async fn flush(&self, stamp: Stamp) -> Result<(), ReplicaError> {
-        self.store.flush(stamp).await
-    }
-    async fn grow(&self, stamp: Stamp, size: u64) -> Result<u64, ReplicaError> {
-        self.store.grow(stamp, size).await
-    }
-    async fn fence(&self, term: Term) -> Result<FenceReply, ReplicaError> {
-        self.store.fence(term).await
-    }
-    async fn clear_dirty_below(&self, term: Term) -> Result<(), ReplicaError> {
-        self.store.clear_dirty_below(term).await
-    }
-    async fn retire_marks(
-        &self,
-        stamp: Stamp,
-        through: Term,
-        extents: &[u64],
-    ) -> Result<usize, ReplicaError> {
-        self.store.retire_marks(stamp, through, extents).await
-    }
-    async fn info(&self) -> Result<ReplicaInfo, ReplicaError> {
-        self.store.info().await
-    }
-    async fn digests(&self, offset: u64, len: u64) -> Result<(u64, Vec<Bytes>), ReplicaError> {
-        let (first, digests) = self.store.digests(offset, len).await?;
-        Ok((
-            first,
-            digests
-                .iter()
-                .map(|d| Bytes::copy_from_slice(d.as_ref()))
-                .collect(),
-        ))
-    }
-    async fn note_missed(
-        &self,
-        stamp: Stamp,
-        node: NodeId,
-        incarnation: Incarnation,
-        extents: &[u64],
-    ) -> Result<(), ReplicaError> {
-        self.store
-            .note_missed(stamp, node, incarnation, extents)
-            .await
-    }
-    async fn missed(&self, node: NodeId, from: u64) -> Result<Option<MissedMap>, ReplicaError> {
-        self.store.missed(node, from)
-    }
-    async fn missed_maps(&self) -> Result<BTreeMap<NodeId, Incarnation>, ReplicaError> {
-        Ok(self.store.missed_open())
-    }
-    async fn close_missed(&self, stamp: Stamp, node: NodeId) -> Result<(), ReplicaError> {
-        self.store.close_missed(stamp, node).await
-    }
-    async fn set_unverified(
-        &self,
-        stamp: Stamp,
-        node: NodeId,
-        incarnation: Incarnation,
-        change: missed::Unverified,
-    ) -> Result<(), ReplicaError> {
-        self.store
-            .set_unverified(stamp, node, incarnation, change)
-            .await
-    }
 }
 
 #[cfg(test)]

@@ -21,10 +21,9 @@ use bytes::Bytes;
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::replica::{
-    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
-    StoreIdentity,
-};
+use replica_ha::replica::disk::local::LocalReplica;
+use replica_ha::replica::disk::store::{ReplicaStore, StoreIdentity};
+use replica_ha::replica::{FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 
 /// What a [`FaultyReplica`] does with the next requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

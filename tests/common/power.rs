@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use bytes::Bytes;
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::replica::{
-    FenceReply, LocalReplica, Replica, ReplicaError, ReplicaInfo, ReplicaStore, Stamp,
-};
+use replica_ha::replica::disk::local::LocalReplica;
+use replica_ha::replica::disk::store::ReplicaStore;
+use replica_ha::replica::{FenceReply, Replica, ReplicaError, ReplicaInfo, Stamp};
 
 /// See the module docs.
 pub struct PowerCutReplica {

@@ -38,9 +38,11 @@ use crate::metrics::DeviceMetrics;
 use crate::nbd::NbdStats;
 use crate::raft::coordinator::LogProgress;
 use crate::raft::{RaftCoordinator, WriterRecord};
+use crate::replica::ReplicaInfo;
+use crate::replica::mirror::engine::{Engine, ResizeError};
 use crate::replica::mirror::resync::{Progress, Resyncer};
 use crate::replica::mirror::scrub::{ScrubStatus, Scrubber};
-use crate::replica::{Engine, ReplicaInfo, ReplicaSet, ResizeError};
+use crate::replica::mirror::set::ReplicaSet;
 use crate::volume::{Access, Device, DeviceError};
 
 /// How long a status request waits for one replica's fence floor.

@@ -16,15 +16,16 @@ use crate::node::config::{ConfigError, NodeConfig};
 use crate::node::tasks::Tasks;
 use crate::node::{NodeError, failed, journal, reads};
 use crate::raft::RaftCoordinator;
+use crate::replica::disk::local::LocalReplica;
+use crate::replica::disk::store::{ReplicaStore, StoreIdentity};
+use crate::replica::mirror::engine::{Engine, EngineConfig};
 use crate::replica::mirror::fencer::TokenFencer;
 use crate::replica::mirror::resync::{ResyncConfig, Resyncer};
 use crate::replica::mirror::scrub::{ScrubConfig, Scrubber};
+use crate::replica::mirror::set::ReplicaSet;
 use crate::replica::peer::channels::Channels;
 use crate::replica::peer::remote::RemoteReplica;
-use crate::replica::{
-    Engine, EngineConfig, FloorBook, LocalReplica, Replica, ReplicaError, ReplicaSet, ReplicaStore,
-    StoreIdentity,
-};
+use crate::replica::{FloorBook, Replica, ReplicaError};
 use crate::volume::VolumeSpec;
 
 /// How long one fence attempt may take before the controller retries.

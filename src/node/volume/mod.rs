@@ -29,9 +29,11 @@ use crate::ha::Controller;
 use crate::ids::VolumeId;
 use crate::metrics::DeviceMetrics;
 use crate::net::Transport;
+use crate::replica::disk::store::ReplicaStore;
+use crate::replica::mirror::engine::Engine;
 use crate::replica::mirror::resync::Resyncer;
 use crate::replica::mirror::scrub::Scrubber;
-use crate::replica::{Engine, ReplicaSet, ReplicaStore};
+use crate::replica::mirror::set::ReplicaSet;
 use crate::volume::{Device, VolumeSpec};
 
 /// How often the writer retires the marks of extents that are durable on

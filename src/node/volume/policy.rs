@@ -110,7 +110,7 @@ fn new_uuid() -> String {
 /// failure detector waits `election_max` before it campaigns, so this runs
 /// in that wait, off the failover's path.
 pub(super) async fn predigest_when_leader_silent(
-    store: Arc<crate::replica::ReplicaStore>,
+    store: Arc<crate::replica::disk::store::ReplicaStore>,
     raft: Raft,
     peers: Arc<Peers>,
     timing: crate::raft::RaftTiming,

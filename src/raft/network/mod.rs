@@ -39,7 +39,7 @@
 //! - **Transfer.** openraft 0.9 has no leader transfer, so we build one: the
 //!   leader's controller closes and drains its write gate, then the leader
 //!   stops heartbeats and asks the target to campaign, at once (see
-//!   [`campaign_for_transfer`]): the old leader's vote and the target's own
+//!   [`votes::campaign_for_transfer`]): the old leader's vote and the target's own
 //!   make a majority of three, and the old leader has nothing left to
 //!   protect with a lease. Meanwhile the old leader refuses votes from any
 //!   other node, so only the target can win.

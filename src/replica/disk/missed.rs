@@ -75,55 +75,13 @@ use std::sync::Mutex;
 use crate::ids::{Incarnation, NodeId};
 
 use crate::replica::ReplicaError;
+pub use crate::replica::{MissedMap, Unverified};
 
 /// At most this many extents in one note or one page of a map.
 pub const MAX_MISSED_EXTENTS: u64 = 65_536;
 
 const OPEN: u8 = b'o';
 const ENTRY: u8 = b'e';
-
-/// One absent member's map, as a store returns it.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct MissedMap {
-    /// The incarnation of the member's data dir the map is about.
-    pub incarnation: Incarnation,
-    /// The extents, ascending, from the page's start.
-    pub extents: Vec<u64>,
-    /// Whether more extents follow (ask again from the last one plus one).
-    pub more: bool,
-    /// Where the member's unverified range begins, while a full rebuild
-    /// of it has not compared every extent: it may differ in every extent
-    /// from this one on, besides those listed.
-    pub unverified_from: Option<u64>,
-}
-
-/// A change to a map's unverified range (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unverified {
-    /// The member may differ from extent `.0` on: the range begins there
-    /// or earlier. Opens the map if it is not open (and replaces one of
-    /// another incarnation).
-    Lower(u64),
-    /// A full rebuild compared and copied every extent below `.0`, and the
-    /// member flushed them: the range begins there or later. Nothing
-    /// happens unless the map is open, about this incarnation, with a
-    /// range.
-    Raise(u64),
-}
-
-impl Unverified {
-    /// The range after this change, from `current` (the range of a map
-    /// open about the same incarnation; `None` for none, or no such map),
-    /// or `None` when the change does nothing.
-    pub fn apply(self, open: bool, current: Option<u64>) -> Option<Option<u64>> {
-        match (self, open, current) {
-            (Unverified::Lower(from), _, None) => Some(Some(from)),
-            (Unverified::Lower(from), _, Some(now)) if from < now => Some(Some(from)),
-            (Unverified::Raise(to), true, Some(now)) if to > now => Some(Some(to)),
-            _ => None,
-        }
-    }
-}
 
 /// The value of an open record: the incarnation and, with a range, where
 /// it begins.

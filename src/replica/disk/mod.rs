@@ -3,8 +3,10 @@
 //!
 //! - [`store`]: admission of every request (the fence floor: S2, S3), the
 //!   S6 marks, growth and the digests. It is the only door to the copy:
-//!   the servers of [`super::serve`] and [`crate::replica::LocalReplica`]
-//!   both call it, so the checks are the same in every path.
+//!   the servers of [`super::serve`] and [`local::LocalReplica`] both
+//!   call it, so the checks are the same in every path.
+//! - [`local`]: the store behind the [`super::Replica`] seam, for the
+//!   writer's own copy.
 //! - `data`: the data file below admission (`DataFile`: direct and cached
 //!   I/O, holes, sync), private to this wing so that nothing reaches the
 //!   bytes without passing the store.
@@ -22,6 +24,7 @@
 
 mod data;
 mod identity;
+pub mod local;
 pub mod meta;
 pub mod missed;
 pub mod predigest;

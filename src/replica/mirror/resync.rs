@@ -51,8 +51,9 @@ use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 
 use crate::ids::{NodeId, Term};
+use crate::replica::Replica;
+use crate::replica::mirror::engine::Engine;
 use crate::replica::mirror::engine::{MAX_COPY_RUN, RebuildError, RebuildPlan};
-use crate::replica::{Engine, Replica};
 use crate::volume::Device;
 
 /// How many copies (each a run of up to [`MAX_COPY_RUN`] extents) run at

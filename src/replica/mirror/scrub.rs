@@ -44,8 +44,9 @@ use futures::future::join_all;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
+use crate::replica::Replica;
+use crate::replica::mirror::engine::Engine;
 use crate::replica::mirror::engine::{ScrubError, ScrubFinding};
-use crate::replica::{Engine, Replica};
 use crate::volume::Device;
 
 /// How many extents one digest request covers.

@@ -224,7 +224,8 @@ impl ReplicaSet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replica::{LocalReplica, ReplicaStore, StoreIdentity};
+    use crate::replica::disk::local::LocalReplica;
+    use crate::replica::disk::store::{ReplicaStore, StoreIdentity};
 
     async fn replica(dir: &std::path::Path, id: NodeId) -> Arc<dyn Replica> {
         let store = ReplicaStore::open(

@@ -39,8 +39,9 @@ use crate::net::PeerGuard;
 use crate::net::conn::Accepted;
 use crate::net::frame::{FUA, Frame, Header, Kind, parse_hello};
 use crate::net::link::{FrameReader, ReadError, send_frames};
+use crate::replica::ReplicaError;
+use crate::replica::disk::store::ReplicaStore;
 use crate::replica::wire::to_refusal;
-use crate::replica::{ReplicaError, ReplicaStore};
 
 /// The most requests one connection runs at once.
 pub const IN_FLIGHT: usize = 256;

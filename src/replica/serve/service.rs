@@ -26,10 +26,11 @@ use crate::net::frame::PREFACE;
 use crate::net::{Audience, Transport};
 use crate::proto::replica as pb;
 use crate::proto::replica::replica_server::{Replica as ReplicaRpc, ReplicaServer};
+use crate::replica::DirtyExtent;
 use crate::replica::disk::missed::Unverified;
+use crate::replica::disk::store::ReplicaStore;
 use crate::replica::serve::blocks::BlockServer;
 use crate::replica::wire::{Stamped, replaced_disk, to_status};
-use crate::replica::{DirtyExtent, ReplicaStore};
 
 /// Called with the new floor whenever a fence raised it.
 pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
@@ -392,7 +393,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_for_another_incarnation_is_refused_and_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let identity = crate::replica::StoreIdentity::new("c1", "vol0", 1 << 20);
+        let identity = crate::replica::disk::store::StoreIdentity::new("c1", "vol0", 1 << 20);
         let store = Arc::new(ReplicaStore::open(dir.path(), identity).await.unwrap());
         let service = ReplicaService::new(Arc::clone(&store)).of_incarnation(Incarnation(7));
         let volume = |incarnation| {
