@@ -469,7 +469,20 @@ async fn bad_replica_requests_to_a_node_change_nothing() {
         cluster.volume_ref(target).await.incarnation,
     )
     .await;
-    assert!(foreign.is_err(), "another cluster's link was taken");
+    let foreign = foreign.err().expect("another cluster's link was taken");
+    assert!(foreign.to_string().contains("cluster"), "{foreign}");
+    // And another cluster's control call: a fence far above the floor.
+    let refused = replica_client(&cluster, target)
+        .fence(pb::FenceRequest {
+            volume: Some(pb::VolumeRef {
+                cluster_id: "another-cluster".into(),
+                ..cluster.volume_ref(target).await
+            }),
+            term: term + 5,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     let client = cluster.block_client(target).await;
     let size = 16u64 << 20;
     let at = |term: u64| Stamp::from(Term(term));

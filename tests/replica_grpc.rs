@@ -30,6 +30,7 @@ use replica_ha::replica::peer::remote::RemoteReplica;
 use replica_ha::replica::serve::service::ReplicaService;
 use replica_ha::replica::{FloorBook, Replica, ReplicaError, Stamp};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
+use tonic::Code;
 
 async fn serve(store: Arc<ReplicaStore>) -> SocketAddr {
     common::serve_replica(ReplicaService::new(store)).await
@@ -180,6 +181,19 @@ async fn bad_requests_get_their_codes_and_change_nothing() {
             .channel(&addr.to_string(), replica_ha::net::Expect::AnyNode)
             .unwrap(),
     );
+    // The control calls check the volume a request names before the
+    // store: another cluster's fence, or one that names no volume, is
+    // refused with its code and raises no floor.
+    let fence = |volume| pb::FenceRequest { volume, term: 9 };
+    let refusals = [
+        (fence(volume("other")), Code::PermissionDenied, "cluster"),
+        (fence(None), Code::InvalidArgument, "names no volume"),
+    ];
+    for (request, code, text) in refusals {
+        let status = client.fence(request).await.unwrap_err();
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(text), "{status:?}");
+    }
     // Nothing changed: data, floor and marks are as before.
     assert_eq!(local.read(0, 4096).await.unwrap(), block(5));
     assert_eq!(
