@@ -147,6 +147,7 @@ async fn attack(
             from: 2,
             payload: Bytes::from_static(b"{}"),
             to: member,
+            group: 0,
         }))
         .await
         .map(|_| ()),
@@ -289,6 +290,7 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
         from,
         payload: Bytes::from_static(b"{}"),
         to: member_1,
+        group: 0,
     };
     let vote = raft.vote(timed(claim(3))).await.unwrap_err();
     assert_eq!(vote.code(), Code::PermissionDenied, "{vote:?}");
@@ -299,6 +301,24 @@ async fn a_certificate_speaks_only_for_whom_it_names() {
     // not a Raft message.
     let honest = raft.vote(timed(claim(2))).await.unwrap_err();
     assert_eq!(honest.code(), Code::InvalidArgument, "{honest:?}");
+    // A Raft group the node does not run is refused, but only once the
+    // sender was admitted: a false claim learns nothing of the groups.
+    let in_group = |from: u64| RaftMessage {
+        group: 7,
+        ..claim(from)
+    };
+    let elsewhere = raft.vote(timed(in_group(2))).await.unwrap_err();
+    assert_eq!(elsewhere.code(), Code::NotFound, "{elsewhere:?}");
+    assert!(
+        elsewhere.message().contains("no Raft group 7"),
+        "{elsewhere:?}"
+    );
+    let false_claim = raft.append_entries(timed(in_group(3))).await.unwrap_err();
+    assert_eq!(
+        false_claim.code(),
+        Code::PermissionDenied,
+        "{false_claim:?}"
+    );
 
     // Replica requests carry no sender: a node certificate is what they
     // need, and a client's is refused, even an admin's.

@@ -284,6 +284,7 @@ impl RaftCoordinator {
             term: metrics.current_term,
             target: to.0,
             to: 0,
+            group: self.peers.group().0,
         };
         // Tell every peer, the target last: non-targets must hold off
         // before the target's election can start.

@@ -172,6 +172,7 @@ async fn pre_vote(peers: &Peers, next_index: u64, timeout: Duration) -> bool {
         from: peers.self_id().0,
         next_index,
         to: 0,
+        group: peers.group().0,
     };
     let voters: Vec<_> = peers
         .book()

@@ -2,9 +2,13 @@
 //! hands requests to the local openraft instance.
 //!
 //! - openraft's messages travel as JSON in a [`RaftMessage`] that names the
-//!   cluster, the sender and the member it is meant for; a message of
-//!   another cluster is refused (`FAILED_PRECONDITION`), an undecodable one
-//!   too (`INVALID_ARGUMENT`).
+//!   cluster, the sender, the member it is meant for and the Raft group;
+//!   a message of another cluster is refused (`FAILED_PRECONDITION`), an
+//!   undecodable one too (`INVALID_ARGUMENT`), and one for a group this
+//!   node does not run is refused (`NOT_FOUND`) after the sender was
+//!   admitted, before any group sees it. Group 0, which a node of an
+//!   earlier build names by leaving the field out, is the one group a
+//!   node runs today.
 //! - **S8, no amnesia.** Raft names members by node *and* incarnation
 //!   ([`crate::ids::MemberId`]). Every message, pre-vote and transfer names
 //!   the member it is for, and a node refuses one meant for another
@@ -90,6 +94,7 @@ use tonic::transport::Channel;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
 use super::{MemberId, MemberNode, NodeId, Raft, Term, TypeConfig};
+use crate::ids::GroupId;
 use crate::members::MemberBook;
 use crate::net::{Caller, Expect, Transport, TransportError};
 use crate::proto::raft::raft_client::RaftClient;
@@ -112,6 +117,8 @@ pub enum PeerError {
 /// What the client and the server of one node share.
 pub struct Peers {
     cluster_id: String,
+    /// The Raft group whose messages these are.
+    group: GroupId,
     self_id: NodeId,
     /// This node in Raft: its id and its data dir's incarnation.
     self_member: MemberId,
@@ -171,6 +178,7 @@ impl Peers {
     ) -> Arc<Self> {
         Arc::new(Self {
             cluster_id,
+            group: GroupId::FIRST,
             self_id: self_member.node(),
             self_member,
             addresses,
@@ -201,6 +209,11 @@ impl Peers {
     /// The cluster id every message must carry.
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
+    }
+
+    /// The Raft group every message of these peers names.
+    pub fn group(&self) -> GroupId {
+        self.group
     }
 
     /// This node's id.
@@ -341,6 +354,7 @@ impl Peers {
                 .map_err(|e| format!("encode: {e}"))?
                 .into(),
             to,
+            group: self.group.0,
         })
     }
 

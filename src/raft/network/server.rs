@@ -11,17 +11,24 @@ fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
         .map_err(|e| Status::invalid_argument(format!("malformed Raft message: {e}")))
 }
 
-/// The server side: hands Raft's RPCs to the local openraft instance. Each
-/// handler runs on the Raft runtime when there is one.
+/// The server side: hands Raft's RPCs to the local openraft instance of the
+/// group they name. Each handler runs on the Raft runtime when there is
+/// one.
 pub struct RaftService {
-    raft: Raft,
-    peers: Arc<Peers>,
+    /// Admits every message (S8, S9), whichever group it names.
+    node: Arc<Peers>,
+    /// The groups this node runs, by id.
+    groups: BTreeMap<GroupId, (Raft, Arc<Peers>)>,
 }
 
 impl RaftService {
-    /// A service for `raft`.
+    /// A service for `raft`, the group of `peers`.
     pub fn new(raft: Raft, peers: Arc<Peers>) -> Self {
-        Self { raft, peers }
+        let groups = [(peers.group(), (raft, Arc::clone(&peers)))].into();
+        Self {
+            node: peers,
+            groups,
+        }
     }
 
     /// The tonic server of this service (the transport sets its limits).
@@ -29,21 +36,80 @@ impl RaftService {
         raft_server::RaftServer::new(self)
     }
 
-    /// Runs `handler` with this service's Raft and peers, on the Raft
-    /// runtime if one is set.
-    async fn on_raft<T, F, Fut>(&self, handler: F) -> Result<GrpcResponse<T>, Status>
+    /// Admits a message of `caller` (see [`Peers::admit`]) and finds the
+    /// group it names: its Raft and peers, and the sender. A group this
+    /// node does not run is `NOT_FOUND`, and no group sees the message.
+    fn admit(
+        &self,
+        caller: &Caller,
+        envelope: Envelope<'_>,
+    ) -> Result<(Raft, Arc<Peers>, NodeId), Status> {
+        let from = self
+            .node
+            .admit(caller, envelope.cluster_id, envelope.from, envelope.to)?;
+        match self.groups.get(&GroupId(envelope.group)) {
+            Some((raft, peers)) => Ok((raft.clone(), Arc::clone(peers), from)),
+            None => Err(Status::not_found(format!(
+                "node {} runs no Raft group {}",
+                self.node.self_id, envelope.group
+            ))),
+        }
+    }
+
+    /// Runs `handler` on the Raft runtime if one is set.
+    async fn on_raft<T, Fut>(&self, handler: Fut) -> Result<GrpcResponse<T>, Status>
     where
         T: Send + 'static,
-        F: FnOnce(Raft, Arc<Peers>) -> Fut,
         Fut: std::future::Future<Output = Result<GrpcResponse<T>, Status>> + Send + 'static,
     {
-        let future = handler(self.raft.clone(), Arc::clone(&self.peers));
-        match self.peers.runtime.get() {
+        match self.node.runtime.get() {
             Some(runtime) => runtime
-                .spawn(future)
+                .spawn(handler)
                 .await
                 .map_err(|err| Status::internal(format!("raft runtime: {err}")))?,
-            None => future.await,
+            None => handler.await,
+        }
+    }
+}
+
+/// What every Raft request names: the cluster, the sender, the member it
+/// is meant for and the group.
+struct Envelope<'a> {
+    cluster_id: &'a str,
+    from: u64,
+    to: u64,
+    group: u64,
+}
+
+impl<'a> From<&'a RaftMessage> for Envelope<'a> {
+    fn from(m: &'a RaftMessage) -> Self {
+        Self {
+            cluster_id: &m.cluster_id,
+            from: m.from,
+            to: m.to,
+            group: m.group,
+        }
+    }
+}
+
+impl<'a> From<&'a PreVoteRequest> for Envelope<'a> {
+    fn from(m: &'a PreVoteRequest) -> Self {
+        Self {
+            cluster_id: &m.cluster_id,
+            from: m.from,
+            to: m.to,
+            group: m.group,
+        }
+    }
+}
+
+impl<'a> From<&'a TransferRequest> for Envelope<'a> {
+    fn from(m: &'a TransferRequest) -> Self {
+        Self {
+            cluster_id: &m.cluster_id,
+            from: m.from,
+            to: m.to,
+            group: m.group,
         }
     }
 }
@@ -63,8 +129,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let caller = Caller::of(&request);
         let message = request.into_inner();
-        self.on_raft(|raft, peers| async move {
-            peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
+        let (raft, peers, _from) = self.admit(&caller, Envelope::from(&message))?;
+        self.on_raft(async move {
             let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
             let result = raft.append_entries(rpc).await;
             if result.as_ref().is_ok_and(accepts_leader) {
@@ -81,8 +147,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let caller = Caller::of(&request);
         let message = request.into_inner();
-        self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
+        let (raft, peers, from) = self.admit(&caller, Envelope::from(&message))?;
+        self.on_raft(async move {
             let rpc: VoteRequest<MemberId> = decode(&message.payload)?;
             if let Some(why) = peers.refuse_vote(from) {
                 return Err(Status::unavailable(why));
@@ -111,8 +177,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<RaftMessage>, Status> {
         let caller = Caller::of(&request);
         let message = request.into_inner();
-        self.on_raft(|raft, peers| async move {
-            peers.admit(&caller, &message.cluster_id, message.from, message.to)?;
+        let (raft, peers, _from) = self.admit(&caller, Envelope::from(&message))?;
+        self.on_raft(async move {
             let rpc: InstallSnapshotRequest<TypeConfig> = decode(&message.payload)?;
             reply(&peers, &raft.install_snapshot(rpc).await)
         })
@@ -125,8 +191,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<PreVoteReply>, Status> {
         let caller = Caller::of(&request);
         let request = request.into_inner();
-        self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &request.cluster_id, request.from, request.to)?;
+        let (raft, peers, from) = self.admit(&caller, Envelope::from(&request))?;
+        self.on_raft(async move {
             let refusal = peers.refuse_pre_vote(from, request.next_index, &raft);
             if refusal.is_none() {
                 peers.note_pre_vote_granted();
@@ -145,8 +211,8 @@ impl raft_server::Raft for RaftService {
     ) -> Result<GrpcResponse<TransferReply>, Status> {
         let caller = Caller::of(&request);
         let request = request.into_inner();
-        self.on_raft(|raft, peers| async move {
-            let from = peers.admit(&caller, &request.cluster_id, request.from, request.to)?;
+        let (raft, peers, from) = self.admit(&caller, Envelope::from(&request))?;
+        self.on_raft(async move {
             let target = NodeId(request.target);
             let metrics = raft.metrics().borrow().clone();
             let leader = metrics.current_leader.map(MemberId::node);
