@@ -47,6 +47,12 @@
 //!   make a majority of three, and the old leader has nothing left to
 //!   protect with a lease. Meanwhile the old leader refuses votes from any
 //!   other node, so only the target can win.
+//! - **What is per group, what per node.** [`Peers`] is one group's: its
+//!   acknowledgements (the lease clock), leader contact, campaign and
+//!   vote-refusal state. [`PeerBook`] is the node's, shared by its groups:
+//!   identity, the configured peers and member book, one channel per peer,
+//!   when each peer was last heard, the Raft runtime, and the admission of
+//!   every message.
 //! - **Liveness.** Every successful exchange with a peer, in either
 //!   direction, is recorded; `members` lists the peers heard from within a
 //!   lease.
@@ -114,22 +120,14 @@ pub enum PeerError {
     Transport(#[from] TransportError),
 }
 
-/// What the client and the server of one node share.
+/// What the client and the server of one group share: the node's
+/// [`PeerBook`] (reached through this type too) and the group's own lease
+/// evidence, leader contact and vote refusals.
 pub struct Peers {
-    cluster_id: String,
+    /// What every group of this node shares.
+    node: Arc<PeerBook>,
     /// The Raft group whose messages these are.
     group: GroupId,
-    self_id: NodeId,
-    /// This node in Raft: its id and its data dir's incarnation.
-    self_member: MemberId,
-    /// The configured peer list's addresses (first formation, and peers
-    /// whose address the membership does not record).
-    addresses: BTreeMap<NodeId, String>,
-    /// The membership as the coordinator last saw it.
-    book: Arc<MemberBook>,
-    transport: Transport,
-    channels: Mutex<HashMap<NodeId, Channel>>,
-    heard: Mutex<HashMap<NodeId, Instant>>,
     /// Votes are refused until then (the start-up window).
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
@@ -152,6 +150,24 @@ pub struct Peers {
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
     election_timeout_max: Duration,
+}
+
+/// What every Raft group of one node shares: who the node is, whom it may
+/// hear (the configured peers and the member book, S8, S9), one channel per
+/// peer, when each peer was last heard, and the Raft runtime.
+pub struct PeerBook {
+    cluster_id: String,
+    self_id: NodeId,
+    /// This node in Raft: its id and its data dir's incarnation.
+    self_member: MemberId,
+    /// The configured peer list's addresses (first formation, and peers
+    /// whose address the membership does not record).
+    addresses: BTreeMap<NodeId, String>,
+    /// The membership as the coordinator last saw it.
+    book: Arc<MemberBook>,
+    transport: Transport,
+    channels: Mutex<HashMap<NodeId, Channel>>,
+    heard: Mutex<HashMap<NodeId, Instant>>,
     /// The Raft runtime, when Raft has one (see [`super::runtime`]).
     runtime: std::sync::OnceLock<Handle>,
 }
@@ -166,8 +182,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Peers {
-    /// `addresses` maps every configured peer (not this node) to
-    /// `HOST:PORT`; `book` is the membership as the coordinator keeps it.
+    /// The peers of group [`GroupId::FIRST`] on a node of its own: `addresses`
+    /// maps every configured peer (not this node) to `HOST:PORT`; `book`
+    /// is the membership as the coordinator keeps it.
     pub fn new(
         cluster_id: String,
         self_member: MemberId,
@@ -176,16 +193,19 @@ impl Peers {
         transport: Transport,
         election_timeout_max: Duration,
     ) -> Arc<Self> {
+        let node = PeerBook::new(cluster_id, self_member, addresses, book, transport);
+        Self::of_group(node, GroupId::FIRST, election_timeout_max)
+    }
+
+    /// The peers of `group` on the node of `node`.
+    pub fn of_group(
+        node: Arc<PeerBook>,
+        group: GroupId,
+        election_timeout_max: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            cluster_id,
-            group: GroupId::FIRST,
-            self_id: self_member.node(),
-            self_member,
-            addresses,
-            book,
-            transport,
-            channels: Mutex::default(),
-            heard: Mutex::default(),
+            node,
+            group,
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
             acks: Mutex::default(),
@@ -196,6 +216,102 @@ impl Peers {
             granted_pre_vote_at: Mutex::new(None),
             transfer: Mutex::default(),
             election_timeout_max,
+        })
+    }
+
+    /// What every group of this node shares.
+    pub fn node(&self) -> &Arc<PeerBook> {
+        &self.node
+    }
+
+    /// The Raft group every message of these peers names.
+    pub fn group(&self) -> GroupId {
+        self.group
+    }
+
+    /// Records that `peer` accepted our vote of `term` in a request sent at
+    /// `sent_at`. Keeps only the newest send time of the highest term.
+    fn record_ack(&self, peer: MemberId, term: Term, sent_at: Instant) {
+        let mut acks = lock(&self.acks);
+        let newer = match acks.get(&peer) {
+            Some((known, at)) => term > *known || (term == *known && sent_at > *at),
+            None => true,
+        };
+        if newer {
+            acks.insert(peer, (term, sent_at));
+            drop(acks);
+            self.acked.notify_one();
+        }
+    }
+
+    /// Each member's newest acknowledged send time in `term`.
+    pub fn acks_in(&self, term: Term) -> HashMap<MemberId, Instant> {
+        lock(&self.acks)
+            .iter()
+            .filter(|(_, (t, _))| *t == term)
+            .map(|(peer, (_, at))| (*peer, *at))
+            .collect()
+    }
+
+    /// Resolves at the next acknowledgement (or at once if one came since
+    /// the last call).
+    pub async fn next_ack(&self) {
+        self.acked.notified().await
+    }
+
+    /// When a leader was last heard from, or a vote last granted.
+    pub fn last_leader_contact(&self) -> Instant {
+        *lock(&self.leader_contact)
+    }
+
+    fn leader_heard(&self) {
+        *lock(&self.leader_contact) = Instant::now();
+    }
+
+    /// `payload` in an envelope for member `to` (a reply's goes back to
+    /// whoever asked: `to` 0).
+    fn envelope<T: Serialize>(&self, to: u64, payload: &T) -> Result<RaftMessage, String> {
+        Ok(RaftMessage {
+            cluster_id: self.node.cluster_id.clone(),
+            from: self.node.self_id.0,
+            payload: serde_json::to_vec(payload)
+                .map_err(|e| format!("encode: {e}"))?
+                .into(),
+            to,
+            group: self.group.0,
+        })
+    }
+}
+
+/// A group's peers are its node's too: the node-wide book is read through
+/// them.
+impl std::ops::Deref for Peers {
+    type Target = PeerBook;
+
+    fn deref(&self) -> &PeerBook {
+        &self.node
+    }
+}
+
+impl PeerBook {
+    /// `addresses` maps every configured peer (not this node) to
+    /// `HOST:PORT`; `book` is the membership as the coordinator keeps it.
+    pub fn new(
+        cluster_id: String,
+        self_member: MemberId,
+        addresses: BTreeMap<NodeId, String>,
+        book: Arc<MemberBook>,
+        transport: Transport,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            cluster_id,
+            self_id: self_member.node(),
+            self_member,
+            addresses,
+            book,
+            transport,
+            channels: Mutex::default(),
+            heard: Mutex::default(),
             runtime: std::sync::OnceLock::new(),
         })
     }
@@ -209,11 +325,6 @@ impl Peers {
     /// The cluster id every message must carry.
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
-    }
-
-    /// The Raft group every message of these peers names.
-    pub fn group(&self) -> GroupId {
-        self.group
     }
 
     /// This node's id.
@@ -300,62 +411,9 @@ impl Peers {
         Ok(self.transport.limit(RaftClient::new(channel)))
     }
 
-    /// Records that `peer` accepted our vote of `term` in a request sent at
-    /// `sent_at`. Keeps only the newest send time of the highest term.
-    fn record_ack(&self, peer: MemberId, term: Term, sent_at: Instant) {
-        let mut acks = lock(&self.acks);
-        let newer = match acks.get(&peer) {
-            Some((known, at)) => term > *known || (term == *known && sent_at > *at),
-            None => true,
-        };
-        if newer {
-            acks.insert(peer, (term, sent_at));
-            drop(acks);
-            self.acked.notify_one();
-        }
-    }
-
-    /// Each member's newest acknowledged send time in `term`.
-    pub fn acks_in(&self, term: Term) -> HashMap<MemberId, Instant> {
-        lock(&self.acks)
-            .iter()
-            .filter(|(_, (t, _))| *t == term)
-            .map(|(peer, (_, at))| (*peer, *at))
-            .collect()
-    }
-
-    /// Resolves at the next acknowledgement (or at once if one came since
-    /// the last call).
-    pub async fn next_ack(&self) {
-        self.acked.notified().await
-    }
-
-    /// When a leader was last heard from, or a vote last granted.
-    pub fn last_leader_contact(&self) -> Instant {
-        *lock(&self.leader_contact)
-    }
-
-    fn leader_heard(&self) {
-        *lock(&self.leader_contact) = Instant::now();
-    }
-
     /// Drops the cached channel to `peer` after a transport failure.
     fn forget_channel(&self, peer: NodeId) {
         lock(&self.channels).remove(&peer);
-    }
-
-    /// `payload` in an envelope for member `to` (a reply's goes back to
-    /// whoever asked: `to` 0).
-    fn envelope<T: Serialize>(&self, to: u64, payload: &T) -> Result<RaftMessage, String> {
-        Ok(RaftMessage {
-            cluster_id: self.cluster_id.clone(),
-            from: self.self_id.0,
-            payload: serde_json::to_vec(payload)
-                .map_err(|e| format!("encode: {e}"))?
-                .into(),
-            to,
-            group: self.group.0,
-        })
     }
 
     /// Checks the envelope of an incoming message: its cluster; the node it
@@ -419,6 +477,34 @@ mod tests {
             Transport::default(),
             Duration::from_millis(300),
         )
+    }
+
+    /// The lease clock is a group's own: an acknowledgement in one group
+    /// never counts for another's lease (S4 stays local to one volume),
+    /// while what a node knows of its peers is shared by its groups.
+    #[test]
+    fn a_nodes_groups_share_its_book_but_not_their_lease_evidence() {
+        let first = peers();
+        let other = Peers::of_group(
+            Arc::clone(first.node()),
+            GroupId(5),
+            Duration::from_millis(300),
+        );
+        first.record_ack(MemberId(2), Term(3), Instant::now());
+        assert_eq!(first.acks_in(Term(3)).len(), 1);
+        assert!(other.acks_in(Term(3)).is_empty(), "an ack crossed groups");
+        let before = other.last_leader_contact();
+        std::thread::sleep(Duration::from_millis(2));
+        first.leader_heard();
+        assert_eq!(other.last_leader_contact(), before);
+        let since = Instant::now();
+        first.admit(&Caller::Unauthenticated, "c", 2, 1).unwrap();
+        assert_eq!(other.heard_since(since), vec![NodeId(2)]);
+        let message = other.envelope(0, &()).unwrap();
+        assert_eq!(
+            (message.group, first.envelope(0, &()).unwrap().group),
+            (5, 0)
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
 /// one.
 pub struct RaftService {
     /// Admits every message (S8, S9), whichever group it names.
-    node: Arc<Peers>,
+    node: Arc<PeerBook>,
     /// The groups this node runs, by id.
     groups: BTreeMap<GroupId, (Raft, Arc<Peers>)>,
 }
@@ -24,11 +24,9 @@ pub struct RaftService {
 impl RaftService {
     /// A service for `raft`, the group of `peers`.
     pub fn new(raft: Raft, peers: Arc<Peers>) -> Self {
-        let groups = [(peers.group(), (raft, Arc::clone(&peers)))].into();
-        Self {
-            node: peers,
-            groups,
-        }
+        let node = Arc::clone(peers.node());
+        let groups = [(peers.group(), (raft, peers))].into();
+        Self { node, groups }
     }
 
     /// The tonic server of this service (the transport sets its limits).
