@@ -15,7 +15,8 @@ use std::time::Duration;
 use openraft::storage::{LogFlushed, LogState, RaftLogReader, RaftLogStorage};
 use openraft::{Entry, LogId, StorageError, Vote};
 use replica_ha::ha::Coordinator;
-use replica_ha::raft::network::{Network, Peers, RaftService};
+use replica_ha::ids::GroupId;
+use replica_ha::raft::network::{Network, PeerBook, Peers, RaftService};
 use replica_ha::raft::{
     LogStore, MemberId, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, Term,
     TypeConfig,
@@ -148,14 +149,14 @@ async fn start_cluster_via(
             .filter(|(peer, _)| **peer != id)
             .map(|(peer, addr)| (*peer, addr.clone()))
             .collect();
-        let peers = Peers::new(
+        let node = PeerBook::new(
             "lease-test".into(),
             MemberId(id.0),
             others,
             Arc::default(),
             replica_ha::net::Transport::default(),
-            timing.election_max,
         );
+        let peers = Peers::of_group(node, GroupId::FIRST, timing.election_max);
         let config = timing.raft_config("lease-test").unwrap();
         let raft = Raft::new(
             MemberId(id.0),

@@ -69,7 +69,7 @@ use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
-use crate::raft::network::{Network, Peers, RaftService};
+use crate::raft::network::{Network, PeerBook, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{LogStore, Raft, RaftCoordinator, RaftDb, StateMachine};
 use crate::replica::serve::service::ReplicaService;
@@ -440,14 +440,14 @@ async fn start_raft(
         .map(|(id, addr)| (*id, addr.to_string()))
         .collect();
     let book = Arc::new(MemberBook::default());
-    let peers = Peers::new(
+    let node = PeerBook::new(
         config.cluster_id.clone(),
         member,
         addresses,
         Arc::clone(&book),
         transport.clone(),
-        config.timing.election_max,
     );
+    let peers = Peers::of_group(node, GroupId::FIRST, config.timing.election_max);
     let raft_config = config
         .timing
         .raft_config(&config.cluster_id)

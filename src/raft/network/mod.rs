@@ -182,21 +182,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Peers {
-    /// The peers of group [`GroupId::FIRST`] on a node of its own: `addresses`
-    /// maps every configured peer (not this node) to `HOST:PORT`; `book`
-    /// is the membership as the coordinator keeps it.
-    pub fn new(
-        cluster_id: String,
-        self_member: MemberId,
-        addresses: BTreeMap<NodeId, String>,
-        book: Arc<MemberBook>,
-        transport: Transport,
-        election_timeout_max: Duration,
-    ) -> Arc<Self> {
-        let node = PeerBook::new(cluster_id, self_member, addresses, book, transport);
-        Self::of_group(node, GroupId::FIRST, election_timeout_max)
-    }
-
     /// The peers of `group` on the node of `node`.
     pub fn of_group(
         node: Arc<PeerBook>,
@@ -469,14 +454,14 @@ mod tests {
             .into_iter()
             .map(|(id, addr)| (id, addr.to_string()))
             .collect();
-        Peers::new(
+        let node = PeerBook::new(
             "c".into(),
             MemberId(1),
             addresses,
             Arc::default(),
             Transport::default(),
-            Duration::from_millis(300),
-        )
+        );
+        Peers::of_group(node, GroupId::FIRST, Duration::from_millis(300))
     }
 
     /// The lease clock is a group's own: an acknowledgement in one group
@@ -539,13 +524,12 @@ mod tests {
         // A sender from before incarnations names no member (0): that can
         // mean only incarnation 0, so a replaced node refuses it.
         assert_eq!(peers.admit(&anyone, "c", 2, 0).unwrap(), NodeId(2));
-        let replaced = Peers::new(
+        let replaced = PeerBook::new(
             "c".into(),
             former,
             [(NodeId(2), "127.0.0.1:2".to_string())].into(),
             Arc::default(),
             Transport::default(),
-            Duration::from_millis(300),
         );
         let refused = replaced.admit(&anyone, "c", 2, 0).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
