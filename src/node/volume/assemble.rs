@@ -34,7 +34,7 @@ const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
 impl Volume {
     /// Opens this node's copy and wires the volume's parts over
     /// `coordinator` and `transport`. Nothing runs yet: see
-    /// [`Volume::start`].
+    /// `Volume::start`.
     pub async fn assemble(
         config: &NodeConfig,
         transport: &Transport,

@@ -3,13 +3,13 @@
 //! A [`Volume`] is assembled ([`assemble`]) from this node's copy, the
 //! replica set, the engine, the fencer, the controller and its gate, the
 //! resync, the scrub and the data path; nothing runs until
-//! [`Volume::start`] spawns its tasks: the controller (S1, S4), the resync
+//! `Volume::start` spawns its tasks: the controller (S1, S4), the resync
 //! and the scrub (S6), mark retirement and marks ahead (S7), hashing ahead
 //! while no leader is heard, keeping the replica set in step with the
 //! membership (S8), and fixing the volume config in Raft when the cluster
 //! has none ([`policy`]). The volume stops them itself: first its writer
-//! ([`Volume::stop_writing`], which closes the gate), then its tasks
-//! ([`Volume::stop`]).
+//! (`Volume::stop_writing`, which closes the gate), then its tasks
+//! (`Volume::stop`).
 //!
 //! Every invariant stays local to one volume: nothing here reads or
 //! writes another volume's parts. The node keeps the volumes in its
