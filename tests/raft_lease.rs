@@ -4,6 +4,8 @@
 //! core is stuck in a log fsync publishes no metrics; its lease must still
 //! end at its last real quorum acknowledgement plus the lease, however
 //! often its clock looks at it, and must end before another node leads.
+//! And every group's lease is its own: two groups on the same nodes, over
+//! one Db, peer book and server per node, fail over apart.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
@@ -18,8 +20,8 @@ use replica_ha::ha::Coordinator;
 use replica_ha::ids::GroupId;
 use replica_ha::raft::network::{Network, PeerBook, Peers, RaftService};
 use replica_ha::raft::{
-    LogStore, MemberId, NodeId, Raft, RaftCoordinator, RaftTiming, Request, StateMachine, Term,
-    TypeConfig,
+    LogStore, MemberId, NodeId, Raft, RaftCoordinator, RaftDb, RaftTiming, Request, StateMachine,
+    Term, TypeConfig,
 };
 use tokio::time::Instant;
 
@@ -96,23 +98,69 @@ impl RaftLogStorage<TypeConfig> for StallingLog {
     }
 }
 
+/// One node of the test cluster: its groups, its server and detectors.
 struct TestNode {
-    raft: Raft,
-    coordinator: Arc<RaftCoordinator>,
-    stalled: Arc<AtomicBool>,
+    groups: BTreeMap<GroupId, TestGroup>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
-async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
-    start_cluster_via(timing, false).await.0
+/// One Raft group on a test node.
+struct TestGroup {
+    raft: Raft,
+    coordinator: Arc<RaftCoordinator>,
+    stalled: Arc<AtomicBool>,
 }
 
-/// [`start_cluster`]; with `proxied`, each node is reached by the others
-/// through a proxy of its own, returned in node order.
+impl TestGroup {
+    /// Stalls this group's next log append (its Raft core waits in it,
+    /// sends no heartbeats and publishes no metrics) and starts a write of
+    /// `term` that runs into the stall. Returns when it stalled, and the
+    /// write.
+    fn stall_a_write(&self, term: Term) -> (Instant, tokio::task::JoinHandle<()>) {
+        self.stalled.store(true, Ordering::SeqCst);
+        let stalled_at = Instant::now();
+        let raft = self.raft.clone();
+        let write = tokio::spawn(async move {
+            let _ = raft
+                .client_write(Request::ShrinkInSync {
+                    term,
+                    remove: BTreeSet::new(),
+                })
+                .await;
+        });
+        (stalled_at, write)
+    }
+}
+
+impl TestNode {
+    /// The node's first group (the only one, unless the test asked for more).
+    fn first(&self) -> &TestGroup {
+        &self.groups[&GroupId::FIRST]
+    }
+
+    async fn stop(&self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        for group in self.groups.values() {
+            let _ = group.raft.shutdown().await;
+        }
+    }
+}
+
+async fn start_cluster(timing: RaftTiming) -> BTreeMap<NodeId, TestNode> {
+    start_cluster_via(timing, false, 1).await.0
+}
+
+/// [`start_cluster`] with `groups` Raft groups on every node (ids 0 up),
+/// sharing each node's Db, peer book and server; with `proxied`, each node
+/// is reached by the others through a proxy of its own, returned in node
+/// order.
 async fn start_cluster_via(
     timing: RaftTiming,
     proxied: bool,
+    groups: u64,
 ) -> (BTreeMap<NodeId, TestNode>, Vec<common::proxy::Proxy>) {
     let ids: [NodeId; 3] = [NodeId(1), NodeId(2), NodeId(3)];
     let mut proxies = Vec::new();
@@ -137,83 +185,102 @@ async fn start_cluster_via(
     let mut nodes = BTreeMap::new();
     for (id, listener) in listeners {
         let dir = tempfile::tempdir().unwrap();
-        let db = sled::open(dir.path()).unwrap();
-        let stalled = Arc::new(AtomicBool::new(false));
-        let log = StallingLog {
-            inner: LogStore::open(&db).unwrap(),
-            stalled: Arc::clone(&stalled),
-        };
-        let state_machine = StateMachine::open(&db).unwrap();
+        let db = RaftDb::new(&sled::open(dir.path()).unwrap());
         let others = addrs
             .iter()
             .filter(|(peer, _)| **peer != id)
             .map(|(peer, addr)| (*peer, addr.clone()))
             .collect();
-        let node = PeerBook::new(
+        let book = PeerBook::new(
             "lease-test".into(),
             MemberId(id.0),
             others,
             Arc::default(),
             replica_ha::net::Transport::default(),
         );
-        let peers = Peers::of_group(node, GroupId::FIRST, timing.election_max);
-        let config = timing.raft_config("lease-test").unwrap();
-        let raft = Raft::new(
-            MemberId(id.0),
-            Arc::new(config),
-            Network::new(Arc::clone(&peers)),
-            log,
-            state_machine.clone(),
-        )
-        .await
-        .unwrap();
-        let coordinator =
-            RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing);
+        let mut service: Option<RaftService> = None;
+        let mut node = TestNode {
+            groups: BTreeMap::new(),
+            tasks: Vec::new(),
+            _dir: dir,
+        };
+        for group in (0..groups).map(GroupId) {
+            let stalled = Arc::new(AtomicBool::new(false));
+            let log = StallingLog {
+                inner: LogStore::of_group(&db, group).unwrap(),
+                stalled: Arc::clone(&stalled),
+            };
+            let state_machine = StateMachine::of_group(&db, group).unwrap();
+            let peers = Peers::of_group(Arc::clone(&book), group, timing.election_max);
+            let config = timing.raft_config("lease-test").unwrap();
+            let raft = Raft::new(
+                MemberId(id.0),
+                Arc::new(config),
+                Network::new(Arc::clone(&peers)),
+                log,
+                state_machine.clone(),
+            )
+            .await
+            .unwrap();
+            let coordinator =
+                RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing);
+            service = Some(match service {
+                None => RaftService::new(raft.clone(), Arc::clone(&peers)),
+                Some(service) => service.with_group(raft.clone(), Arc::clone(&peers)),
+            });
+            let members: BTreeSet<MemberId> = ids.into_iter().map(|id| MemberId(id.0)).collect();
+            let _ = raft.initialize(members).await;
+            node.tasks.push(tokio::spawn({
+                let (raft, peers) = (raft.clone(), Arc::clone(&peers));
+                async move {
+                    tokio::time::sleep(timing.election_max).await;
+                    replica_ha::raft::detector::run(raft, peers, timing).await;
+                }
+            }));
+            node.groups.insert(
+                group,
+                TestGroup {
+                    raft,
+                    coordinator,
+                    stalled,
+                },
+            );
+        }
         let service = replica_ha::net::Transport::default().serve(
             replica_ha::net::Audience::Members,
-            RaftService::new(raft.clone(), Arc::clone(&peers)).into_server(),
+            service.expect("at least one group").into_server(),
         );
-        let server = tokio::spawn(async move {
+        node.tasks.push(tokio::spawn(async move {
             let _ = replica_ha::net::Transport::default()
                 .server()
                 .add_service(service)
                 .serve_with_incoming(replica_ha::net::Transport::default().incoming(listener))
                 .await;
-        });
-        let members: BTreeSet<MemberId> = ids.into_iter().map(|id| MemberId(id.0)).collect();
-        let _ = raft.initialize(members).await;
-        let detector = tokio::spawn({
-            let (raft, peers) = (raft.clone(), Arc::clone(&peers));
-            async move {
-                tokio::time::sleep(timing.election_max).await;
-                replica_ha::raft::detector::run(raft, peers, timing).await;
-            }
-        });
-        nodes.insert(
-            id,
-            TestNode {
-                raft,
-                coordinator,
-                stalled,
-                tasks: vec![server, detector],
-                _dir: dir,
-            },
-        );
+        }));
+        nodes.insert(id, node);
     }
     (nodes, proxies)
 }
 
 /// The node that holds a lease now, with its term.
 fn lease_holder(nodes: &BTreeMap<NodeId, TestNode>) -> Option<(NodeId, Term)> {
+    lease_holder_of(nodes, GroupId::FIRST)
+}
+
+/// The node that holds group `group`'s lease now, with its term.
+fn lease_holder_of(nodes: &BTreeMap<NodeId, TestNode>, group: GroupId) -> Option<(NodeId, Term)> {
     let now = Instant::now();
     let holders: Vec<_> = nodes
         .iter()
         .filter_map(|(id, node)| {
-            let lease = node.coordinator.lease()?;
+            let lease = node.groups[&group].coordinator.lease()?;
             (lease.deadline > now).then_some((*id, lease.term))
         })
         .collect();
-    assert!(holders.len() <= 1, "two leases at once: {holders:?}");
+    assert!(
+        holders.len() <= 1,
+        "two leases of group {group} at once: {holders:?}"
+    );
     holders.first().copied()
 }
 
@@ -230,22 +297,9 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
 
-    // Stall the leader's next log append: its Raft core waits in it, sends
-    // no heartbeats and publishes no metrics.
-    let old = &nodes[&leader];
-    old.stalled.store(true, Ordering::SeqCst);
-    let stalled_at = Instant::now();
-    let write = tokio::spawn({
-        let raft = old.raft.clone();
-        async move {
-            let _ = raft
-                .client_write(Request::ShrinkInSync {
-                    term,
-                    remove: BTreeSet::new(),
-                })
-                .await;
-        }
-    });
+    // Stall the leader's next log append.
+    let old = nodes[&leader].first();
+    let (stalled_at, write) = old.stall_a_write(term);
 
     // No acknowledgement can be newer than the stall (give a heartbeat
     // already on its way a little slack).
@@ -274,10 +328,7 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
     let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
 
     for node in nodes.values() {
-        for task in &node.tasks {
-            task.abort();
-        }
-        let _ = node.raft.shutdown().await;
+        node.stop().await;
     }
 }
 
@@ -290,7 +341,7 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_heartbeat_replies_still_keep_the_lease() {
     let timing = RaftTiming::default();
-    let (nodes, proxies) = start_cluster_via(timing, true).await;
+    let (nodes, proxies) = start_cluster_via(timing, true, 1).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     let (leader, term) = loop {
         if let Some(holder) = lease_holder(&nodes) {
@@ -312,9 +363,51 @@ async fn late_heartbeat_replies_still_keep_the_lease() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     for node in nodes.values() {
-        for task in &node.tasks {
-            task.abort();
+        node.stop().await;
+    }
+}
+
+/// Every invariant stays local to one group: two groups on the same three
+/// nodes, sharing each node's Db, peer book and server, elect their own
+/// leaders and keep their own leases. When the first group's leader is
+/// stuck in a log fsync, that group fails over; the second group's lease
+/// holder keeps its lease at its term, without a break, whichever node it
+/// is on, for its acknowledgements are its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_groups_on_the_same_nodes_keep_their_own_leases() {
+    let timing = RaftTiming::default();
+    let (nodes, _) = start_cluster_via(timing, false, 2).await;
+    let (first, second) = (GroupId::FIRST, GroupId(1));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (holders, (leader, term)) = loop {
+        if let (Some(a), Some(b)) = (
+            lease_holder_of(&nodes, first),
+            lease_holder_of(&nodes, second),
+        ) {
+            break ((a, b), a);
         }
-        let _ = node.raft.shutdown().await;
+        assert!(Instant::now() < deadline, "a group elected no leader");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let (_, (other_leader, other_term)) = holders;
+    let stuck = &nodes[&leader].groups[&first];
+    let (stalled_at, write) = stuck.stall_a_write(term);
+    let mut failed_over = false;
+    while Instant::now() < stalled_at + Duration::from_secs(2) {
+        assert_eq!(
+            lease_holder_of(&nodes, second),
+            Some((other_leader, other_term)),
+            "the second group's lease moved or lapsed with the first group's leader stuck"
+        );
+        if let Some((id, _)) = lease_holder_of(&nodes, first) {
+            failed_over |= id != leader;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(failed_over, "the first group did not fail over");
+    stuck.stalled.store(false, Ordering::SeqCst);
+    let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+    for node in nodes.values() {
+        node.stop().await;
     }
 }

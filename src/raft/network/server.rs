@@ -29,6 +29,14 @@ impl RaftService {
         Self { node, groups }
     }
 
+    /// The same service, serving `raft` too, the group of `peers` (which
+    /// must be peers over the same [`PeerBook`]). A group already served
+    /// keeps the instance it has.
+    pub fn with_group(mut self, raft: Raft, peers: Arc<Peers>) -> Self {
+        self.groups.entry(peers.group()).or_insert((raft, peers));
+        self
+    }
+
     /// The tonic server of this service (the transport sets its limits).
     pub fn into_server(self) -> raft_server::RaftServer<Self> {
         raft_server::RaftServer::new(self)
