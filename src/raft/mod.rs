@@ -57,6 +57,8 @@
 //! - [`state_machine`]: the control state and snapshots, in the same sled Db.
 //! - [`storage`]: the node's Raft Db shared by its groups: a set of trees
 //!   per group and one grouped flusher.
+//! - [`volume_table`]: the cluster's volume table (names, sizes, copies,
+//!   placement, each volume's group), pure logic for the cluster group.
 //! - [`network`]: the tonic client and server for Raft's RPCs.
 //! - [`detector`]: the failure detector that starts elections.
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
@@ -71,6 +73,7 @@ pub mod network;
 pub mod runtime;
 pub mod state_machine;
 pub mod storage;
+pub mod volume_table;
 
 use std::collections::BTreeSet;
 use std::io::Cursor;

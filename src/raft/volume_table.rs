@@ -1,0 +1,387 @@
+//! The cluster's volume table: every volume's name, size, copy count,
+//! `min_in_sync`, placement and Raft group, as the cluster-wide group will
+//! hold it (see `docs/design.md`, many volumes).
+//!
+//! Pure logic, so every node that applies the same requests computes the
+//! same table:
+//! - **Names** ([`check_name`]) are 1 to 63 characters of lower-case
+//!   letters, digits, `-`, `_` and `.`, beginning with a letter or digit.
+//!   `@` is never allowed: `VOL@SNAP` names a snapshot's export.
+//! - **Sizes** are positive multiples of 512 bytes, at most
+//!   [`MAX_VOLUME_SIZE`].
+//! - **Copies**: from 1 to the number of nodes; `min_in_sync` from 1 to
+//!   the copy count.
+//! - **Creation is idempotent by name**: creating a volume that exists
+//!   with the same size, copies and `min_in_sync` is a success that
+//!   changes nothing; with anything else it is refused.
+//! - **Placement** ([`place`]) puts the copies on the nodes with the most
+//!   free space, then the fewest copies, then the lowest id; a node without
+//!   room for the volume is never chosen.
+//! - **Groups**: each volume gets a Raft group id of its own, never
+//!   reused. Group 0 is the group earlier builds ran, whose terms are the
+//!   fence floors of the volume they served, and group 1 is the cluster's;
+//!   new volumes' groups count from [`FIRST_NEW_GROUP`].
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{GroupId, NodeId, VolumeId};
+
+/// The largest volume: 64 TiB.
+pub const MAX_VOLUME_SIZE: u64 = 64 << 40;
+
+/// The longest volume name.
+pub const MAX_NAME_LEN: usize = 63;
+
+/// The group of the first volume created through the table (see the
+/// module docs for groups 0 and 1).
+pub const FIRST_NEW_GROUP: GroupId = GroupId(2);
+
+/// What an operator asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRequest {
+    /// The volume's name.
+    pub name: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// How many copies it has.
+    pub copies: usize,
+    /// How many copies must hold a write before it is acknowledged.
+    pub min_in_sync: usize,
+}
+
+/// A volume of the table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeEntry {
+    /// Its name.
+    pub id: VolumeId,
+    /// Its size in bytes.
+    pub size: u64,
+    /// How many copies it has.
+    pub copies: usize,
+    /// How many copies must hold a write before it is acknowledged.
+    pub min_in_sync: usize,
+    /// The nodes that hold its copies.
+    pub placement: BTreeSet<NodeId>,
+    /// Its Raft group, whose leader is its writer and whose term its token.
+    pub group: GroupId,
+}
+
+/// What a node offers to placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRoom {
+    /// Free bytes in its data dir.
+    pub free: u64,
+    /// How many copies it holds already.
+    pub copies: usize,
+}
+
+/// Why the table refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TableError {
+    /// The name breaks the naming rules; the message says which.
+    #[error("bad volume name {name:?}: {why}")]
+    BadName { name: String, why: &'static str },
+    /// The size is zero, not a multiple of 512, or too large.
+    #[error(
+        "bad volume size {0}: a volume is a positive multiple of 512 bytes, at most {MAX_VOLUME_SIZE}"
+    )]
+    BadSize(u64),
+    /// More copies than nodes, or none.
+    #[error("{copies} copies asked for, but the cluster has {nodes} nodes (at least 1 copy)")]
+    BadCopies { copies: usize, nodes: usize },
+    /// `min_in_sync` outside 1 to the copy count.
+    #[error("min_in_sync {min_in_sync} must be between 1 and the copy count {copies}")]
+    BadMinInSync { min_in_sync: usize, copies: usize },
+    /// Fewer nodes have room for the volume than it has copies.
+    #[error("only {fit} nodes have room for {size} bytes; {copies} copies asked for")]
+    NoRoom {
+        size: u64,
+        copies: usize,
+        fit: usize,
+    },
+    /// A volume of that name exists with another size, copy count or
+    /// `min_in_sync`.
+    #[error("volume {0} exists with another size, copy count or min_in_sync")]
+    Exists(VolumeId),
+    /// No volume of that name.
+    #[error("no volume {0}")]
+    Unknown(VolumeId),
+}
+
+/// Checks `name` against the naming rules (see the module docs).
+pub fn check_name(name: &str) -> Result<VolumeId, TableError> {
+    let bad = |why| {
+        Err(TableError::BadName {
+            name: name.to_string(),
+            why,
+        })
+    };
+    let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_.".contains(c);
+    match name.chars().next() {
+        None => return bad("it is empty"),
+        Some(c) if !(c.is_ascii_lowercase() || c.is_ascii_digit()) => {
+            return bad("it must begin with a lower-case letter or a digit");
+        }
+        Some(_) => {}
+    }
+    if name.len() > MAX_NAME_LEN {
+        return bad("it is longer than 63 characters");
+    }
+    if !name.chars().all(allowed) {
+        return bad("only lower-case letters, digits, '-', '_' and '.' are allowed");
+    }
+    Ok(VolumeId(name.to_string()))
+}
+
+/// The nodes for `copies` copies of a volume of `size` bytes: those with
+/// the most free space, then the fewest copies, then the lowest id, among
+/// the nodes with room for it.
+pub fn place(
+    nodes: &BTreeMap<NodeId, NodeRoom>,
+    size: u64,
+    copies: usize,
+) -> Result<BTreeSet<NodeId>, TableError> {
+    let mut fit: Vec<(NodeId, NodeRoom)> = nodes
+        .iter()
+        .filter(|(_, room)| room.free >= size)
+        .map(|(id, room)| (*id, *room))
+        .collect();
+    if fit.len() < copies {
+        return Err(TableError::NoRoom {
+            size,
+            copies,
+            fit: fit.len(),
+        });
+    }
+    fit.sort_by(|(a_id, a), (b_id, b)| {
+        b.free
+            .cmp(&a.free)
+            .then(a.copies.cmp(&b.copies))
+            .then(a_id.cmp(b_id))
+    });
+    Ok(fit.into_iter().take(copies).map(|(id, _)| id).collect())
+}
+
+/// The volume table (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeTable {
+    volumes: BTreeMap<VolumeId, VolumeEntry>,
+    /// The group the next new volume gets (0 until the first: see
+    /// [`FIRST_NEW_GROUP`]).
+    next_group: u64,
+}
+
+impl VolumeTable {
+    /// Creates the volume `request` asks for, placed over `nodes`; or, when
+    /// it exists as asked, returns it unchanged. The flag says whether it
+    /// was created now.
+    pub fn create(
+        &mut self,
+        request: &VolumeRequest,
+        nodes: &BTreeMap<NodeId, NodeRoom>,
+    ) -> Result<(&VolumeEntry, bool), TableError> {
+        let id = check_name(&request.name)?;
+        if let Some(existing) = self.volumes.get(&id) {
+            let same = existing.size == request.size
+                && existing.copies == request.copies
+                && existing.min_in_sync == request.min_in_sync;
+            return match same {
+                true => Ok((&self.volumes[&id], false)),
+                false => Err(TableError::Exists(id)),
+            };
+        }
+        let size = request.size;
+        if size == 0 || size % 512 != 0 || size > MAX_VOLUME_SIZE {
+            return Err(TableError::BadSize(size));
+        }
+        if request.copies == 0 || request.copies > nodes.len() {
+            return Err(TableError::BadCopies {
+                copies: request.copies,
+                nodes: nodes.len(),
+            });
+        }
+        if request.min_in_sync == 0 || request.min_in_sync > request.copies {
+            return Err(TableError::BadMinInSync {
+                min_in_sync: request.min_in_sync,
+                copies: request.copies,
+            });
+        }
+        let placement = place(nodes, size, request.copies)?;
+        let group = GroupId(self.next_group.max(FIRST_NEW_GROUP.0));
+        self.next_group = group.0 + 1;
+        let entry = VolumeEntry {
+            id: id.clone(),
+            size,
+            copies: request.copies,
+            min_in_sync: request.min_in_sync,
+            placement,
+            group,
+        };
+        Ok((self.volumes.entry(id).or_insert(entry), true))
+    }
+
+    /// Removes the volume `id` from the table, returning its entry.
+    pub fn delete(&mut self, id: &VolumeId) -> Result<VolumeEntry, TableError> {
+        self.volumes
+            .remove(id)
+            .ok_or_else(|| TableError::Unknown(id.clone()))
+    }
+
+    /// The volume `id`, if the table has it.
+    pub fn get(&self, id: &VolumeId) -> Option<&VolumeEntry> {
+        self.volumes.get(id)
+    }
+
+    /// Every volume, by name.
+    pub fn volumes(&self) -> impl Iterator<Item = &VolumeEntry> {
+        self.volumes.values()
+    }
+
+    /// How many copies each node holds.
+    pub fn copies_per_node(&self) -> BTreeMap<NodeId, usize> {
+        let mut counts = BTreeMap::new();
+        for node in self.volumes.values().flat_map(|v| &v.placement) {
+            *counts.entry(*node).or_default() += 1;
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn nodes(free: &[(u64, u64)]) -> BTreeMap<NodeId, NodeRoom> {
+        free.iter()
+            .map(|(id, gib)| {
+                (
+                    NodeId(*id),
+                    NodeRoom {
+                        free: gib * GIB,
+                        copies: 0,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn request(name: &str, size: u64, copies: usize) -> VolumeRequest {
+        VolumeRequest {
+            name: name.into(),
+            size,
+            copies,
+            min_in_sync: 2.min(copies),
+        }
+    }
+
+    #[test]
+    fn names_follow_the_rules_and_say_what_is_wrong() {
+        for good in ["vol0", "db-1", "a", "9.x_y", &"a".repeat(63)] {
+            assert!(check_name(good).is_ok(), "{good}");
+        }
+        for (bad, why) in [
+            ("", "empty"),
+            ("-x", "begin"),
+            ("Vol", "begin"),
+            ("vol@snap", "allowed"),
+            ("a/b", "allowed"),
+            ("vÖl", "allowed"),
+            (&"a".repeat(64), "longer"),
+        ] {
+            let err = check_name(bad).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn creation_is_idempotent_by_name_and_refuses_a_different_volume_of_that_name() {
+        let mut table = VolumeTable::default();
+        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        let (first, created) = table.create(&request("db", GIB, 3), &cluster).unwrap();
+        let first = first.clone();
+        assert!(created);
+        assert_eq!(first.group, FIRST_NEW_GROUP);
+        let (again, created) = table.create(&request("db", GIB, 3), &cluster).unwrap();
+        assert!(!created);
+        assert_eq!(*again, first);
+        assert_eq!(
+            table.create(&request("db", 2 * GIB, 3), &cluster),
+            Err(TableError::Exists(VolumeId("db".into())))
+        );
+        assert_eq!(table.volumes().count(), 1);
+    }
+
+    #[test]
+    fn bad_sizes_and_copy_counts_are_refused_and_change_nothing() {
+        let mut table = VolumeTable::default();
+        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        for size in [0, 1000, MAX_VOLUME_SIZE + 512] {
+            let refused = table.create(&request("v", size, 3), &cluster);
+            assert_eq!(refused, Err(TableError::BadSize(size)));
+        }
+        let refused = table.create(&request("v", GIB, 4), &cluster);
+        assert!(matches!(refused, Err(TableError::BadCopies { .. })));
+        let refused = table.create(&request("v", GIB, 0), &cluster);
+        assert!(matches!(refused, Err(TableError::BadCopies { .. })));
+        let mut too_strict = request("v", GIB, 2);
+        too_strict.min_in_sync = 3;
+        let refused = table.create(&too_strict, &cluster);
+        assert!(matches!(refused, Err(TableError::BadMinInSync { .. })));
+        let refused = table.create(&request("v", 200 * GIB, 3), &cluster);
+        assert!(matches!(refused, Err(TableError::NoRoom { fit: 0, .. })));
+        assert_eq!(table, VolumeTable::default());
+    }
+
+    #[test]
+    fn copies_go_to_the_nodes_with_most_room_then_fewest_copies() {
+        let mut cluster = nodes(&[(1, 50), (2, 80), (3, 80), (4, 90), (5, 10)]);
+        assert_eq!(
+            place(&cluster, GIB, 3).unwrap(),
+            [NodeId(2), NodeId(3), NodeId(4)].into()
+        );
+        // Equal room (nodes 2 and 3): the lower id, unless the other holds
+        // fewer copies.
+        assert_eq!(
+            place(&cluster, GIB, 2).unwrap(),
+            [NodeId(2), NodeId(4)].into()
+        );
+        cluster.get_mut(&NodeId(2)).unwrap().copies = 4;
+        assert_eq!(
+            place(&cluster, GIB, 2).unwrap(),
+            [NodeId(3), NodeId(4)].into()
+        );
+        // A node without room for the volume is never chosen.
+        assert_eq!(
+            place(&cluster, 60 * GIB, 3).unwrap(),
+            [NodeId(2), NodeId(3), NodeId(4)].into()
+        );
+        assert!(place(&cluster, 85 * GIB, 2).is_err());
+    }
+
+    #[test]
+    fn every_volume_gets_a_group_of_its_own_never_reused() {
+        let mut table = VolumeTable::default();
+        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        let group = |table: &mut VolumeTable, name| {
+            table
+                .create(&request(name, GIB, 3), &cluster)
+                .unwrap()
+                .0
+                .group
+        };
+        let a = group(&mut table, "a");
+        let b = group(&mut table, "b");
+        table.delete(&VolumeId("a".into())).unwrap();
+        let c = group(&mut table, "a");
+        assert_eq!((a, b, c), (GroupId(2), GroupId(3), GroupId(4)));
+        assert_eq!(
+            table.delete(&VolumeId("zz".into())),
+            Err(TableError::Unknown(VolumeId("zz".into())))
+        );
+        assert_eq!(table.copies_per_node()[&NodeId(1)], 2);
+    }
+}
