@@ -69,9 +69,10 @@ use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
-use crate::raft::network::{Network, PeerBook, Peers, RaftService};
+use crate::raft::group::RaftGroup;
+use crate::raft::network::{PeerBook, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
-use crate::raft::{LogStore, Raft, RaftCoordinator, RaftDb, StateMachine};
+use crate::raft::{Raft, RaftCoordinator, RaftDb};
 use crate::replica::serve::service::ReplicaService;
 use hello::HelloService;
 use host::VolumeHost;
@@ -430,9 +431,6 @@ async fn start_raft(
     transport: &Transport,
     member: MemberId,
 ) -> Result<RaftParts, NodeError> {
-    let raft_db = RaftDb::new(db);
-    let log_store = LogStore::of_group(&raft_db, GroupId::FIRST).map_err(failed)?;
-    let state_machine = StateMachine::of_group(&raft_db, GroupId::FIRST).map_err(failed)?;
     let addresses: BTreeMap<_, _> = config
         .peers
         .iter()
@@ -447,57 +445,35 @@ async fn start_raft(
         Arc::clone(&book),
         transport.clone(),
     );
-    let peers = Peers::of_group(node, GroupId::FIRST, config.timing.election_max);
-    let raft_config = config
+    // A timing openraft refuses is the configuration's fault (exit 2);
+    // every group is configured the same.
+    config
         .timing
         .raft_config(&config.cluster_id)
         .map_err(|e| ConfigError(format!("raft timing: {e}")))?;
     let runtime =
         RaftRuntime::start().map_err(|e| failed(format!("cannot start Raft's threads: {e}")))?;
-    peers.run_on(runtime.handle().clone());
-    // Inside Raft's runtime, so the core and replication tasks that
-    // openraft spawns live there.
-    let raft =
-        runtime
-            .run({
-                let (id, network) = (member, Network::new(Arc::clone(&peers)));
-                let state_machine = state_machine.clone();
-                async move {
-                    Raft::new(id, Arc::new(raft_config), network, log_store, state_machine).await
-                }
-            })
-            .await
-            .map_err(failed)?
-            .map_err(|e| failed(format!("raft: {e}")))?;
+    node.run_on(runtime.handle().clone());
+    let RaftGroup {
+        raft,
+        peers,
+        coordinator,
+        ..
+    } = RaftGroup::start(
+        GroupId::FIRST,
+        member,
+        &RaftDb::new(db),
+        node,
+        config.timing,
+        &runtime,
+    )
+    .await
+    .map_err(failed)?;
     // The book holds the stored membership before anything is served: a
     // peer asking whether this node has Raft state gets the truth at once.
-    // openraft's metrics show it only once its core has reported, so wait
-    // for that when there is state to show.
-    if raft.is_initialized().await.map_err(failed)? {
-        let shown = raft
-            .wait(Some(Duration::from_secs(5)))
-            .metrics(
-                |m| m.membership_config.membership().nodes().next().is_some(),
-                "the stored membership",
-            )
-            .await;
-        if let Err(err) = shown {
-            return Err(failed(format!("Raft did not load its membership: {err}")));
-        }
-    }
     book.set(crate::raft::coordinator::book_entries(
         raft.metrics().borrow().membership_config.membership(),
     ));
-    let coordinator = {
-        // The lease watcher is spawned here: on Raft's runtime.
-        let _on_raft = runtime.handle().enter();
-        RaftCoordinator::start(
-            raft.clone(),
-            state_machine.clone(),
-            Arc::clone(&peers),
-            config.timing,
-        )
-    };
     Ok(RaftParts {
         raft,
         runtime,

@@ -55,6 +55,8 @@
 //! - [`log_store`]: the sled log (entries, vote, committed, purged); every
 //!   append and vote is flushed before it is acknowledged (S7).
 //! - [`state_machine`]: the control state and snapshots, in the same sled Db.
+//! - [`group`]: one Raft group on a node (openraft, its peers, its
+//!   coordinator), started the same way for every group.
 //! - [`storage`]: the node's Raft Db shared by its groups: a set of trees
 //!   per group and one grouped flusher.
 //! - [`volume_table`]: the cluster's volume table (names, sizes, copies,
@@ -68,6 +70,7 @@
 
 pub mod coordinator;
 pub mod detector;
+pub mod group;
 pub mod log_store;
 pub mod network;
 pub mod runtime;
