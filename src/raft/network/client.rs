@@ -74,11 +74,26 @@ impl PeerClient {
                 // heartbeat, on the same connection.
                 return RPCError::Network(NetworkError::new(&NetErr(why)));
             }
+            if status.code() == tonic::Code::NotFound {
+                // The peer does not run this group (yet): the connection,
+                // which every group shares, is fine.
+                return unreachable(why);
+            }
             // A channel whose connection failed is rebuilt on the next call.
             self.peers.forget_channel(node);
             unreachable(why)
         })?
         .into_inner();
+        if reply.group != self.peers.group().0 {
+            // Only this group's answer counts for it (S4): never one of
+            // another group's, as a node that does not know groups would
+            // send.
+            return Err(unreachable(format!(
+                "a reply of group {} to a request of group {}",
+                reply.group,
+                self.peers.group()
+            )));
+        }
         self.peers.touch(node);
         let result: Result<Resp, RaftError<MemberId, E>> =
             serde_json::from_slice(&reply.payload)
