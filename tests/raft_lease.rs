@@ -226,7 +226,9 @@ async fn start_cluster_via(
                 RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing);
             service = Some(match service {
                 None => RaftService::new(raft.clone(), Arc::clone(&peers)),
-                Some(service) => service.with_group(raft.clone(), Arc::clone(&peers)),
+                Some(service) => service
+                    .with_group(raft.clone(), Arc::clone(&peers))
+                    .expect("a new group of this node"),
             });
             let members: BTreeSet<MemberId> = ids.into_iter().map(|id| MemberId(id.0)).collect();
             let _ = raft.initialize(members).await;
@@ -409,5 +411,60 @@ async fn two_groups_on_the_same_nodes_keep_their_own_leases() {
     let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
     for node in nodes.values() {
         node.stop().await;
+    }
+}
+
+/// The Raft server serves each group once, and only over its own node's
+/// peer book (whose admission is the one it applies).
+#[tokio::test]
+async fn a_server_takes_a_group_once_and_only_of_its_own_node() {
+    let timing = RaftTiming::default();
+    let dir = tempfile::tempdir().unwrap();
+    let db = RaftDb::new(&sled::open(dir.path()).unwrap());
+    let book = || {
+        PeerBook::new(
+            "lease-test".into(),
+            MemberId(1),
+            BTreeMap::new(),
+            Arc::default(),
+            replica_ha::net::Transport::default(),
+        )
+    };
+    let (ours, theirs) = (book(), book());
+    let group = |node: &Arc<PeerBook>, id: GroupId| {
+        let peers = Peers::of_group(Arc::clone(node), id, timing.election_max);
+        let (db, config) = (db.clone(), timing.raft_config("lease-test").unwrap());
+        async move {
+            let raft = Raft::new(
+                MemberId(1),
+                Arc::new(config),
+                Network::new(Arc::clone(&peers)),
+                LogStore::of_group(&db, id).unwrap(),
+                StateMachine::of_group(&db, id).unwrap(),
+            )
+            .await
+            .unwrap();
+            (raft, peers)
+        }
+    };
+    let (first, first_peers) = group(&ours, GroupId::FIRST).await;
+    let (second, second_peers) = group(&ours, GroupId(1)).await;
+    let (foreign, foreign_peers) = group(&theirs, GroupId(2)).await;
+    let service = RaftService::new(first.clone(), first_peers);
+    let again = RaftService::new(first.clone(), Arc::clone(&second_peers))
+        .with_group(second.clone(), Arc::clone(&second_peers));
+    assert!(
+        again
+            .err()
+            .expect("a group twice")
+            .contains("served already")
+    );
+    let mismatched = RaftService::new(first.clone(), Arc::clone(&second_peers))
+        .with_group(foreign.clone(), foreign_peers);
+    let why = mismatched.err().expect("another node's group");
+    assert!(why.contains("another node"), "{why}");
+    assert!(service.with_group(second.clone(), second_peers).is_ok());
+    for raft in [first, second, foreign] {
+        let _ = raft.shutdown().await;
     }
 }

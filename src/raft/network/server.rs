@@ -29,12 +29,25 @@ impl RaftService {
         Self { node, groups }
     }
 
-    /// The same service, serving `raft` too, the group of `peers` (which
-    /// must be peers over the same [`PeerBook`]). A group already served
-    /// keeps the instance it has.
-    pub fn with_group(mut self, raft: Raft, peers: Arc<Peers>) -> Self {
-        self.groups.entry(peers.group()).or_insert((raft, peers));
-        self
+    /// The same service, serving `raft` too, the group of `peers`. Refused
+    /// for a group it serves already, or peers over another node's
+    /// [`PeerBook`] (whose admission would not be the one applied).
+    pub fn with_group(mut self, raft: Raft, peers: Arc<Peers>) -> Result<Self, String> {
+        if !Arc::ptr_eq(peers.node(), &self.node) {
+            return Err(format!(
+                "group {} is of another node's peer book",
+                peers.group()
+            ));
+        }
+        match self.groups.entry(peers.group()) {
+            std::collections::btree_map::Entry::Occupied(_) => {
+                Err(format!("group {} is served already", peers.group()))
+            }
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert((raft, peers));
+                Ok(self)
+            }
+        }
     }
 
     /// The tonic server of this service (the transport sets its limits).
