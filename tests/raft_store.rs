@@ -26,6 +26,24 @@ fn sled_storage_passes_the_openraft_suite() {
     }
 }
 
+/// Reopens a Db dropped just before. sled lets go of a dropped Db's file
+/// lock only once its background I/O jobs (which a flush hands work to) have
+/// finished, so the reopen retries briefly, and only on that error.
+async fn reopen(path: &std::path::Path) -> sled::Db {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match sled::open(path) {
+            Err(err)
+                if err.to_string().contains("could not acquire lock")
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            outcome => return outcome.expect("reopen the Db"),
+        }
+    }
+}
+
 /// S7 across a restart: the vote and the log survive reopening the Db.
 #[tokio::test]
 async fn vote_and_log_survive_reopening() {
@@ -39,7 +57,7 @@ async fn vote_and_log_survive_reopening() {
             .await
             .unwrap();
     }
-    let db = sled::open(dir.path()).unwrap();
+    let db = reopen(dir.path()).await;
     let mut log = LogStore::open(&db).unwrap();
     assert_eq!(
         log.read_vote().await.unwrap(),
@@ -81,7 +99,7 @@ async fn groups_in_one_db_keep_their_votes_and_logs_apart() {
             .await
             .unwrap();
     }
-    let db = RaftDb::new(&sled::open(dir.path()).unwrap());
+    let db = RaftDb::new(&reopen(dir.path()).await);
     let mut first = LogStore::of_group(&db, GroupId::FIRST).unwrap();
     let mut other = LogStore::of_group(&db, GroupId(7)).unwrap();
     assert_eq!(
