@@ -83,7 +83,9 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ids::VolumeId;
 use crate::volume::VolumeSpec;
+use volume_table::{Offer, VolumeEntry, VolumeRequest, VolumeTable};
 
 pub use coordinator::{RaftCoordinator, RaftTiming};
 pub use log_store::LogStore;
@@ -181,6 +183,20 @@ pub enum Request {
         /// The new size in bytes.
         size: u64,
     },
+    /// Creates a volume in the cluster group's table ([`volume_table`]),
+    /// placed over the members' `offers`. Idempotent by name; the name of
+    /// the volume the cluster group itself carries is taken.
+    CreateVolume {
+        /// What the operator asked for.
+        volume: VolumeRequest,
+        /// Every member's room, as the leader gathered it.
+        offers: Vec<Offer>,
+    },
+    /// Removes a volume from the cluster group's table.
+    DeleteVolume {
+        /// Its name.
+        name: VolumeId,
+    },
 }
 
 /// What applying a [`Request`] did.
@@ -192,6 +208,24 @@ pub struct Response {
     pub refused: Option<String>,
     /// The in-sync set after the request.
     pub in_sync: BTreeSet<NodeId>,
+    /// The volume a `CreateVolume` created or found, or a `DeleteVolume`
+    /// removed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumeEntry>,
+    /// Whether a `CreateVolume` created the volume now (not found it).
+    #[serde(default)]
+    pub created: bool,
+}
+
+impl Response {
+    /// An entry that was applied and changed nothing a response reports.
+    pub fn done(control: &ControlState) -> Self {
+        Self {
+            applied: true,
+            in_sync: control.in_sync.clone(),
+            ..Self::default()
+        }
+    }
 }
 
 /// The replicated control data. See the module docs.
@@ -211,6 +245,10 @@ pub struct ControlState {
     /// size is the one the volume config was created with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<u64>,
+    /// The volume table: every volume but the one this group carries
+    /// (cluster group only; see [`volume_table`]).
+    #[serde(default, skip_serializing_if = "VolumeTable::is_empty")]
+    pub volumes: VolumeTable,
 }
 
 impl ControlState {
@@ -222,6 +260,7 @@ impl ControlState {
 
     /// Applies `request`; pure, so every node computes the same result.
     pub fn apply(&mut self, request: &Request) -> Response {
+        let (mut volume, mut created) = (None, false);
         let refused = match request {
             Request::Init {
                 volume,
@@ -286,12 +325,47 @@ impl ControlState {
                     None
                 }
             },
+            Request::CreateVolume {
+                volume: asked,
+                offers,
+            } => match self.carries(&asked.name) {
+                true => Some(format!(
+                    "volume {} is the cluster group's own (the nodes' configured volume)",
+                    asked.name
+                )),
+                false => match self.volumes.create(asked, offers) {
+                    Ok((entry, now)) => {
+                        (volume, created) = (Some(entry.clone()), now);
+                        None
+                    }
+                    Err(err) => Some(err.to_string()),
+                },
+            },
+            Request::DeleteVolume { name } => match self.carries(&name.0) {
+                true => Some(format!(
+                    "volume {name} is the cluster group's own and cannot be deleted"
+                )),
+                false => match self.volumes.delete(name) {
+                    Ok(entry) => {
+                        volume = Some(entry);
+                        None
+                    }
+                    Err(err) => Some(err.to_string()),
+                },
+            },
         };
         Response {
             applied: refused.is_none(),
             refused,
             in_sync: self.in_sync.clone(),
+            volume,
+            created,
         }
+    }
+
+    /// Whether `name` is the volume this group carries itself.
+    fn carries(&self, name: &str) -> bool {
+        self.volume.as_ref().is_some_and(|v| v.name == name)
     }
 }
 
@@ -474,5 +548,58 @@ mod tests {
             remove: [NodeId(3)].into(),
         };
         assert_eq!(state.apply(&shrink).in_sync, [NodeId(1), NodeId(2)].into());
+    }
+
+    fn offers() -> Vec<Offer> {
+        (1..=3)
+            .map(|n| Offer {
+                member: MemberId::new(NodeId(n), Incarnation(n)),
+                free: Some(1 << 40),
+            })
+            .collect()
+    }
+
+    fn create(name: &str) -> Request {
+        Request::CreateVolume {
+            volume: VolumeRequest {
+                name: name.into(),
+                size: 1 << 30,
+                copies: 3,
+                min_in_sync: 2,
+            },
+            offers: offers(),
+        }
+    }
+
+    #[test]
+    fn the_cluster_group_keeps_the_volume_table_and_its_own_volume_is_taken() {
+        let mut state = ControlState::default();
+        state.apply(&Request::Init {
+            volume: volume(4096),
+            replicas: [NodeId(1), NodeId(2), NodeId(3)].into(),
+            uuid: String::new(),
+        });
+        let taken = state.apply(&create("v"));
+        assert!(taken.refused.unwrap().contains("cluster group's own"));
+        let made = state.apply(&create("db"));
+        assert!(made.applied && made.created);
+        let entry = made.volume.unwrap();
+        assert_eq!(entry.group, volume_table::FIRST_NEW_GROUP);
+        assert_eq!(entry.founders.len(), 3);
+        let again = state.apply(&create("db"));
+        assert!(again.applied && !again.created, "idempotent by name");
+        assert_eq!(again.volume, Some(entry));
+        let own = state.apply(&Request::DeleteVolume {
+            name: VolumeId("v".into()),
+        });
+        assert!(!own.applied);
+        let gone = state.apply(&Request::DeleteVolume {
+            name: VolumeId("db".into()),
+        });
+        assert!(gone.applied);
+        assert!(state.volumes.is_empty());
+        // An empty table is not written: the state reads as before.
+        let text = serde_json::to_string(&state).unwrap();
+        assert!(!text.contains("volumes"), "{text}");
     }
 }

@@ -169,11 +169,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         for entry in entries {
             applied.last_applied = Some(entry.log_id);
             let response = match &entry.payload {
-                EntryPayload::Blank => Response {
-                    applied: true,
-                    refused: None,
-                    in_sync: applied.control.in_sync.clone(),
-                },
+                EntryPayload::Blank => Response::done(&applied.control),
                 EntryPayload::Normal(request) => applied.control.apply(request),
                 EntryPayload::Membership(membership) => {
                     applied.membership =
@@ -185,11 +181,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                     let members: std::collections::BTreeSet<_> =
                         membership.nodes().map(|(m, _)| m.node()).collect();
                     applied.control.in_sync.retain(|id| members.contains(id));
-                    Response {
-                        applied: true,
-                        refused: None,
-                        in_sync: applied.control.in_sync.clone(),
-                    }
+                    Response::done(&applied.control)
                 }
             };
             responses.push(response);

@@ -1,6 +1,6 @@
 //! The cluster's volume table: every volume's name, size, copy count,
-//! `min_in_sync`, placement and Raft group, as the cluster-wide group will
-//! hold it (see `docs/design.md`, many volumes).
+//! `min_in_sync`, placement and Raft group, as the cluster group (group 0)
+//! holds it in its control state (see `docs/design.md`, many volumes).
 //!
 //! Pure logic, so every node that applies the same requests computes the
 //! same table:
@@ -14,19 +14,30 @@
 //! - **Creation is idempotent by name**: creating a volume that exists
 //!   with the same size, copies and `min_in_sync` is a success that
 //!   changes nothing; with anything else it is refused.
-//! - **Placement** ([`place`]) puts the copies on the nodes with the most
-//!   free space, then the fewest copies, then the lowest id; a node without
-//!   room for the volume is never chosen.
+//! - **Placement** ([`place`]) puts the copies on the nodes with the
+//!   fewest copies, then the most free space, then the lowest id (copies
+//!   first: volumes are sparse, so free space says little about what a
+//!   node has promised, and a few bytes more free must not draw every
+//!   volume to one node); a node without
+//!   room for the volume, or whose room is not known (it did not answer),
+//!   is never chosen. The room each node offered travels in the request,
+//!   so applying it is deterministic.
+//! - **Founders**: a volume records the members (node and incarnation,
+//!   S8) its group is formed with. Every founder may form the group, with
+//!   exactly that membership, so a creation that a node missed finishes
+//!   when it comes back; a node of another incarnation (a replaced disk)
+//!   is no founder and never forms it.
 //! - **Groups**: each volume gets a Raft group id of its own, never
-//!   reused. Group 0 is the group earlier builds ran, whose terms are the
-//!   fence floors of the volume they served, and group 1 is the cluster's;
-//!   new volumes' groups count from [`FIRST_NEW_GROUP`].
+//!   reused. Group 0 is the cluster group, the one earlier builds ran; it
+//!   also carries the cluster's first volume, the one the nodes' config
+//!   names, as it always has. Other volumes' groups count from
+//!   [`FIRST_NEW_GROUP`].
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{GroupId, NodeId, VolumeId};
+use crate::ids::{GroupId, MemberId, NodeId, VolumeId};
 
 /// The largest volume: 64 TiB.
 pub const MAX_VOLUME_SIZE: u64 = 64 << 40;
@@ -34,9 +45,9 @@ pub const MAX_VOLUME_SIZE: u64 = 64 << 40;
 /// The longest volume name.
 pub const MAX_NAME_LEN: usize = 63;
 
-/// The group of the first volume created through the table (see the
-/// module docs for groups 0 and 1).
-pub const FIRST_NEW_GROUP: GroupId = GroupId(2);
+/// The group of the first volume created through the table (group 0 is
+/// the cluster group: see the module docs).
+pub const FIRST_NEW_GROUP: GroupId = GroupId(1);
 
 /// What an operator asks for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,11 +75,23 @@ pub struct VolumeEntry {
     pub min_in_sync: usize,
     /// The nodes that hold its copies.
     pub placement: BTreeSet<NodeId>,
+    /// The members its group was formed with (see the module docs).
+    pub founders: BTreeSet<MemberId>,
     /// Its Raft group, whose leader is its writer and whose term its token.
     pub group: GroupId,
 }
 
-/// What a node offers to placement.
+/// What a member of the cluster offers to a volume's placement: its free
+/// bytes, when it answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// The member (node and incarnation).
+    pub member: MemberId,
+    /// Free bytes in its data dir; none when it did not answer.
+    pub free: Option<u64>,
+}
+
+/// What a node offers to placement, with the copies it holds already.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeRoom {
     /// Free bytes in its data dir.
@@ -136,7 +159,7 @@ pub fn check_name(name: &str) -> Result<VolumeId, TableError> {
 }
 
 /// The nodes for `copies` copies of a volume of `size` bytes: those with
-/// the most free space, then the fewest copies, then the lowest id, among
+/// the fewest copies, then the most free space, then the lowest id, among
 /// the nodes with room for it.
 pub fn place(
     nodes: &BTreeMap<NodeId, NodeRoom>,
@@ -156,9 +179,9 @@ pub fn place(
         });
     }
     fit.sort_by(|(a_id, a), (b_id, b)| {
-        b.free
-            .cmp(&a.free)
-            .then(a.copies.cmp(&b.copies))
+        a.copies
+            .cmp(&b.copies)
+            .then(b.free.cmp(&a.free))
             .then(a_id.cmp(b_id))
     });
     Ok(fit.into_iter().take(copies).map(|(id, _)| id).collect())
@@ -174,13 +197,14 @@ pub struct VolumeTable {
 }
 
 impl VolumeTable {
-    /// Creates the volume `request` asks for, placed over `nodes`; or, when
+    /// Creates the volume `request` asks for, placed over the members that
+    /// made `offers` (every member of the cluster, one offer each); or, when
     /// it exists as asked, returns it unchanged. The flag says whether it
     /// was created now.
     pub fn create(
         &mut self,
         request: &VolumeRequest,
-        nodes: &BTreeMap<NodeId, NodeRoom>,
+        offers: &[Offer],
     ) -> Result<(&VolumeEntry, bool), TableError> {
         let id = check_name(&request.name)?;
         if let Some(existing) = self.volumes.get(&id) {
@@ -196,10 +220,10 @@ impl VolumeTable {
         if size == 0 || size % 512 != 0 || size > MAX_VOLUME_SIZE {
             return Err(TableError::BadSize(size));
         }
-        if request.copies == 0 || request.copies > nodes.len() {
+        if request.copies == 0 || request.copies > offers.len() {
             return Err(TableError::BadCopies {
                 copies: request.copies,
-                nodes: nodes.len(),
+                nodes: offers.len(),
             });
         }
         if request.min_in_sync == 0 || request.min_in_sync > request.copies {
@@ -208,7 +232,12 @@ impl VolumeTable {
                 copies: request.copies,
             });
         }
-        let placement = place(nodes, size, request.copies)?;
+        let placement = place(&self.rooms(offers), size, request.copies)?;
+        let founders = offers
+            .iter()
+            .map(|offer| offer.member)
+            .filter(|member| placement.contains(&member.node()))
+            .collect();
         let group = GroupId(self.next_group.max(FIRST_NEW_GROUP.0));
         self.next_group = group.0 + 1;
         let entry = VolumeEntry {
@@ -217,6 +246,7 @@ impl VolumeTable {
             copies: request.copies,
             min_in_sync: request.min_in_sync,
             placement,
+            founders,
             group,
         };
         Ok((self.volumes.entry(id).or_insert(entry), true))
@@ -239,6 +269,27 @@ impl VolumeTable {
         self.volumes.values()
     }
 
+    /// Whether the table has no volume.
+    pub fn is_empty(&self) -> bool {
+        self.volumes.is_empty()
+    }
+
+    /// The room of every member that offered some, with the copies it
+    /// holds.
+    fn rooms(&self, offers: &[Offer]) -> BTreeMap<NodeId, NodeRoom> {
+        let copies = self.copies_per_node();
+        offers
+            .iter()
+            .filter_map(|offer| {
+                let node = offer.member.node();
+                offer.free.map(|free| {
+                    let copies = copies.get(&node).copied().unwrap_or(0);
+                    (node, NodeRoom { free, copies })
+                })
+            })
+            .collect()
+    }
+
     /// How many copies each node holds.
     pub fn copies_per_node(&self) -> BTreeMap<NodeId, usize> {
         let mut counts = BTreeMap::new();
@@ -254,6 +305,15 @@ mod tests {
     use super::*;
 
     const GIB: u64 = 1 << 30;
+
+    fn offers(free: &[(u64, u64)]) -> Vec<Offer> {
+        free.iter()
+            .map(|(id, gib)| Offer {
+                member: MemberId::new(NodeId(*id), crate::ids::Incarnation(7)),
+                free: Some(gib * GIB),
+            })
+            .collect()
+    }
 
     fn nodes(free: &[(u64, u64)]) -> BTreeMap<NodeId, NodeRoom> {
         free.iter()
@@ -300,7 +360,7 @@ mod tests {
     #[test]
     fn creation_is_idempotent_by_name_and_refuses_a_different_volume_of_that_name() {
         let mut table = VolumeTable::default();
-        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
         let (first, created) = table.create(&request("db", GIB, 3), &cluster).unwrap();
         let first = first.clone();
         assert!(created);
@@ -318,7 +378,7 @@ mod tests {
     #[test]
     fn bad_sizes_and_copy_counts_are_refused_and_change_nothing() {
         let mut table = VolumeTable::default();
-        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
         for size in [0, 1000, MAX_VOLUME_SIZE + 512] {
             let refused = table.create(&request("v", size, 3), &cluster);
             assert_eq!(refused, Err(TableError::BadSize(size)));
@@ -337,22 +397,23 @@ mod tests {
     }
 
     #[test]
-    fn copies_go_to_the_nodes_with_most_room_then_fewest_copies() {
+    fn copies_go_to_the_nodes_with_fewest_copies_then_most_room() {
         let mut cluster = nodes(&[(1, 50), (2, 80), (3, 80), (4, 90), (5, 10)]);
         assert_eq!(
             place(&cluster, GIB, 3).unwrap(),
             [NodeId(2), NodeId(3), NodeId(4)].into()
         );
-        // Equal room (nodes 2 and 3): the lower id, unless the other holds
-        // fewer copies.
+        // Equal copies and room (nodes 2 and 3): the lower id.
         assert_eq!(
             place(&cluster, GIB, 2).unwrap(),
             [NodeId(2), NodeId(4)].into()
         );
-        cluster.get_mut(&NodeId(2)).unwrap().copies = 4;
+        // Fewer copies outweigh more room.
+        cluster.get_mut(&NodeId(4)).unwrap().copies = 1;
+        cluster.get_mut(&NodeId(2)).unwrap().copies = 1;
         assert_eq!(
             place(&cluster, GIB, 2).unwrap(),
-            [NodeId(3), NodeId(4)].into()
+            [NodeId(1), NodeId(3)].into()
         );
         // A node without room for the volume is never chosen.
         assert_eq!(
@@ -365,7 +426,7 @@ mod tests {
     #[test]
     fn every_volume_gets_a_group_of_its_own_never_reused() {
         let mut table = VolumeTable::default();
-        let cluster = nodes(&[(1, 100), (2, 100), (3, 100)]);
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
         let group = |table: &mut VolumeTable, name| {
             table
                 .create(&request(name, GIB, 3), &cluster)
@@ -377,11 +438,41 @@ mod tests {
         let b = group(&mut table, "b");
         table.delete(&VolumeId("a".into())).unwrap();
         let c = group(&mut table, "a");
-        assert_eq!((a, b, c), (GroupId(2), GroupId(3), GroupId(4)));
+        assert_eq!((a, b, c), (GroupId(1), GroupId(2), GroupId(3)));
         assert_eq!(
             table.delete(&VolumeId("zz".into())),
             Err(TableError::Unknown(VolumeId("zz".into())))
         );
         assert_eq!(table.copies_per_node()[&NodeId(1)], 2);
+    }
+
+    #[test]
+    fn founders_are_the_placed_members_and_a_silent_node_is_never_placed() {
+        let mut table = VolumeTable::default();
+        let mut cluster = offers(&[(1, 100), (2, 90), (3, 80), (4, 200)]);
+        cluster[3].free = None;
+        let (entry, _) = table.create(&request("db", GIB, 3), &cluster).unwrap();
+        assert_eq!(entry.placement, [NodeId(1), NodeId(2), NodeId(3)].into());
+        assert_eq!(
+            entry.founders,
+            cluster[..3].iter().map(|offer| offer.member).collect()
+        );
+        // Four members, but only three answered: a fourth copy has no room.
+        let refused = table.create(&request("wide", GIB, 4), &cluster);
+        assert!(matches!(refused, Err(TableError::NoRoom { fit: 3, .. })));
+    }
+
+    #[test]
+    fn copies_spread_evenly_over_nodes_of_equal_room() {
+        let mut table = VolumeTable::default();
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100), (4, 100), (5, 100)]);
+        for n in 0..10 {
+            table
+                .create(&request(&format!("v{n}"), GIB, 3), &cluster)
+                .unwrap();
+        }
+        // 30 copies over 5 nodes: 6 each, at most ceil(3V/5) + 1.
+        let counts = table.copies_per_node();
+        assert!(counts.values().all(|&c| c == 6), "{counts:?}");
     }
 }
