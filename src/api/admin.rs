@@ -20,6 +20,10 @@
 //! `replica::mirror::scrub`), and with `now` waits for its findings.
 //! `ChangeMembers` (admin) replaces, adds or removes a member through the
 //! node's [`MembersChanges`] (see `node::membership`).
+//! `ListVolumes` (any certificate) reads the volume table as this node
+//! applied it; `CreateVolume` and `DeleteVolume` (admin) change it through
+//! the node's [`VolumeChanges`] (see `node::volumes`), on the node that
+//! leads the cluster group: another node answers with its address.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,15 +33,17 @@ use tonic::{Request, Response, Status};
 
 use crate::api::status::{LeaderView, NodeView, ReplicaReport};
 use crate::ha::HaError;
-use crate::ids::NodeId;
+use crate::ids::{NodeId, VolumeId};
 use crate::net::Caller;
 use crate::proto::admin::admin_server::{Admin, AdminServer};
 use crate::proto::admin::{
     LeaderUpdate, Member, MembersChange, MembersChangeReply, MembersReply, MembersRequest,
     ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ResyncReply, ResyncRequest,
     ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
-    WatchLeaderRequest, WriteReply, WriteRequest,
+    VolumeCreateReply, VolumeCreateRequest, VolumeDeleteReply, VolumeDeleteRequest, VolumeInfo,
+    VolumeListReply, VolumeListRequest, WatchLeaderRequest, WriteReply, WriteRequest,
 };
+use crate::raft::volume_table::{TableError, VolumeEntry, VolumeRequest};
 use crate::replica::ReplicaError;
 use crate::replica::mirror::engine::{RebuildError, ResizeError};
 use crate::volume::{DeviceError, RangeError};
@@ -46,6 +52,44 @@ use crate::volume::{DeviceError, RangeError};
 pub struct AdminService {
     view: Arc<NodeView>,
     members: Option<Arc<dyn MembersChanges>>,
+    volumes: Option<Arc<dyn VolumeChanges>>,
+}
+
+/// Why a volume change was not made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VolumeError {
+    /// This node does not lead the cluster group; the leader it knows, and
+    /// its gRPC address.
+    #[error("only the cluster group's leader changes the volume table; {}", match .0 {
+        Some((leader, addr)) => format!("node {leader} at {addr} leads, ask it"),
+        None => "no leader is known now".to_string(),
+    })]
+    NotLeader(Option<(NodeId, String)>),
+    /// The table refused the request (a bad name, size or copy count, a
+    /// name taken, an unknown volume, too little room).
+    #[error(transparent)]
+    Table(#[from] TableError),
+    /// The name is the cluster group's own volume's.
+    #[error("volume {0} is the cluster group's own (the nodes' configured volume)")]
+    ClusterVolume(String),
+    /// The change is refused, for the reason given.
+    #[error("{0}")]
+    Refused(String),
+    /// A step failed; try again.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Changes to the volume table, as the node makes them.
+#[async_trait::async_trait]
+pub trait VolumeChanges: Send + Sync {
+    /// Every volume, the cluster group's own first.
+    fn list(&self) -> Vec<VolumeEntry>;
+    /// Creates the volume `request` asks for; returns it, and whether it
+    /// was created now (false: it existed as asked).
+    async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError>;
+    /// Deletes the volume `name`; `force` even while a client uses it.
+    async fn delete(&self, name: VolumeId, force: bool) -> Result<VolumeEntry, VolumeError>;
 }
 
 /// Why a membership change was not made.
@@ -91,7 +135,21 @@ impl AdminService {
         Self {
             view,
             members: None,
+            volumes: None,
         }
+    }
+
+    /// Makes volume changes through `volumes`.
+    pub fn with_volumes(mut self, volumes: Arc<dyn VolumeChanges>) -> Self {
+        self.volumes = Some(volumes);
+        self
+    }
+
+    /// The volume changes, or why this node makes none.
+    fn volume_changes(&self) -> Result<Arc<dyn VolumeChanges>, Status> {
+        self.volumes
+            .clone()
+            .ok_or_else(|| Status::unimplemented("this node keeps no volume table"))
     }
 
     /// Makes membership changes through `members`.
@@ -453,6 +511,102 @@ impl Admin for AdminService {
             .await
             .map(|()| Response::new(TransferReply {}))
             .map_err(status_of)
+    }
+
+    async fn list_volumes(
+        &self,
+        _: Request<VolumeListRequest>,
+    ) -> Result<Response<VolumeListReply>, Status> {
+        let volumes = self.volume_changes()?.list();
+        Ok(Response::new(VolumeListReply {
+            volumes: volumes.iter().map(volume_info).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn create_volume(
+        &self,
+        request: Request<VolumeCreateRequest>,
+    ) -> Result<Response<VolumeCreateReply>, Status> {
+        Caller::of(&request).require_admin("create a volume")?;
+        let changes = self.volume_changes()?;
+        let asked = request.into_inner();
+        let asked = VolumeRequest {
+            name: asked.name,
+            size: asked.size,
+            copies: asked.copies as usize,
+            min_in_sync: asked.min_in_sync as usize,
+        };
+        // On a task of its own: a client that goes away does not cut the
+        // commit off half-way (it is idempotent, but the answer is lost).
+        let outcome = tokio::spawn(async move { changes.create(asked).await })
+            .await
+            .map_err(|err| Status::internal(format!("creating the volume failed: {err}")))?;
+        match outcome {
+            Ok((volume, created)) => Ok(Response::new(VolumeCreateReply {
+                volume: Some(volume_info(&volume)),
+                created,
+                redirect: String::new(),
+            })),
+            Err(VolumeError::NotLeader(Some((_, addr)))) => Ok(Response::new(VolumeCreateReply {
+                redirect: addr,
+                ..Default::default()
+            })),
+            Err(err) => Err(volume_status(err)),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn delete_volume(
+        &self,
+        request: Request<VolumeDeleteRequest>,
+    ) -> Result<Response<VolumeDeleteReply>, Status> {
+        Caller::of(&request).require_admin("delete a volume")?;
+        let changes = self.volume_changes()?;
+        let asked = request.into_inner();
+        let name = VolumeId(asked.name);
+        let outcome = tokio::spawn(async move { changes.delete(name, asked.force).await })
+            .await
+            .map_err(|err| Status::internal(format!("deleting the volume failed: {err}")))?;
+        match outcome {
+            Ok(volume) => Ok(Response::new(VolumeDeleteReply {
+                volume: Some(volume_info(&volume)),
+                redirect: String::new(),
+            })),
+            Err(VolumeError::NotLeader(Some((_, addr)))) => Ok(Response::new(VolumeDeleteReply {
+                redirect: addr,
+                ..Default::default()
+            })),
+            Err(err) => Err(volume_status(err)),
+        }
+    }
+}
+
+/// A volume table entry as the admin API shows it.
+fn volume_info(entry: &VolumeEntry) -> VolumeInfo {
+    VolumeInfo {
+        name: entry.id.to_string(),
+        size: entry.size,
+        copies: u32::try_from(entry.copies).unwrap_or(u32::MAX),
+        min_in_sync: u32::try_from(entry.min_in_sync).unwrap_or(u32::MAX),
+        placement: entry.placement.iter().map(|node| node.0).collect(),
+        group: entry.group.0,
+    }
+}
+
+/// A volume error as a gRPC status (see the proto for the codes).
+fn volume_status(err: VolumeError) -> Status {
+    let message = err.to_string();
+    match err {
+        VolumeError::NotLeader(_) | VolumeError::Failed(_) => Status::unavailable(message),
+        VolumeError::Table(TableError::Exists(_)) | VolumeError::ClusterVolume(_) => {
+            Status::already_exists(message)
+        }
+        VolumeError::Table(TableError::Unknown(_)) => Status::not_found(message),
+        VolumeError::Table(TableError::NoRoom { .. }) | VolumeError::Refused(_) => {
+            Status::failed_precondition(message)
+        }
+        VolumeError::Table(_) => Status::invalid_argument(message),
     }
 }
 

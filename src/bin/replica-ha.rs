@@ -21,6 +21,7 @@ use replica_ha::cli::resync::ResyncArgs;
 use replica_ha::cli::scrub::ScrubArgs;
 use replica_ha::cli::status::StatusArgs;
 use replica_ha::cli::transfer::TransferArgs;
+use replica_ha::cli::volume::VolumeArgs;
 use replica_ha::cli::{self, failure};
 
 #[derive(Parser)]
@@ -82,6 +83,10 @@ enum Command {
     /// grows when it is rebuilt. Shrinking is refused. Ask the writer;
     /// needs an admin certificate.
     Resize(ResizeArgs),
+    /// The cluster's volumes: create, list, show, delete. Each volume has
+    /// its own Raft group, whose leader is its writer; its NBD export name
+    /// is its name.
+    Volume(VolumeArgs),
     /// Serve the volume to local NBD clients, following the writer: run it
     /// on the client's host and point qemu, nbdcopy, nbdfuse or nbd-client
     /// at its unix socket. When the writer changes it sends what had no
@@ -119,6 +124,7 @@ async fn dispatch(cli: Cli) -> ExitCode {
         Command::Scrub(args) => cli::scrub::run(args).await,
         Command::Resync(args) => cli::resync::run(args).await,
         Command::Resize(args) => cli::resize::run(args).await,
+        Command::Volume(args) => cli::volume::run(args).await,
         Command::Attach(args) => cli::attach::run(*args).await,
         Command::Inspect(args) => cli::inspect::run(args).await,
     }

@@ -23,6 +23,7 @@ pub mod resync;
 pub mod scrub;
 pub mod status;
 pub mod transfer;
+pub mod volume;
 
 use std::fmt::Display;
 use std::future::Future;
@@ -39,7 +40,8 @@ use crate::proto::admin::admin_client::AdminClient;
 use crate::proto::admin::{
     MembersChange, MembersChangeReply, MembersReply, MembersRequest, ResizeReply, ResizeRequest,
     ResyncReply, ResyncRequest, ScrubReply, ScrubRequest, StatusReply, StatusRequest,
-    TransferReply, TransferRequest,
+    TransferReply, TransferRequest, VolumeCreateReply, VolumeCreateRequest, VolumeDeleteReply,
+    VolumeDeleteRequest, VolumeListReply, VolumeListRequest,
 };
 use tonic::transport::Channel;
 
@@ -172,6 +174,9 @@ rpcs! {
     ScrubRequest => scrub -> ScrubReply,
     ResyncRequest => resync -> ResyncReply,
     ResizeRequest => resize -> ResizeReply,
+    VolumeListRequest => list_volumes -> VolumeListReply,
+    VolumeCreateRequest => create_volume -> VolumeCreateReply,
+    VolumeDeleteRequest => delete_volume -> VolumeDeleteReply,
 }
 
 /// One line saying why a call failed: the server's reason, or the

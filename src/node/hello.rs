@@ -4,7 +4,8 @@
 //! transport), its Raft member id, whether it holds Raft state, and which
 //! member its membership names for the asker (a node with no Raft state
 //! asks these before it forms a cluster or waits; see
-//! [`super::formation`]).
+//! [`super::formation`]), what its build knows ([`FEATURE_GROUPS`]), and
+//! the free space of its data dir (what placement offers a new volume).
 //!
 //! Any node certificate of the cluster (the transport's guard, audience
 //! `Nodes`): a node that waits to be added is no member yet, and must be
@@ -23,6 +24,21 @@ use crate::net::Caller;
 use crate::proto::node::node_server::{Node, NodeServer};
 use crate::proto::node::{HelloReply, HelloRequest};
 
+/// The feature bit of a build that runs Raft groups besides group 0 and
+/// applies the cluster group's volume table (see `docs/design.md`): no
+/// volume is created before every member has said it knows them.
+pub const FEATURE_GROUPS: u64 = 1;
+
+/// The features this build knows.
+pub const FEATURES: u64 = FEATURE_GROUPS;
+
+/// Free bytes in the file system that holds `dir`; none when it cannot
+/// tell.
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    let stat = rustix::fs::statvfs(dir).ok()?;
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
+}
+
 /// See the module docs.
 pub struct HelloService {
     id: NodeId,
@@ -33,6 +49,8 @@ pub struct HelloService {
     cluster_id: String,
     /// The data listener's address, as bound.
     data: SocketAddr,
+    /// The data dir, whose free space the reply tells.
+    data_dir: Option<std::path::PathBuf>,
 }
 
 impl HelloService {
@@ -50,7 +68,14 @@ impl HelloService {
             book,
             cluster_id: cluster_id.into(),
             data,
+            data_dir: None,
         }
+    }
+
+    /// Tells the free space of `dir` in every reply.
+    pub fn with_data_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.data_dir = Some(dir.into());
+        self
     }
 
     /// The tonic server of this service (the transport sets its limits).
@@ -84,6 +109,8 @@ impl Node for HelloService {
             member: self.member.0,
             raft_initialized: !members.is_empty(),
             asker_member: members.get(&asker).map_or(0, |entry| entry.member.0),
+            features: FEATURES,
+            free_bytes: self.data_dir.as_deref().and_then(free_bytes).unwrap_or(0),
         }))
     }
 }

@@ -51,6 +51,7 @@ pub mod membership;
 pub mod reads;
 pub mod tasks;
 pub mod volume;
+pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -524,20 +525,29 @@ fn serve_grpc(
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
 ) -> Result<GrpcServer, NodeError> {
     let (stop_server, stopped) = watch::channel(false);
+    let facts = view.facts();
+    let volumes = volumes::VolumeTableChanges::new(
+        Arc::clone(&raft.coordinator),
+        transport.clone(),
+        facts.cluster_id.clone(),
+        facts.data_dir.clone(),
+        facts.peers.clone(),
+    );
     let admin = AdminService::new(Arc::clone(view))
-        .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>);
+        .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>)
+        .with_volumes(Arc::new(volumes));
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|e| failed(format!("gRPC reflection: {e}")))?;
-    let facts = view.facts();
     let hello = HelloService::new(
         facts.member,
         facts.cluster_id.clone(),
         facts.data,
         Arc::clone(raft.peers.book()),
-    );
+    )
+    .with_data_dir(&facts.data_dir);
     let replica_service = ReplicaService::new(Arc::clone(&volume.store))
         .of_incarnation(facts.member.incarnation())
         .on_node(facts.id.to_string())
@@ -716,6 +726,7 @@ fn facts(config: &NodeConfig, data: std::net::SocketAddr, member: MemberId) -> N
             .map(|(id, addr)| (*id, addr.to_string()))
             .collect(),
         tls: !config.insecure,
+        data_dir: config.data_dir.clone(),
     }
 }
 

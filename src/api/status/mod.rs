@@ -67,6 +67,8 @@ pub struct NodeFacts {
     pub peers: BTreeMap<NodeId, String>,
     /// Whether connections are mutual TLS; false in the insecure mode.
     pub tls: bool,
+    /// The data dir.
+    pub data_dir: std::path::PathBuf,
 }
 
 impl NodeFacts {

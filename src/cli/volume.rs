@@ -1,0 +1,239 @@
+//! `replica-ha volume`: the cluster's volumes. `list` and `show` read the
+//! volume table as the node asked has applied it; `create` and `delete`
+//! change it on the node that leads the cluster group (the node asked
+//! says where that is, and the command asks there).
+//!
+//! The volume the nodes' config names is the cluster group's own: it is
+//! listed with group 0, cannot be created again or deleted, and grows with
+//! `replica-ha resize`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use super::{Admin, ClientTls, failure, usage_error};
+use crate::proto::admin::{
+    VolumeCreateRequest, VolumeDeleteRequest, VolumeInfo, VolumeListRequest,
+};
+
+/// The flags of `replica-ha volume`.
+#[derive(Args)]
+pub struct VolumeArgs {
+    /// The gRPC address of a node of the cluster (any: a change is
+    /// forwarded to the cluster group's leader).
+    #[arg(long, default_value = "127.0.0.1:7001")]
+    addr: String,
+    #[command(subcommand)]
+    command: VolumeCommand,
+    #[command(flatten)]
+    tls: ClientTls,
+}
+
+/// What to do with the volumes.
+#[derive(Subcommand)]
+pub enum VolumeCommand {
+    /// Create a volume. Asking again for the same volume (same size,
+    /// copies and min-in-sync) succeeds and changes nothing; a different
+    /// volume of that name is refused. Names are 1-63 characters of
+    /// lower-case letters, digits, '-', '_' and '.', beginning with a
+    /// letter or digit. The copies go to the nodes holding the fewest
+    /// copies, then the most free space.
+    Create {
+        /// The volume's name (also its NBD export name).
+        #[arg(value_name = "NAME")]
+        volume: String,
+        /// Its size: bytes, or with a unit (KiB, MiB, GiB, TiB); a multiple
+        /// of 512.
+        #[arg(long, value_parser = parse_volume_size)]
+        size: u64,
+        /// How many copies (default 3, or every node when there are fewer).
+        #[arg(long)]
+        replicas: Option<u32>,
+        /// How many copies must hold a write before it is acknowledged
+        /// (default 2, or 1 for a single copy).
+        #[arg(long)]
+        min_in_sync: Option<u32>,
+    },
+    /// List the volumes, one line each.
+    List,
+    // (The positional is `volume`, not `name`: `--as NAME` of the TLS flags
+    // is `name`, and global, so the two would share one argument.)
+    /// Show one volume.
+    Show {
+        /// The volume's name.
+        #[arg(value_name = "NAME")]
+        volume: String,
+    },
+    /// Delete a volume: it leaves the table, and every node that held a
+    /// copy stops serving it and removes its data.
+    Delete {
+        /// The volume's name.
+        #[arg(value_name = "NAME")]
+        volume: String,
+        /// Delete even while a client is connected.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// A size as the node's config reads one (`32MiB`, `1GiB`, bytes).
+fn parse_volume_size(text: &str) -> Result<u64, String> {
+    crate::node::config::parse_size(text).map_err(|e| e.to_string())
+}
+
+/// How long a change may take: creation asks every node for its room.
+const CHANGE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Runs the subcommand.
+pub async fn run(args: VolumeArgs) -> ExitCode {
+    let VolumeArgs { addr, command, tls } = args;
+    match command {
+        VolumeCommand::List => list(&addr, &tls, None).await,
+        VolumeCommand::Show { volume } => list(&addr, &tls, Some(volume)).await,
+        VolumeCommand::Create {
+            volume: name,
+            size,
+            replicas,
+            min_in_sync,
+        } => {
+            let request = VolumeCreateRequest {
+                name,
+                size,
+                copies: replicas.unwrap_or(0),
+                min_in_sync: min_in_sync.unwrap_or(0),
+            };
+            if request.copies == 0 && replicas.is_some() {
+                return usage_error("--replicas must be at least 1");
+            }
+            create(&addr, &tls, request).await
+        }
+        VolumeCommand::Delete {
+            volume: name,
+            force,
+        } => delete(&addr, &tls, VolumeDeleteRequest { name, force }).await,
+    }
+}
+
+/// `volume list` (every volume) and `volume show NAME` (one).
+async fn list(addr: &str, tls: &ClientTls, only: Option<String>) -> ExitCode {
+    let volumes = match Admin::new(addr, tls)
+        .ask(VolumeListRequest {}, Duration::from_secs(5))
+        .await
+    {
+        Ok(reply) => reply.volumes,
+        Err(err) => return failure(format!("volume list: {err}")),
+    };
+    match only {
+        None => {
+            println!("{}", header());
+            for volume in &volumes {
+                println!("{}", line(volume));
+            }
+        }
+        Some(name) => match volumes.iter().find(|v| v.name == name) {
+            Some(volume) => println!("{}", details(volume)),
+            None => return failure(format!("no volume {name}")),
+        },
+    }
+    ExitCode::SUCCESS
+}
+
+/// The column heads of `volume list`.
+pub fn header() -> String {
+    format!(
+        "{:<24} {:>16} {:>6} {:>11} {:>6}  nodes",
+        "name", "size", "copies", "min-in-sync", "group"
+    )
+}
+
+/// One volume's line of `volume list`.
+pub fn line(volume: &VolumeInfo) -> String {
+    format!(
+        "{:<24} {:>16} {:>6} {:>11} {:>6}  {}",
+        volume.name,
+        volume.size,
+        volume.copies,
+        volume.min_in_sync,
+        volume.group,
+        nodes(&volume.placement)
+    )
+}
+
+/// One volume, a fact a line.
+pub fn details(volume: &VolumeInfo) -> String {
+    format!(
+        "volume {}\n  size         {} bytes\n  copies       {}\n  min-in-sync  {}\n  nodes        {}\n  raft group   {}{}",
+        volume.name,
+        volume.size,
+        volume.copies,
+        volume.min_in_sync,
+        nodes(&volume.placement),
+        volume.group,
+        if volume.group == 0 {
+            " (the cluster group: the volume the nodes' config names)"
+        } else {
+            ""
+        }
+    )
+}
+
+fn nodes(placement: &[u64]) -> String {
+    let ids: Vec<String> = placement.iter().map(u64::to_string).collect();
+    ids.join(",")
+}
+
+/// How many times a change follows a redirect to the cluster leader.
+const REDIRECTS: usize = 3;
+
+/// `volume create`: asks `addr`, then wherever it says the leader is.
+async fn create(addr: &str, tls: &ClientTls, request: VolumeCreateRequest) -> ExitCode {
+    let mut at = addr.to_string();
+    for _ in 0..REDIRECTS {
+        let outcome = Admin::new(&at, tls)
+            .ask(request.clone(), CHANGE_DEADLINE)
+            .await;
+        match outcome {
+            Ok(reply) if !reply.redirect.is_empty() => at = reply.redirect,
+            Ok(reply) => {
+                let Some(volume) = reply.volume else {
+                    return failure("volume create: the node answered without the volume");
+                };
+                let what = if reply.created {
+                    "created"
+                } else {
+                    "exists as asked"
+                };
+                println!("volume {} {what}\n{}", volume.name, details(&volume));
+                return ExitCode::SUCCESS;
+            }
+            Err(err) => return failure(format!("volume create {}: {err}", request.name)),
+        }
+    }
+    failure(format!(
+        "volume create {}: the cluster group's leadership kept moving; try again",
+        request.name
+    ))
+}
+
+/// `volume delete`: asks `addr`, then wherever it says the leader is.
+async fn delete(addr: &str, tls: &ClientTls, request: VolumeDeleteRequest) -> ExitCode {
+    let mut at = addr.to_string();
+    for _ in 0..REDIRECTS {
+        let outcome = Admin::new(&at, tls)
+            .ask(request.clone(), CHANGE_DEADLINE)
+            .await;
+        match outcome {
+            Ok(reply) if !reply.redirect.is_empty() => at = reply.redirect,
+            Ok(_) => {
+                println!("volume {} deleted", request.name);
+                return ExitCode::SUCCESS;
+            }
+            Err(err) => return failure(format!("volume delete {}: {err}", request.name)),
+        }
+    }
+    failure(format!(
+        "volume delete {}: the cluster group's leadership kept moving; try again",
+        request.name
+    ))
+}

@@ -1,0 +1,313 @@
+//! Volume changes through the cluster group (group 0): what `volume
+//! create` and `volume delete` do on the node that leads it, and the
+//! table `volume list` shows.
+//!
+//! Creation, on the leader:
+//! 1. The request is completed with the defaults (3 copies, or every node
+//!    when there are fewer; `min_in_sync` 2, or 1 for a single copy) and
+//!    checked against the table as it stands, so that a bad name, size or
+//!    copy count gets its own error before anything is proposed.
+//! 2. Every member of the cluster group is asked (`Node.Hello`) for its
+//!    room and what its build knows. A member that answers without
+//!    [`FEATURE_GROUPS`] would fail to apply the table entry (and would take
+//!    another group's messages for group 0's), so nothing is created while
+//!    one does. Before the first volume of the table, every member must
+//!    answer; after it, every member has said so once, and one that does
+//!    not answer now is only left out of the placement.
+//! 3. `CreateVolume` is committed in the leader's term, with the offers;
+//!    applying it places the copies and records the founders
+//!    ([`crate::raft::volume_table`]), the same on every node. A client
+//!    that asks again gets the same volume (idempotent by name).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::ServerState;
+
+use super::hello::{FEATURE_GROUPS, free_bytes};
+use crate::api::admin::{VolumeChanges, VolumeError};
+use crate::ha::HaError;
+use crate::ids::{GroupId, MemberId, NodeId, Term, VolumeId};
+use crate::net::Transport;
+use crate::raft::volume_table::{Offer, VolumeEntry, VolumeRequest};
+use crate::raft::{RaftCoordinator, Request};
+use crate::replica::peer::channels::hello;
+
+/// How long a member may take to say how much room it has.
+const OFFER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The default copy count, when the cluster has that many nodes.
+pub const DEFAULT_COPIES: usize = 3;
+
+/// The default `min_in_sync`, when the volume has that many copies.
+pub const DEFAULT_MIN_IN_SYNC: usize = 2;
+
+/// The volume table's changes on this node; see the module docs.
+pub struct VolumeTableChanges {
+    /// The cluster group's coordinator.
+    cluster: Arc<RaftCoordinator>,
+    transport: Transport,
+    cluster_id: String,
+    /// This node's data dir: its own room.
+    data_dir: PathBuf,
+    /// Every node's gRPC address from the configuration, where the
+    /// membership records none.
+    configured: BTreeMap<NodeId, String>,
+}
+
+impl VolumeTableChanges {
+    /// The changes made through `cluster` (group 0's coordinator).
+    pub fn new(
+        cluster: Arc<RaftCoordinator>,
+        transport: Transport,
+        cluster_id: String,
+        data_dir: PathBuf,
+        configured: BTreeMap<NodeId, String>,
+    ) -> Self {
+        Self {
+            cluster,
+            transport,
+            cluster_id,
+            data_dir,
+            configured,
+        }
+    }
+
+    /// The voters of the cluster group with their gRPC addresses.
+    fn members(&self) -> BTreeMap<MemberId, String> {
+        let applied = self.cluster.state_machine().current();
+        let membership = applied.membership.membership();
+        membership
+            .nodes()
+            .filter(|(member, _)| membership.voter_ids().any(|voter| voter == **member))
+            .map(|(member, node)| {
+                let addr = match node.addr.is_empty() {
+                    false => node.addr.clone(),
+                    true => self
+                        .configured
+                        .get(&member.node())
+                        .cloned()
+                        .unwrap_or_default(),
+                };
+                (*member, addr)
+            })
+            .collect()
+    }
+
+    /// The term this node leads the cluster group in, or who leads it.
+    fn leading(&self) -> Result<Term, VolumeError> {
+        let metrics = self.cluster.raft().metrics().borrow().clone();
+        let me = self.cluster.member();
+        if metrics.state == ServerState::Leader && metrics.current_leader == Some(me) {
+            return Ok(Term(metrics.current_term));
+        }
+        let leader = metrics.current_leader.map(|leader| {
+            let addr = self.members().get(&leader).cloned().unwrap_or_default();
+            (leader.node(), addr)
+        });
+        Err(VolumeError::NotLeader(
+            leader.filter(|(_, addr)| !addr.is_empty()),
+        ))
+    }
+
+    /// Every member's offer of room (see the module docs, step 2).
+    async fn offers(
+        &self,
+        members: &BTreeMap<MemberId, String>,
+    ) -> Result<Vec<Offer>, VolumeError> {
+        let first = self
+            .cluster
+            .state_machine()
+            .current()
+            .control
+            .volumes
+            .is_empty();
+        let me = self.cluster.member();
+        let asks = members.iter().map(|(member, addr)| async move {
+            if *member == me {
+                return (*member, Ok((FEATURE_GROUPS, free_bytes(&self.data_dir))));
+            }
+            let reply = hello(
+                &self.transport,
+                &self.cluster_id,
+                me.node(),
+                member.node(),
+                addr,
+                OFFER_TIMEOUT,
+            )
+            .await;
+            let answer = reply.map_err(|err| err.to_string()).and_then(|reply| {
+                match MemberId(reply.member) == *member {
+                    true => Ok((reply.features, Some(reply.free_bytes))),
+                    false => Err(format!(
+                        "it runs as {}, not as the member {member} the cluster names",
+                        MemberId(reply.member)
+                    )),
+                }
+            });
+            (*member, answer)
+        });
+        let mut offers = Vec::new();
+        for (member, answer) in futures::future::join_all(asks).await {
+            let free = match answer {
+                Ok((features, _)) if features & FEATURE_GROUPS == 0 => {
+                    return Err(VolumeError::Refused(format!(
+                        "node {} runs an earlier build that knows no volume groups; upgrade \
+                         every node before creating volumes",
+                        member.node()
+                    )));
+                }
+                Ok((_, free)) => free,
+                Err(why) if first => {
+                    return Err(VolumeError::Refused(format!(
+                        "node {} did not answer ({why}); before the first volume is created \
+                         every member must say that it knows volume groups",
+                        member.node()
+                    )));
+                }
+                Err(why) => {
+                    tracing::info!(node = %member.node(), %why, "left out of the placement");
+                    None
+                }
+            };
+            offers.push(Offer { member, free });
+        }
+        Ok(offers)
+    }
+
+    /// Commits `request` in `term`; a refusal is the table's.
+    async fn commit(
+        &self,
+        term: Term,
+        request: Request,
+    ) -> Result<crate::raft::Response, VolumeError> {
+        self.cluster
+            .commit(term, request)
+            .await
+            .map_err(|err| match err {
+                HaError::Refused(why) => VolumeError::Refused(why),
+                other => VolumeError::Failed(format!(
+                    "the change was not committed ({other}); ask again"
+                )),
+            })
+    }
+}
+
+/// `request` with its defaults filled in, for a cluster of `nodes` nodes.
+pub fn with_defaults(mut request: VolumeRequest, nodes: usize) -> VolumeRequest {
+    if request.copies == 0 {
+        request.copies = DEFAULT_COPIES.min(nodes.max(1));
+    }
+    if request.min_in_sync == 0 {
+        request.min_in_sync = DEFAULT_MIN_IN_SYNC.min(request.copies);
+    }
+    request
+}
+
+#[async_trait::async_trait]
+impl VolumeChanges for VolumeTableChanges {
+    fn list(&self) -> Vec<VolumeEntry> {
+        let applied = self.cluster.state_machine().current();
+        let own = applied.control.volume.as_ref().map(|spec| {
+            let members: Vec<_> = self.members().into_keys().collect();
+            VolumeEntry {
+                id: VolumeId(spec.name.clone()),
+                size: applied.control.volume_size().unwrap_or(spec.size),
+                copies: members.len(),
+                min_in_sync: spec.min_in_sync,
+                placement: members.iter().map(|m| m.node()).collect(),
+                founders: Default::default(),
+                group: GroupId::FIRST,
+            }
+        });
+        own.into_iter()
+            .chain(applied.control.volumes.volumes().cloned())
+            .collect()
+    }
+
+    async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError> {
+        let term = self.leading()?;
+        let members = self.members();
+        let request = with_defaults(request, members.len());
+        let control = self.cluster.state_machine().current().control;
+        if control
+            .volume
+            .as_ref()
+            .is_some_and(|v| v.name == request.name)
+        {
+            return Err(VolumeError::ClusterVolume(request.name));
+        }
+        // The table's own checks first, with every member assumed to have
+        // room: a bad request gets its own error before anyone is asked.
+        let assumed: Vec<_> = members
+            .keys()
+            .map(|member| Offer {
+                member: *member,
+                free: Some(u64::MAX),
+            })
+            .collect();
+        control.volumes.clone().create(&request, &assumed)?;
+        let offers = self.offers(&members).await?;
+        let mut check = control.volumes.clone();
+        check.create(&request, &offers)?;
+        let response = self
+            .commit(
+                term,
+                Request::CreateVolume {
+                    volume: request,
+                    offers,
+                },
+            )
+            .await?;
+        let volume = response
+            .volume
+            .ok_or_else(|| VolumeError::Failed("the table returned no volume".into()))?;
+        Ok((volume, response.created))
+    }
+
+    async fn delete(&self, name: VolumeId, _force: bool) -> Result<VolumeEntry, VolumeError> {
+        let term = self.leading()?;
+        let control = self.cluster.state_machine().current().control;
+        if control.volume.as_ref().is_some_and(|v| v.name == name.0) {
+            return Err(VolumeError::Refused(format!(
+                "volume {name} is the cluster group's own and cannot be deleted"
+            )));
+        }
+        if control.volumes.get(&name).is_none() {
+            return Err(crate::raft::volume_table::TableError::Unknown(name).into());
+        }
+        let response = self.commit(term, Request::DeleteVolume { name }).await?;
+        response
+            .volume
+            .ok_or_else(|| VolumeError::Failed("the table returned no volume".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked(copies: usize, min_in_sync: usize) -> VolumeRequest {
+        VolumeRequest {
+            name: "v".into(),
+            size: 4096,
+            copies,
+            min_in_sync,
+        }
+    }
+
+    #[test]
+    fn defaults_are_three_copies_and_two_in_sync_or_what_the_cluster_has() {
+        let filled = |copies, min, nodes| {
+            let r = with_defaults(asked(copies, min), nodes);
+            (r.copies, r.min_in_sync)
+        };
+        assert_eq!(filled(0, 0, 5), (3, 2));
+        assert_eq!(filled(0, 0, 2), (2, 2));
+        assert_eq!(filled(0, 0, 1), (1, 1));
+        assert_eq!(filled(5, 0, 5), (5, 2));
+        assert_eq!(filled(2, 1, 5), (2, 1));
+    }
+}

@@ -1,0 +1,144 @@
+//! Many volumes per cluster, with real node processes: the volume table in
+//! the cluster group (group 0), through the CLI and the admin API.
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::Cluster;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The names, groups and placements `volume list` prints on node `id`.
+async fn listed(cluster: &Cluster, id: u64) -> Vec<(String, String, String)> {
+    let (ok, out, err) = cluster.cli(id, &["volume", "list"]).await;
+    assert!(ok, "volume list: {err}");
+    out.lines()
+        .skip(1)
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            (
+                words[0].to_string(),
+                words[4].to_string(),
+                words[5].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Polls until `volume list` on node `id` shows `want`.
+async fn wait_listed(cluster: &Cluster, id: u64, want: &[(&str, &str, &str)]) {
+    let want: Vec<_> = want
+        .iter()
+        .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
+        .collect();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let now = listed(cluster, id).await;
+        if now == want {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node {id} lists {now:?}, not {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_are_created_once_by_name_listed_everywhere_and_deleted() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    let (leader, _) = cluster.wait_for_leader(&[1, 2, 3], WAIT).await;
+    let follower = [1, 2, 3].into_iter().find(|id| *id != leader).unwrap();
+    // The configured volume is the cluster group's own.
+    wait_listed(&cluster, follower, &[("vol0", "0", "1,2,3")]).await;
+
+    // Asked of a follower: it names the leader, and the CLI asks there.
+    let (ok, out, err) = cluster
+        .cli(follower, &["volume", "create", "db", "--size", "64MiB"])
+        .await;
+    assert!(ok, "create: {out} {err}");
+    assert!(out.contains("volume db created"), "{out}");
+    assert!(out.contains("copies       3"), "{out}");
+    for id in [1, 2, 3] {
+        wait_listed(
+            &cluster,
+            id,
+            &[("vol0", "0", "1,2,3"), ("db", "1", "1,2,3")],
+        )
+        .await;
+    }
+    // Again, as asked: the same volume, nothing new.
+    let (ok, out, _) = cluster
+        .cli(leader, &["volume", "create", "db", "--size", "64MiB"])
+        .await;
+    assert!(ok && out.contains("exists as asked"), "{out}");
+
+    // Refusals, each with its reason, changing nothing.
+    for (args, why) in [
+        (
+            &["volume", "create", "db", "--size", "128MiB"][..],
+            "exists with another size",
+        ),
+        (
+            &["volume", "create", "vol0", "--size", "64MiB"],
+            "cluster group's own",
+        ),
+        (
+            &["volume", "create", "Bad", "--size", "64MiB"],
+            "bad volume name",
+        ),
+        (
+            &["volume", "create", "odd", "--size", "1000"],
+            "bad volume size",
+        ),
+        (
+            &[
+                "volume",
+                "create",
+                "wide",
+                "--size",
+                "1MiB",
+                "--replicas",
+                "4",
+            ],
+            "4 copies asked for",
+        ),
+        (&["volume", "delete", "nope"], "no volume nope"),
+        (&["volume", "delete", "vol0"], "cannot be deleted"),
+    ] {
+        let (ok, out, err) = cluster.cli(leader, args).await;
+        assert!(!ok && err.contains(why), "{args:?}: {out} {err}");
+    }
+    let (ok, out, _) = cluster.cli(follower, &["volume", "show", "db"]).await;
+    assert!(ok && out.contains("raft group   1"), "{out}");
+
+    let (ok, out, err) = cluster.cli(follower, &["volume", "delete", "db"]).await;
+    assert!(ok, "delete: {out} {err}");
+    for id in [1, 2, 3] {
+        wait_listed(&cluster, id, &[("vol0", "0", "1,2,3")]).await;
+    }
+    // A group is never reused: the next volume gets a new one.
+    let (ok, out, err) = cluster
+        .cli(
+            leader,
+            &[
+                "volume",
+                "create",
+                "db",
+                "--size",
+                "64MiB",
+                "--replicas",
+                "2",
+            ],
+        )
+        .await;
+    assert!(ok, "{out} {err}");
+    let (ok, out, _) = cluster.cli(leader, &["volume", "show", "db"]).await;
+    assert!(
+        ok && out.contains("raft group   2") && out.contains("copies       2"),
+        "{out}"
+    );
+}
