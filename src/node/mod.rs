@@ -466,7 +466,7 @@ async fn start_raft(
         &RaftDb::new(db),
         node,
         config.timing,
-        &runtime,
+        runtime.handle(),
     )
     .await
     .map_err(failed)?;

@@ -36,7 +36,6 @@ use super::network::Peers;
 use super::state_machine::Applied;
 use super::{MemberId, NodeId, Raft, Request, Response, StateMachine, Term, WriterRecord};
 use crate::ha::{Coordinator, HaError, InSyncError, InSyncTracker, Leadership, Lease, Writer};
-use crate::ids::GroupId;
 use crate::proto::raft::TransferRequest;
 
 /// Raft's timing. The defaults fail over in well under a second on
@@ -485,14 +484,11 @@ async fn watch_leadership(
         let now = Instant::now();
         let (lease, leadership) = {
             let m = metrics.borrow_and_update();
-            // The book is the node's (S8 admission for every group): only
-            // the group whose membership is the node list keeps it, today
-            // the first; another group's membership is its own.
-            if peers.group() == GroupId::FIRST {
-                peers
-                    .book()
-                    .set(book_entries(m.membership_config.membership()));
-            }
+            // The group's book; group 0's is the node's (S8 admission for
+            // every group), as its membership is the node list.
+            peers
+                .book()
+                .set(book_entries(m.membership_config.membership()));
             let term = Term(m.current_term);
             let leads = m.state == ServerState::Leader && m.current_leader == Some(id);
             let lease = if leads {

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::network::{Network, PeerBook, Peers};
-use super::runtime::RaftRuntime;
 use super::storage::RaftDb;
 use super::{LogStore, MemberId, Raft, RaftCoordinator, RaftTiming, StateMachine};
 use crate::ids::GroupId;
@@ -27,7 +26,8 @@ pub struct RaftGroup {
 }
 
 impl RaftGroup {
-    /// Starts group `id` of member `member` on `runtime`, over `db` and
+    /// Starts group `id` of member `member` on `runtime` (Raft's, see
+    /// [`super::runtime`]), over `db` and
     /// `node`; once openraft has loaded a stored membership, if there is
     /// one (so that a peer asking whether this node has Raft state gets
     /// the truth at once).
@@ -37,7 +37,7 @@ impl RaftGroup {
         db: &RaftDb,
         node: Arc<PeerBook>,
         timing: RaftTiming,
-        runtime: &RaftRuntime,
+        runtime: &tokio::runtime::Handle,
     ) -> Result<Self, String> {
         let log_store = LogStore::of_group(db, id).map_err(|e| e.to_string())?;
         let state_machine = StateMachine::of_group(db, id)?;
@@ -48,14 +48,15 @@ impl RaftGroup {
         // Inside Raft's runtime, so the core and replication tasks that
         // openraft spawns live there.
         let raft = runtime
-            .run({
+            .spawn({
                 let network = Network::new(Arc::clone(&peers));
                 let state_machine = state_machine.clone();
                 async move {
                     Raft::new(member, Arc::new(config), network, log_store, state_machine).await
                 }
             })
-            .await?
+            .await
+            .map_err(|e| format!("raft runtime task: {e}"))?
             .map_err(|e| format!("raft: {e}"))?;
         // openraft's metrics show the stored membership only once its core
         // has reported, so wait for that when there is state to show.
@@ -70,7 +71,7 @@ impl RaftGroup {
         }
         let coordinator = {
             // The lease watcher is spawned here: on Raft's runtime.
-            let _on_raft = runtime.handle().enter();
+            let _on_raft = runtime.enter();
             RaftCoordinator::start(raft.clone(), state_machine, Arc::clone(&peers), timing)
         };
         Ok(Self {

@@ -38,6 +38,21 @@ impl RaftDb {
         self.db.open_tree(tree_name(group, name))
     }
 
+    /// Drops every tree of group `group` (a deleted volume's), durably.
+    /// The group must not run. Never group 0's.
+    pub async fn drop_group(&self, group: GroupId) -> sled::Result<()> {
+        if group == GroupId::FIRST {
+            return Ok(());
+        }
+        let prefix = tree_name(group, "");
+        for name in self.db.tree_names() {
+            if name.starts_with(prefix.as_bytes()) {
+                self.db.drop_tree(&name)?;
+            }
+        }
+        self.flusher.flush().await
+    }
+
     /// The flusher every group's durable writes go through.
     pub fn flusher(&self) -> &Flusher {
         &self.flusher

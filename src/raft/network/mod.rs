@@ -78,7 +78,7 @@ mod server;
 mod votes;
 
 pub use client::{Network, PeerClient};
-pub use server::RaftService;
+pub use server::{RaftService, ServedGroups};
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -128,6 +128,9 @@ pub struct Peers {
     node: Arc<PeerBook>,
     /// The Raft group whose messages these are.
     group: GroupId,
+    /// The group's membership, as its coordinator last saw it: for group
+    /// 0 (the cluster group, every node) the node's own book.
+    members: Arc<MemberBook>,
     /// Votes are refused until then (the start-up window).
     votes_from: Instant,
     /// When a leader was last heard (append entries) or a vote granted.
@@ -188,9 +191,14 @@ impl Peers {
         group: GroupId,
         election_timeout_max: Duration,
     ) -> Arc<Self> {
+        let members = match group {
+            GroupId::FIRST => Arc::clone(&node.book),
+            _ => Arc::default(),
+        };
         Arc::new(Self {
             node,
             group,
+            members,
             votes_from: Instant::now() + election_timeout_max,
             leader_contact: Mutex::new(Instant::now()),
             acks: Mutex::default(),
@@ -212,6 +220,26 @@ impl Peers {
     /// The Raft group every message of these peers names.
     pub fn group(&self) -> GroupId {
         self.group
+    }
+
+    /// The group's membership (see [`crate::members`]); the node's book,
+    /// which admits peers (S8), is [`PeerBook::book`], reached through
+    /// [`Peers::node`].
+    pub fn book(&self) -> &Arc<MemberBook> {
+        &self.members
+    }
+
+    /// The group's other members; before the group has a membership, the
+    /// node's peers.
+    pub fn peer_ids(&self) -> Vec<NodeId> {
+        let members = self.members.entries();
+        match members.is_empty() {
+            true => self.node.peer_ids(),
+            false => members
+                .into_keys()
+                .filter(|id| *id != self.node.self_id)
+                .collect(),
+        }
     }
 
     /// Records that `peer` accepted our vote of `term` in a request sent at
@@ -322,7 +350,7 @@ impl PeerBook {
         self.self_member
     }
 
-    /// The member book the coordinator keeps.
+    /// The node's member book: the cluster group's membership.
     pub fn book(&self) -> &Arc<MemberBook> {
         &self.book
     }

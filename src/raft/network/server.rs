@@ -11,43 +11,102 @@ fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
         .map_err(|e| Status::invalid_argument(format!("malformed Raft message: {e}")))
 }
 
-/// The server side: hands Raft's RPCs to the local openraft instance of the
-/// group they name. Each handler runs on the Raft runtime when there is
-/// one.
-pub struct RaftService {
-    /// Admits every message (S8, S9), whichever group it names.
+/// The Raft groups a node serves, by id: shared by its Raft server and
+/// the node, which adds and removes volume groups while the server runs.
+/// Every group is over the same node's [`PeerBook`], whose admission the
+/// server applies to every message (S8, S9) before it looks the group up.
+#[derive(Clone)]
+pub struct ServedGroups {
     node: Arc<PeerBook>,
-    /// The groups this node runs, by id.
-    groups: BTreeMap<GroupId, (Raft, Arc<Peers>)>,
+    groups: Arc<std::sync::RwLock<BTreeMap<GroupId, (Raft, Arc<Peers>)>>>,
 }
 
-impl RaftService {
-    /// A service for `raft`, the group of `peers`.
-    pub fn new(raft: Raft, peers: Arc<Peers>) -> Self {
-        let node = Arc::clone(peers.node());
-        let groups = [(peers.group(), (raft, peers))].into();
-        Self { node, groups }
+impl ServedGroups {
+    /// No group yet, over `node`'s book.
+    pub fn new(node: Arc<PeerBook>) -> Self {
+        Self {
+            node,
+            groups: Arc::default(),
+        }
     }
 
-    /// The same service, serving `raft` too, the group of `peers`. Refused
-    /// for a group it serves already, or peers over another node's
-    /// [`PeerBook`] (whose admission would not be the one applied).
-    pub fn with_group(mut self, raft: Raft, peers: Arc<Peers>) -> Result<Self, String> {
+    /// Serves `raft`, the group of `peers`, from now on. Refused for a
+    /// group served already, or peers over another node's [`PeerBook`]
+    /// (whose admission would not be the one applied).
+    pub fn insert(&self, raft: Raft, peers: Arc<Peers>) -> Result<(), String> {
         if !Arc::ptr_eq(peers.node(), &self.node) {
             return Err(format!(
                 "group {} is of another node's peer book",
                 peers.group()
             ));
         }
-        match self.groups.entry(peers.group()) {
+        let mut groups = self.groups.write().unwrap_or_else(|p| p.into_inner());
+        match groups.entry(peers.group()) {
             std::collections::btree_map::Entry::Occupied(_) => {
                 Err(format!("group {} is served already", peers.group()))
             }
             std::collections::btree_map::Entry::Vacant(slot) => {
                 slot.insert((raft, peers));
-                Ok(self)
+                Ok(())
             }
         }
+    }
+
+    /// Stops serving `group`: its messages are `NOT_FOUND` from now on.
+    pub fn remove(&self, group: GroupId) -> Option<(Raft, Arc<Peers>)> {
+        let mut groups = self.groups.write().unwrap_or_else(|p| p.into_inner());
+        groups.remove(&group)
+    }
+
+    /// The group `group`, if it is served.
+    pub fn get(&self, group: GroupId) -> Option<(Raft, Arc<Peers>)> {
+        let groups = self.groups.read().unwrap_or_else(|p| p.into_inner());
+        groups
+            .get(&group)
+            .map(|(raft, peers)| (raft.clone(), Arc::clone(peers)))
+    }
+}
+
+/// The server side: hands Raft's RPCs to the local openraft instance of the
+/// group they name. Each handler runs on the Raft runtime when there is
+/// one.
+pub struct RaftService {
+    /// Admits every message (S8, S9), whichever group it names.
+    node: Arc<PeerBook>,
+    /// The groups this node runs.
+    groups: ServedGroups,
+}
+
+impl RaftService {
+    /// A service for `raft`, the group of `peers`.
+    pub fn new(raft: Raft, peers: Arc<Peers>) -> Self {
+        let groups = ServedGroups::new(Arc::clone(peers.node()));
+        groups
+            .groups
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peers.group(), (raft, peers));
+        Self::serving(groups)
+    }
+
+    /// A service for every group in `groups`, now and later.
+    pub fn serving(groups: ServedGroups) -> Self {
+        Self {
+            node: Arc::clone(&groups.node),
+            groups,
+        }
+    }
+
+    /// The groups this service serves.
+    pub fn groups(&self) -> &ServedGroups {
+        &self.groups
+    }
+
+    /// The same service, serving `raft` too, the group of `peers`. Refused
+    /// as [`ServedGroups::insert`] refuses.
+    pub fn with_group(self, raft: Raft, peers: Arc<Peers>) -> Result<Self, String> {
+        self.groups.insert(raft, peers)?;
+        Ok(self)
     }
 
     /// The tonic server of this service (the transport sets its limits).
@@ -66,8 +125,8 @@ impl RaftService {
         let from = self
             .node
             .admit(caller, envelope.cluster_id, envelope.from, envelope.to)?;
-        match self.groups.get(&GroupId(envelope.group)) {
-            Some((raft, peers)) => Ok((raft.clone(), Arc::clone(peers), from)),
+        match self.groups.get(GroupId(envelope.group)) {
+            Some((raft, peers)) => Ok((raft, peers, from)),
             None => Err(Status::not_found(format!(
                 "node {} runs no Raft group {}",
                 self.node.self_id, envelope.group

@@ -94,7 +94,7 @@ impl Peers {
         candidate: NodeId,
         member: Option<MemberId>,
     ) -> Option<String> {
-        let book = self.book.entries();
+        let book = self.members.entries();
         if book.is_empty() {
             return None;
         }
