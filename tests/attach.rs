@@ -15,7 +15,7 @@ use common::cluster::{BIN, Cluster, one_cluster_at_a_time};
 use replica_ha::attach::follow::{Following, Upstream};
 use replica_ha::attach::watch::{Seen, Writer};
 use replica_ha::ids::{NodeId, Term};
-use replica_ha::nbd::{Export, NbdStats};
+use replica_ha::nbd::{Export, Exports, NbdStats};
 use replica_ha::volume::{Device, DeviceError};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -93,10 +93,11 @@ async fn writer(device: Arc<Recorder>, node: u64, term: u64) -> Writer {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let export = Arc::new(Export::new("vol0", "a writer", device as Arc<dyn Device>));
+    let exports = Exports::single(export);
     let (_stop, stopped) = watch::channel(false);
     tokio::spawn(async move {
         let _keep = _stop;
-        replica_ha::nbd::serve(listener, export, Arc::new(NbdStats::default()), stopped).await
+        replica_ha::nbd::serve(listener, exports, Arc::new(NbdStats::default()), stopped).await
     });
     Writer {
         node: NodeId(node),

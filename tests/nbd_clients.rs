@@ -95,6 +95,24 @@ async fn real_clients_use_the_writer_and_a_follower_is_read_only() {
         assert_eq!(export[flag], true, "{flag} in {info}");
     }
 
+    // nbdinfo --list sees the one listener's exports by name, with their
+    // descriptions; a name the node does not hold is refused (nbdinfo
+    // shows the refusal, not its text: the unit tests check that).
+    let listed = run_ok("nbdinfo", &["--list", "--json", &format!("nbd://{nbd}")]).await;
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let exports = listed["exports"].as_array().expect("a list of exports");
+    assert_eq!(exports.len(), 1, "{listed}");
+    assert_eq!(exports[0]["export-name"], "vol0", "{listed}");
+    let description = exports[0]["description"].as_str().unwrap_or_default();
+    assert!(description.contains("replica-ha volume vol0"), "{listed}");
+    let unknown = run("nbdinfo", &[&format!("nbd://{nbd}/nope")]).await;
+    let said = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success(), "{unknown:?}");
+    assert!(
+        said.contains("No such file or directory for export: nope"),
+        "{said}"
+    );
+
     // qemu-io writes a pattern and reads it back.
     let written = qemu_io(
         nbd,

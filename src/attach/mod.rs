@@ -42,7 +42,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 
 use crate::ids::NodeId;
-use crate::nbd::{Export, NbdStats};
+use crate::nbd::{Export, Exports, NbdStats};
 use crate::net::Transport;
 use follow::{Following, Upstream};
 
@@ -128,18 +128,18 @@ pub async fn run(
         },
         &mut tasks,
     );
-    let export = Arc::new(Export::new(
+    let exports = Exports::single(Arc::new(Export::new(
         &config.volume,
         format!("replica-ha volume {} through attach", config.volume),
         Arc::new(following),
-    ));
+    )));
     let unix = bind_socket(&config.socket)?;
     let (stopping, stopped) = tokio::sync::watch::channel(false);
     let stats = Arc::new(NbdStats::default());
     let mut servers = JoinSet::new();
     servers.spawn(crate::nbd::serve(
         unix,
-        Arc::clone(&export),
+        exports.clone(),
         Arc::clone(&stats),
         stopped.clone(),
     ));
@@ -147,7 +147,7 @@ pub async fn run(
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| AttachError::Listen { addr, source })?;
-        servers.spawn(crate::nbd::serve(tcp, export, stats, stopped));
+        servers.spawn(crate::nbd::serve(tcp, exports, stats, stopped));
     }
     tracing::info!(
         socket = %config.socket.display(),

@@ -1,31 +1,41 @@
-//! The NBD server: how programs use the volume.
+//! The NBD server: how programs use the volumes.
 //!
-//! Each node exports the volume over the Network Block Device protocol
-//! (fixed newstyle, simple replies) on its `nbd` address, as one export named
-//! after the volume; the empty name (the client's default) means it too.
+//! Each node serves the volumes it holds a copy of over the Network Block
+//! Device protocol (fixed newstyle, simple replies) on its `nbd` address,
+//! one listener for all of them, each an export named after its volume.
 //! Any NBD client works: `qemu-io`, `qemu-img`, `nbdcopy`, `nbdfuse`,
 //! `nbd-client` for a kernel `/dev/nbdX`, fio's `nbd` engine.
 //!
-//! - **Writer and passive nodes.** The export is writable when the client
-//!   connects to the active writer, and read-only (`NBD_FLAG_READ_ONLY`)
-//!   otherwise. Every write still goes through the gate
+//! - **Which export.** The listener serves a registry, [`Exports`], that
+//!   the node fills and empties as volumes come and go; a client picks an
+//!   export by name (`GO`, `INFO`, `EXPORT_NAME`) and `LIST` lists them.
+//!   The empty name (the client's default) is the registry's default
+//!   export: the node's configured volume. A name this node does not hold
+//!   is refused with the node's words for it (which nodes hold it). A
+//!   connection keeps the export it chose even if the registry drops it.
+//!   See [`Exports`].
+//! - **Writer and passive nodes.** An export is writable when the client
+//!   connects to its volume's active writer, and read-only
+//!   (`NBD_FLAG_READ_ONLY`) otherwise. Every write still goes through the gate
 //!   ([`crate::ha::ActiveDevice`]), and a writable session is bound to the
 //!   gate's term: once that gate closes (lease lost, demotion, a newer term)
 //!   the session answers what it completed and the connection closes; a
 //!   request that met the closed gate gets no reply, never `ESHUTDOWN` and
 //!   never a silent success (design C1, see [`transmission`]). Clients
 //!   reconnect to the new writer and retry there.
-//! - **Who may use it (S9).** With `nbd_tls`, a client that upgrades
+//! - **Who may use it (S9).** Admission is the listener's, the same for
+//!   every export, since a client upgrades and is admitted before it
+//!   names one. With `nbd_tls`, a client that upgrades
 //!   presents a certificate of the cluster CA (required with
 //!   `nbd_client_auth`), and its identity decides: a node of the current
 //!   membership and an `admin` or `user` client may write; a `viewer` gets
-//!   a read-only export (`EPERM` for a write sent anyway); a node that is
+//!   read-only exports (`EPERM` for a write sent anyway); a node that is
 //!   not a member (removed by `members remove`) is refused by the same
 //!   guard as the replica service's ([`crate::net::Audience::Volume`]),
 //!   and a certificate that names no identity of this cluster is refused,
 //!   both with the reason (`NBD_REP_ERR_POLICY`); a session whose node is
 //!   removed while it is open is closed (see [`transmission`]). A client without a
-//!   certificate gets what the node grants it ([`Export::with_anonymous`];
+//!   certificate gets what the node grants it ([`Exports::with_anonymous`];
 //!   see `node::config` for how that follows from the listen address).
 //! - **Fenced reads.** A passive node serves reads of its own replica only
 //!   while that replica is in the committed in-sync set
@@ -45,15 +55,18 @@
 //! - **Limits**: one request reads or writes at most [`MAX_REQUEST_LEN`]
 //!   bytes (32 MiB, the protocol's default maximum, so clients need no
 //!   negotiation); larger ones get `EINVAL`. Each connection holds at most
-//!   128 MiB of requests in flight, and all connections together execute at
-//!   most [`DEVICE_BUDGET_BYTES`] at once; at most [`MAX_CONNECTIONS`] connections
-//!   are served at once; a client has [`HANDSHAKE_TIMEOUT`] to finish the
-//!   handshake.
+//!   128 MiB of requests in flight, and all connections to one export
+//!   together execute at most [`DEVICE_BUDGET_BYTES`] at once; at most
+//!   [`MAX_CONNECTIONS`] connections are served at once by one listener,
+//!   whichever exports they chose; a client has [`HANDSHAKE_TIMEOUT`] to
+//!   finish the handshake. [`NbdStats`] count the listener's connections,
+//!   all exports together.
 //! - **Bad input** never panics and never writes: malformed option data gets
 //!   an error reply, a malformed request header closes the connection after
 //!   the requests before it are answered.
 
 pub mod client;
+mod exports;
 mod handshake;
 mod transmission;
 pub mod wire;
@@ -67,6 +80,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 
+pub use exports::{Exports, Lookup};
 pub use transmission::{CLOSE_GRACE, errno};
 
 use crate::certs::PeerIdentity;
@@ -82,30 +96,27 @@ pub const MAX_CONNECTIONS: usize = 128;
 /// How long a client may take to pick an export.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The bytes of requests executing against the device at once, across all
-/// connections. Queueing stays in the NBD server instead of piling onto
+/// The bytes of requests executing against one export's device at once,
+/// across all its connections. Queueing stays in the NBD server instead of piling onto
 /// the replicas' gRPC streams, where it would delay Raft heartbeats behind
 /// data and cost the writer its lease under a flood (nbdcopy with four
 /// connections of 64 requests did exactly that before this limit).
 pub const DEVICE_BUDGET_BYTES: u64 = 32 * 1024 * 1024;
 
-/// The one export a node serves.
+/// One export: a volume, by name, over its gated device.
 pub struct Export {
     /// The export name (the volume name).
     pub name: String,
-    /// A line for `NBD_INFO_DESCRIPTION`.
+    /// A line for `NBD_INFO_DESCRIPTION` and `NBD_OPT_LIST`.
     pub description: String,
     /// The gated device.
     pub device: Arc<dyn Device>,
-    /// Shared by every connection; see [`DEVICE_BUDGET_BYTES`].
+    /// Shared by every connection to this export; see
+    /// [`DEVICE_BUDGET_BYTES`].
     executing: Semaphore,
-    /// TLS (`nbd_tls`), when on.
-    tls: Option<ExportTls>,
-    /// What a client that presents no certificate may do.
-    anonymous: Grant,
 }
 
-/// What a client may do with the export, as its certificate (or the lack
+/// What a client may do with an export, as its certificate (or the lack
 /// of one) says; the device then decides what it can have now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Grant {
@@ -127,16 +138,8 @@ pub enum Client {
     Unnamed(String),
 }
 
-/// Why the export is not offered to a client.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Refusal {
-    /// The client may not use it at all (its certificate's fault).
-    Policy(String),
-    /// This node may not serve it now (S10).
-    Unavailable(DeviceError),
-}
-
-/// How an export speaks TLS.
+/// How a listener speaks TLS (`nbd_tls`): the node's, the same for every
+/// export it serves.
 #[derive(Debug, Clone)]
 pub struct ExportTls {
     /// The node's credentials (reloaded on SIGHUP: each handshake takes
@@ -146,42 +149,36 @@ pub struct ExportTls {
     pub required: bool,
     /// Whether a client must present a certificate from the cluster CA.
     pub client_auth: NbdClientAuth,
-    /// Who may use the export ([`crate::net::Audience::Volume`]): the same
-    /// member admission as the replica service's, so a node removed from
-    /// the membership is refused here too.
+    /// Who may use the exports ([`crate::net::Audience::Volume`]): the
+    /// same member admission as the replica service's, so a node removed
+    /// from the membership is refused here too.
     pub guard: PeerGuard,
 }
 
-impl Export {
-    /// An export of `device` named `name`.
-    pub fn new(
-        name: impl Into<String>,
-        description: impl Into<String>,
-        device: Arc<dyn Device>,
-    ) -> Self {
+/// Who may come in through a listener, and as what: TLS and the grant of
+/// a client without a certificate. It is the listener's, not an
+/// export's, because a client upgrades (`STARTTLS`) and is admitted
+/// before it names the export it wants.
+#[derive(Debug, Clone)]
+struct Admission {
+    /// TLS (`nbd_tls`), when on.
+    tls: Option<ExportTls>,
+    /// What a client that presents no certificate may do.
+    anonymous: Grant,
+}
+
+impl Default for Admission {
+    /// No TLS, and a client without a certificate may write (as
+    /// `attach`'s local socket).
+    fn default() -> Self {
         Self {
-            name: name.into(),
-            description: description.into(),
-            device,
-            executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
             tls: None,
             anonymous: Grant::ReadWrite,
         }
     }
+}
 
-    /// The same export, offering TLS as `tls` says.
-    pub fn with_tls(mut self, tls: ExportTls) -> Self {
-        self.tls = Some(tls);
-        self
-    }
-
-    /// The same export, granting `grant` to a client without a certificate
-    /// (by default [`Grant::ReadWrite`], as `attach`'s local socket).
-    pub fn with_anonymous(mut self, grant: Grant) -> Self {
-        self.anonymous = grant;
-        self
-    }
-
+impl Admission {
     fn has_tls(&self) -> bool {
         self.tls.is_some()
     }
@@ -208,8 +205,8 @@ impl Export {
         }
     }
 
-    /// What `client` may do with the export (S9): decided by its
-    /// certificate before anything touches the volume. A client without
+    /// What `client` may do with any export (S9): decided by its
+    /// certificate before anything touches a volume. A client without
     /// one gets what the configuration grants it; a certificate is
     /// admitted by the same guard as the replica service's and then
     /// gets what its role allows; one that names nobody of this cluster is
@@ -240,19 +237,37 @@ impl Export {
             Err(status) => Err(status.message().to_string()),
         }
     }
+}
 
-    /// Whether a client asking for `name` means this export ("" is the
-    /// default export).
-    fn answers_to(&self, name: &[u8]) -> bool {
-        name.is_empty() || name == self.name.as_bytes()
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export")
+            .field("name", &self.name)
+            .field("description", &self.description)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Export {
+    /// An export of `device` named `name`.
+    pub fn new(
+        name: impl Into<String>,
+        description: impl Into<String>,
+        device: Arc<dyn Device>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            description: description.into(),
+            device,
+            executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
+        }
     }
 
-    /// The session `client` would get now: refused if its certificate
-    /// does not allow it; writable, bound to the gate's term, only if it
-    /// may write and while this node's gate would pass a write; read-only
-    /// while this node's copy may be read; else why not.
-    fn offer(&self, client: &Client) -> Result<handshake::Session, Refusal> {
-        let grant = self.grant(client).map_err(Refusal::Policy)?;
+    /// The session a client with `grant` would get now: writable, bound
+    /// to the gate's term, only if it may write and while this node's gate
+    /// would pass a write; read-only while this node's copy may be read;
+    /// else why not (S10).
+    fn offer(&self, grant: Grant) -> Result<handshake::Session, DeviceError> {
         let flags = wire::TFLAG_HAS_FLAGS
             | wire::TFLAG_SEND_FLUSH
             | wire::TFLAG_CAN_MULTI_CONN
@@ -278,7 +293,7 @@ impl Export {
                 structured: false,
                 allocation: None,
             }),
-            Access::Refused(why) => Err(Refusal::Unavailable(why)),
+            Access::Refused(why) => Err(why),
         }
     }
 }
@@ -295,9 +310,10 @@ pub enum ConnectionError {
     /// The client's flags are unknown or it is not fixed-newstyle.
     #[error("unsupported client flags {0:#x}")]
     ClientFlags(u32),
-    /// `NBD_OPT_EXPORT_NAME` named another export.
-    #[error("no export named {0:?}")]
-    UnknownExport(String),
+    /// `NBD_OPT_EXPORT_NAME` named an export this node does not serve
+    /// (that option has no error reply), and what the node knows of it.
+    #[error("no export named {name:?}: {why}")]
+    UnknownExport { name: String, why: String },
     /// The handshake took longer than [`HANDSHAKE_TIMEOUT`].
     #[error("handshake timed out")]
     HandshakeTimeout,
@@ -317,7 +333,7 @@ pub enum ConnectionError {
     Tls(String),
 }
 
-/// Counters of the NBD server, for metrics.
+/// Counters of one NBD listener, all its exports together, for metrics.
 #[derive(Debug, Default)]
 pub struct NbdStats {
     /// Connections open now.
@@ -359,11 +375,12 @@ impl Listener for tokio::net::UnixListener {
     }
 }
 
-/// Serves `export` on `listener` until `stop` turns true; then drops every
-/// connection.
+/// Serves `exports` on `listener` until `stop` turns true; then drops
+/// every connection. Exports inserted into or removed from the registry
+/// meanwhile are offered, or no longer, to the next client that names one.
 pub async fn serve<L: Listener>(
     listener: L,
-    export: Arc<Export>,
+    exports: Exports,
     stats: Arc<NbdStats>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -389,11 +406,11 @@ pub async fn serve<L: Listener>(
             continue;
         };
         stats.accepted.fetch_add(1, Ordering::Relaxed);
-        let (export, stats) = (Arc::clone(&export), Arc::clone(&stats));
+        let (exports, stats) = (exports.clone(), Arc::clone(&stats));
         connections.spawn(async move {
             stats.open.fetch_add(1, Ordering::Relaxed);
             tracing::info!(%peer, "NBD client connected");
-            match handle(stream, export).await {
+            match handle(stream, exports).await {
                 Ok(()) => tracing::info!(%peer, "NBD client disconnected"),
                 Err(err) => {
                     stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -410,37 +427,41 @@ pub async fn serve<L: Listener>(
 use client::Io;
 
 /// Serves one client on `stream`: the handshake (upgraded to TLS on
-/// `STARTTLS`), then requests.
-pub async fn handle<S>(stream: S, export: Arc<Export>) -> Result<(), ConnectionError>
+/// `STARTTLS`), in which it picks one of `exports`, then its requests
+/// against that export, which it keeps even if the registry drops it.
+pub async fn handle<S>(stream: S, exports: Exports) -> Result<(), ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (stream, negotiated, client) =
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &export))
+    let (stream, chosen, client) =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(stream, &exports))
             .await
             .map_err(|_| ConnectionError::HandshakeTimeout)??;
+    let Some((export, session)) = chosen else {
+        return Ok(());
+    };
     let (reader, writer) = tokio::io::split(stream);
-    match negotiated {
-        Some(session) => {
-            let mode = if session.writable() {
-                "read-write"
-            } else {
-                "read-only"
-            };
-            tracing::debug!(mode, "NBD export opened");
-            transmission::run(reader, writer, export, session, client).await
-        }
-        None => Ok(()),
-    }
+    let mode = if session.writable() {
+        "read-write"
+    } else {
+        "read-only"
+    };
+    tracing::debug!(export = %export.name, mode, "NBD export opened");
+    let admission = exports.admission();
+    transmission::run(reader, writer, export, session, client, admission).await
 }
 
+/// What a finished handshake leaves: the stream to serve on, the export
+/// and session the client chose (none if it gave up), and who it is.
+type Negotiated = (
+    Box<dyn Io>,
+    Option<(Arc<Export>, handshake::Session)>,
+    Client,
+);
+
 /// The handshake: option haggling, and the TLS handshake when the client
-/// asks for it. Returns the stream to serve on, the session, if any, and
-/// who the client is.
-async fn negotiate<S>(
-    stream: S,
-    export: &Export,
-) -> Result<(Box<dyn Io>, Option<handshake::Session>, Client), ConnectionError>
+/// asks for it.
+async fn negotiate<S>(stream: S, exports: &Exports) -> Result<Negotiated, ConnectionError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -448,34 +469,44 @@ where
     let mut phase = handshake::Phase::Fresh;
     let mut client = Client::Anonymous;
     loop {
-        match handshake::negotiate(&mut stream, export, phase, &client).await? {
-            handshake::Step::Session(session) => return Ok((stream, Some(session), client)),
+        match handshake::negotiate(&mut stream, exports, phase, &client).await? {
+            handshake::Step::Session(export, session) => {
+                return Ok((stream, Some((export, session)), client));
+            }
             handshake::Step::Aborted => return Ok((stream, None, client)),
             handshake::Step::StartTls { no_zeroes } => {
-                let tls = export.tls.as_ref().ok_or(ConnectionError::TlsRequired)?;
-                let config = tls
-                    .credentials
-                    .nbd_server(tls.client_auth)
-                    .map_err(|err| ConnectionError::Tls(err.to_string()))?;
-                let secured = tokio_rustls::TlsAcceptor::from(config)
-                    .accept(stream)
-                    .await
-                    .map_err(|err| ConnectionError::Tls(err.to_string()))?;
-                client = export.client_of(secured.get_ref().1.peer_certificates());
-                match &client {
-                    Client::Anonymous => tracing::info!("NBD client without a certificate"),
-                    Client::Certified(identity) => {
-                        tracing::info!(%identity, "NBD client authenticated")
-                    }
-                    Client::Unnamed(why) => {
-                        tracing::info!(%why, "NBD client's certificate names nobody")
-                    }
-                }
-                stream = Box::new(secured);
+                let (secured, who) = start_tls(stream, &exports.admission()).await?;
+                stream = secured;
+                client = who;
                 phase = handshake::Phase::Secured { no_zeroes };
             }
         }
     }
+}
+
+/// The TLS handshake as the server, after the client's `STARTTLS` was
+/// acknowledged: the secured stream, and who the client is by its
+/// certificate.
+async fn start_tls(
+    stream: Box<dyn Io>,
+    admission: &Admission,
+) -> Result<(Box<dyn Io>, Client), ConnectionError> {
+    let tls = admission.tls.as_ref().ok_or(ConnectionError::TlsRequired)?;
+    let config = tls
+        .credentials
+        .nbd_server(tls.client_auth)
+        .map_err(|err| ConnectionError::Tls(err.to_string()))?;
+    let secured = tokio_rustls::TlsAcceptor::from(config)
+        .accept(stream)
+        .await
+        .map_err(|err| ConnectionError::Tls(err.to_string()))?;
+    let client = admission.client_of(secured.get_ref().1.peer_certificates());
+    match &client {
+        Client::Anonymous => tracing::info!("NBD client without a certificate"),
+        Client::Certified(identity) => tracing::info!(%identity, "NBD client authenticated"),
+        Client::Unnamed(why) => tracing::info!(%why, "NBD client's certificate names nobody"),
+    }
+    Ok((Box::new(secured), client))
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 use tokio::task::JoinHandle;
 
 use super::wire::*;
-use super::{ConnectionError, Export, handle};
+use super::{ConnectionError, Export, Exports, handle};
 use crate::ha::fake::{MemoryCopy, MemoryEngine};
 use crate::ha::{ReadGate, WriterEngine};
 use crate::ids::Term;
@@ -28,7 +28,7 @@ fn server(term: Option<Term>) -> (Arc<MemoryEngine>, Client) {
     }
     let export = Arc::new(Export::new("vol0", "test volume", engine.clone()));
     let (client, server) = tokio::io::duplex(4 << 20);
-    let task = tokio::spawn(handle(server, export));
+    let task = tokio::spawn(handle(server, Exports::single(export)));
     (engine, Client { io: client, task })
 }
 
@@ -230,7 +230,10 @@ async fn bad_options_get_error_replies_and_the_handshake_goes_on() {
     client.greet(CLIENT_FIXED_NEWSTYLE).await;
     client.send_option(OPT_LIST, &[]).await;
     let entry = client.option_reply().await;
-    assert_eq!((entry.kind, entry.data), (REP_SERVER, server_entry("vol0")));
+    assert_eq!(
+        (entry.kind, entry.data),
+        (REP_SERVER, server_entry("vol0", "test volume"))
+    );
     assert_eq!(client.option_reply().await.kind, REP_ACK);
     let refusals = [
         (OPT_LIST, vec![1u8], REP_ERR_INVALID),
@@ -297,7 +300,7 @@ async fn unknown_export_names_and_client_flags_end_the_connection() {
     client.send_option(OPT_EXPORT_NAME, b"nope").await;
     assert!(matches!(
         client.finish().await,
-        Err(ConnectionError::UnknownExport(name)) if name == "nope"
+        Err(ConnectionError::UnknownExport { name, .. }) if name == "nope"
     ));
     for flags in [0, 1 << 7] {
         let (_, mut client) = server(Some(Term(1)));
@@ -631,11 +634,17 @@ fn passive_server() -> (Arc<MemoryCopy>, Arc<Export>) {
     (local, export)
 }
 
+/// A client of a listener serving `export` alone, as its default.
 fn connect(export: &Arc<Export>) -> Client {
+    connect_to(&Exports::single(Arc::clone(export)))
+}
+
+/// A client of a listener serving `exports`.
+fn connect_to(exports: &Exports) -> Client {
     let (io, server_io) = tokio::io::duplex(1 << 20);
     Client {
         io,
-        task: tokio::spawn(handle(server_io, Arc::clone(export))),
+        task: tokio::spawn(handle(server_io, exports.clone())),
     }
 }
 
@@ -968,6 +977,249 @@ async fn zero_length_requests_at_the_end_are_fine() {
     client.finish().await.unwrap();
 }
 
+/// Two volumes on one listener, as a node holding copies of both serves
+/// them: "vol0" (the default) holds "zero" at 0, "db" holds "dbdb".
+fn two_volumes() -> (Exports, Arc<MemoryEngine>, Arc<MemoryEngine>) {
+    let exports = Exports::new();
+    let mut engines = Vec::new();
+    for (name, bytes) in [("vol0", b"zero"), ("db", b"dbdb")] {
+        let engine = MemoryEngine::new(SIZE);
+        futures::executor::block_on(engine.activate(Term(1))).unwrap();
+        futures::executor::block_on(write_now(&engine, bytes));
+        let description = format!("volume {name}");
+        exports.insert(Arc::new(Export::new(name, description, engine.clone())));
+        engines.push(engine);
+    }
+    exports.set_default("vol0");
+    let db = engines.pop().unwrap();
+    (exports, engines.pop().unwrap(), db)
+}
+
+/// Writes `bytes` at 0 of `engine`, outside any NBD session.
+async fn write_now(engine: &Arc<MemoryEngine>, bytes: &[u8]) {
+    use crate::volume::Device;
+    let data = bytes::Bytes::copy_from_slice(bytes);
+    engine.write_at(0, data, false).await.unwrap();
+}
+
+impl Client {
+    /// Handshakes with `GO` for the export `name`; the reply's kind (and
+    /// the session is open when it is `REP_ACK`).
+    async fn go_named(&mut self, name: &[u8]) -> OptionReply {
+        self.greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).await;
+        self.send_option(OPT_GO, &info_request(name, &[])).await;
+        let reply = self.option_reply().await;
+        if reply.kind != REP_INFO {
+            return reply;
+        }
+        self.option_reply().await
+    }
+
+    /// The names and descriptions `LIST` gives.
+    async fn list(&mut self) -> Vec<(String, String)> {
+        self.send_option(OPT_LIST, &[]).await;
+        let mut listed = Vec::new();
+        loop {
+            let reply = self.option_reply().await;
+            if reply.kind == REP_ACK {
+                return listed;
+            }
+            assert_eq!(reply.kind, REP_SERVER);
+            let len = u32::from_be_bytes(reply.data[..4].try_into().unwrap()) as usize;
+            let (name, description) = reply.data[4..].split_at(len);
+            let text = |b: &[u8]| String::from_utf8(b.to_vec()).unwrap();
+            listed.push((text(name), text(description)));
+        }
+    }
+}
+
+#[tokio::test]
+async fn one_listener_serves_each_client_the_volume_it_names() {
+    let (exports, vol0, db) = two_volumes();
+    let mut to_db = connect_to(&exports);
+    assert_eq!(to_db.go_named(b"db").await.kind, REP_ACK);
+    let mut to_vol0 = connect_to(&exports);
+    assert_eq!(to_vol0.go_named(b"vol0").await.kind, REP_ACK);
+    assert_eq!(to_db.read(1, 0, 4).await, Ok(b"dbdb".to_vec()));
+    assert_eq!(to_vol0.read(2, 0, 4).await, Ok(b"zero".to_vec()));
+    // Writes land on the named volume only.
+    assert_eq!(to_db.write(3, 4096, b"only db").await, 0);
+    assert_eq!(db.read_at_now(4096, 7), b"only db");
+    assert_eq!(vol0.read_at_now(4096, 7), vec![0; 7]);
+    // EXPORT_NAME chooses by name too.
+    let mut old_style = connect_to(&exports);
+    old_style
+        .greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES)
+        .await;
+    old_style.send_option(OPT_EXPORT_NAME, b"db").await;
+    let mut reply = [0u8; 10];
+    old_style.io.read_exact(&mut reply).await.unwrap();
+    assert_eq!(old_style.read(4, 4096, 7).await, Ok(b"only db".to_vec()));
+    for client in [to_db, to_vol0, old_style] {
+        client.finish().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn list_names_every_export_with_its_description_and_info_by_name() {
+    let (exports, _, _) = two_volumes();
+    assert_eq!(exports.names(), ["db", "vol0"]);
+    let mut client = connect_to(&exports);
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    assert_eq!(
+        client.list().await,
+        [
+            ("db".to_string(), "volume db".to_string()),
+            ("vol0".to_string(), "volume vol0".to_string())
+        ]
+    );
+    client
+        .send_option(OPT_INFO, &info_request(b"db", &[INFO_DESCRIPTION]))
+        .await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(
+        client.option_reply().await.data,
+        info_text(INFO_DESCRIPTION, "volume db")
+    );
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.send_option(OPT_ABORT, &[]).await;
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.finish().await.unwrap();
+}
+
+/// A volume this node holds no copy of is refused with the node's words
+/// for it (which nodes hold it), or that there is no such volume here.
+#[tokio::test]
+async fn a_volume_held_elsewhere_is_refused_with_the_nodes_that_hold_it() {
+    let (exports, _, _) = two_volumes();
+    let exports = exports.with_lookup(|name| {
+        (name == "logs").then(|| "volume logs is held by nodes 2, 3, 5".to_string())
+    });
+    let mut client = connect_to(&exports);
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    let refusals = [
+        (
+            OPT_GO,
+            b"logs".as_slice(),
+            "volume logs is held by nodes 2, 3, 5",
+        ),
+        (OPT_INFO, b"logs", "volume logs is held by nodes 2, 3, 5"),
+        (OPT_GO, b"nope", "there is no volume \"nope\" on this node"),
+    ];
+    for (option, name, why) in refusals {
+        client.send_option(option, &info_request(name, &[])).await;
+        let reply = client.option_reply().await;
+        assert_eq!((reply.option, reply.kind), (option, REP_ERR_UNKNOWN));
+        assert_eq!(String::from_utf8_lossy(&reply.data), why);
+    }
+    // The handshake goes on: a served name still opens.
+    client.send_option(OPT_GO, &info_request(b"db", &[])).await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    assert_eq!(client.read(1, 0, 4).await, Ok(b"dbdb".to_vec()));
+    client.finish().await.unwrap();
+    // EXPORT_NAME has no error reply: the connection closes, with the words.
+    let mut old_style = connect_to(&exports);
+    old_style.greet(CLIENT_FIXED_NEWSTYLE).await;
+    old_style.send_option(OPT_EXPORT_NAME, b"logs").await;
+    let ended = old_style.finish().await;
+    assert!(
+        matches!(&ended, Err(ConnectionError::UnknownExport { name, why })
+            if name == "logs" && why.contains("held by nodes 2, 3, 5")),
+        "{ended:?}"
+    );
+}
+
+/// Volumes come and go while the listener runs: a removed export is no
+/// longer listed nor offered, and a client that chose it before keeps it.
+#[tokio::test]
+async fn an_export_removed_while_a_client_uses_it_keeps_that_client_and_refuses_new_ones() {
+    let (exports, _, db) = two_volumes();
+    let mut before = connect_to(&exports);
+    assert_eq!(before.go_named(b"db").await.kind, REP_ACK);
+    assert!(exports.remove("db").is_some());
+    assert_eq!(exports.get("db").map(|e| e.name.clone()), None);
+
+    let mut after = connect_to(&exports);
+    after.greet(CLIENT_FIXED_NEWSTYLE).await;
+    assert_eq!(after.list().await.len(), 1, "only vol0 is listed");
+    after.send_option(OPT_GO, &info_request(b"db", &[])).await;
+    assert_eq!(after.option_reply().await.kind, REP_ERR_UNKNOWN);
+    after.send_option(OPT_ABORT, &[]).await;
+    assert_eq!(after.option_reply().await.kind, REP_ACK);
+    after.finish().await.unwrap();
+
+    assert_eq!(before.write(1, 8192, b"still").await, 0);
+    assert_eq!(before.read(2, 0, 4).await, Ok(b"dbdb".to_vec()));
+    assert_eq!(db.read_at_now(8192, 5), b"still");
+    before.finish().await.unwrap();
+
+    // Inserted again, it is offered again.
+    exports.insert(Arc::new(Export::new("db", "volume db", db.clone())));
+    let mut again = connect_to(&exports);
+    assert_eq!(again.go_named(b"db").await.kind, REP_ACK);
+    again.finish().await.unwrap();
+}
+
+/// The empty name is the registry's default export, the node's
+/// configured volume: what a single-volume client names; without a
+/// default it is refused with how to find the names.
+#[tokio::test]
+async fn the_empty_name_picks_the_default_export() {
+    let (exports, _, _) = two_volumes();
+    exports.set_default("db");
+    let mut client = connect_to(&exports);
+    client.greet(CLIENT_FIXED_NEWSTYLE).await;
+    client
+        .send_option(OPT_INFO, &info_request(b"", &[INFO_NAME]))
+        .await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(client.option_reply().await.data, info_text(INFO_NAME, "db"));
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    client.send_option(OPT_GO, &info_request(b"", &[])).await;
+    assert_eq!(client.option_reply().await.kind, REP_INFO);
+    assert_eq!(client.option_reply().await.kind, REP_ACK);
+    assert_eq!(client.read(1, 0, 4).await, Ok(b"dbdb".to_vec()));
+    client.finish().await.unwrap();
+
+    let no_default = Exports::new();
+    no_default.insert(exports.get("vol0").unwrap());
+    let mut client = connect_to(&no_default);
+    let refused = client.go_named(b"").await;
+    assert_eq!(refused.kind, REP_ERR_UNKNOWN);
+    let why = String::from_utf8_lossy(&refused.data).to_string();
+    assert!(why.contains("no default export"), "{why}");
+}
+
+/// `base:allocation` set for one export does not follow the client to
+/// another: the protocol drops it when `GO` names a different export.
+#[tokio::test]
+async fn a_context_set_for_one_export_does_not_follow_go_to_another() {
+    let (exports, _, _) = two_volumes();
+    for (go_to, allocation) in [(b"db".as_slice(), true), (b"vol0", false)] {
+        let mut client = connect_to(&exports);
+        client.greet(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).await;
+        client.send_option(OPT_STRUCTURED_REPLY, &[]).await;
+        assert_eq!(client.option_reply().await.kind, REP_ACK);
+        let data = meta_context_data("db", &[BASE_ALLOCATION]);
+        client.send_option(OPT_SET_META_CONTEXT, &data).await;
+        assert_eq!(client.option_reply().await.kind, REP_META_CONTEXT);
+        assert_eq!(client.option_reply().await.kind, REP_ACK);
+        client.send_option(OPT_GO, &info_request(go_to, &[])).await;
+        assert_eq!(client.option_reply().await.kind, REP_INFO);
+        assert_eq!(client.option_reply().await.kind, REP_ACK);
+        client.send(7, 0, 1, 0, 4096, &[]).await;
+        let (_, kind, _, _) = client.chunk().await;
+        let served = kind != REPLY_TYPE_ERROR;
+        assert_eq!(served, allocation, "GO to {:?}", lossy(go_to));
+        client.finish().await.unwrap();
+    }
+}
+
+fn lossy(name: &[u8]) -> String {
+    String::from_utf8_lossy(name).into_owned()
+}
+
 /// The roles on NBD (S9, #36), in one process: a writable export on the
 /// writer over TLS, and clients presenting each kind of certificate.
 mod roles {
@@ -1017,20 +1269,23 @@ mod roles {
             .with_members(Arc::new(std::sync::RwLock::new(members)));
         let engine = MemoryEngine::new(SIZE);
         engine.activate(Term(3)).await.unwrap();
-        let export = Export::new("vol0", "test volume", engine)
-            .with_anonymous(anonymous)
-            .with_tls(ExportTls {
-                credentials: tls,
-                required: false,
-                client_auth: NbdClientAuth::Optional,
-                guard: transport.guard(Audience::Volume),
-            });
+        let export = Arc::new(Export::new("vol0", "test volume", engine));
+        let db = MemoryEngine::new(SIZE);
+        db.activate(Term(3)).await.unwrap();
+        let exports = Exports::single(export);
+        exports.insert(Arc::new(Export::new("db", "another volume", db)));
+        let exports = exports.with_anonymous(anonymous).with_tls(ExportTls {
+            credentials: tls,
+            required: false,
+            client_auth: NbdClientAuth::Optional,
+            guard: transport.guard(Audience::Volume),
+        });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (stop, stopped) = tokio::sync::watch::channel(false);
         tokio::spawn(serve(
             listener,
-            Arc::new(export),
+            exports,
             Arc::new(NbdStats::default()),
             stopped,
         ));
@@ -1043,14 +1298,40 @@ mod roles {
     }
 
     async fn open(served: &Served, who: Option<&str>) -> Result<Connection, ClientError> {
+        open_export(served, "vol0", who).await
+    }
+
+    async fn open_export(
+        served: &Served,
+        export: &str,
+        who: Option<&str>,
+    ) -> Result<Connection, ClientError> {
         let config = crate::net::tls::unchecked_client(served.certs.path(), who).unwrap();
         let name = crate::net::tls::server_name(&served.addr);
         tokio::time::timeout(
             DEADLINE,
-            client::connect(&served.addr, "vol0", Some((config, name))),
+            client::connect(&served.addr, export, Some((config, name))),
         )
         .await
         .expect("the handshake ends")
+    }
+
+    /// Admission is the listener's: a certificate gets the same on every
+    /// export it names after the upgrade.
+    #[tokio::test]
+    async fn a_certificate_gets_the_same_on_every_export() {
+        let served = writer(Grant::ReadOnly).await;
+        for export in ["vol0", "db"] {
+            let mut ops = open_export(&served, export, Some("ops")).await.unwrap();
+            assert_eq!(write(&mut ops).await, 0, "ops writes {export}");
+            let viewer = open_export(&served, export, Some("grafana")).await;
+            assert!(read_only(&viewer.unwrap()), "a viewer reads {export}");
+            let anonymous = open_export(&served, export, None).await.unwrap();
+            assert!(read_only(&anonymous), "anonymous reads {export}");
+            let refused = open_export(&served, export, Some("node-4")).await;
+            let refused = refused.err().expect("a non-member is refused");
+            assert!(refused.to_string().contains("not a member"), "{refused}");
+        }
     }
 
     /// One 512-byte write at 0; its error code.
@@ -1164,15 +1445,14 @@ mod roles {
         )
         .unwrap();
         let transport = Transport::secured(Limits::default(), Arc::clone(&tls));
-        let export = Arc::new(
-            Export::new("vol0", "test volume", engine).with_tls(ExportTls {
-                credentials: tls,
-                required: false,
-                client_auth: NbdClientAuth::Required,
-                guard: transport.guard(Audience::Volume),
-            }),
-        );
-        let mut client = connect(&export);
+        let export = Arc::new(Export::new("vol0", "test volume", engine));
+        let exports = Exports::single(export).with_tls(ExportTls {
+            credentials: tls,
+            required: false,
+            client_auth: NbdClientAuth::Required,
+            guard: transport.guard(Audience::Volume),
+        });
+        let mut client = connect_to(&exports);
         client.greet(CLIENT_FIXED_NEWSTYLE).await;
         client
             .send_option(OPT_GO, &info_request(b"vol0", &[]))

@@ -55,7 +55,7 @@ use tokio::time::Instant;
 
 use super::handshake::Session;
 use super::wire::{self, Command, Request};
-use super::{Client, ConnectionError, Export, MAX_REQUEST_LEN};
+use super::{Admission, Client, ConnectionError, Export, MAX_REQUEST_LEN};
 use crate::volume::{Bond, Change, Device, DeviceError, RangeError};
 
 /// The read buffer of a connection. A payload's bytes past what the buffer
@@ -170,6 +170,7 @@ pub async fn run<R, W>(
     export: Arc<Export>,
     session: Session,
     client: Client,
+    admission: Arc<Admission>,
 ) -> Result<(), ConnectionError>
 where
     R: AsyncRead + Unpin,
@@ -203,7 +204,7 @@ where
             );
             Ok(())
         }
-        why = admission_lost(&export, &client, &closed) => {
+        why = admission_lost(&admission, &client, &closed) => {
             tracing::info!(%why, "the client is no longer admitted: closing the connection");
             Ok(())
         }
@@ -248,11 +249,15 @@ async fn gate_closed(device: &dyn Device, session: Session, closed: &watch::Send
 }
 
 /// Resolves [`LINGER`] after `client`'s certificate is no longer admitted
-/// to the export (a node removed from the membership), with the reason,
+/// by the listener (a node removed from the membership), with the reason,
 /// and marks the session closed at once, as a closed gate does; never for
 /// a client whose admission cannot change (one without a certificate), nor
 /// once the session closed for another reason.
-async fn admission_lost(export: &Export, client: &Client, closed: &watch::Sender<bool>) -> String {
+async fn admission_lost(
+    admission: &Admission,
+    client: &Client,
+    closed: &watch::Sender<bool>,
+) -> String {
     if !matches!(client, Client::Certified(_)) {
         return std::future::pending().await;
     }
@@ -265,7 +270,7 @@ async fn admission_lost(export: &Export, client: &Client, closed: &watch::Sender
         if ended {
             return std::future::pending().await;
         }
-        if let Err(why) = export.grant(client) {
+        if let Err(why) = admission.grant(client) {
             break why;
         }
     };

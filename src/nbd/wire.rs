@@ -538,11 +538,14 @@ pub fn info_text(kind: u16, text: &str) -> Vec<u8> {
     buf
 }
 
-/// The body of `NBD_REP_SERVER` naming one export.
-pub fn server_entry(name: &str) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(4 + name.len());
+/// The body of `NBD_REP_SERVER` naming one export: its name, then its
+/// description (the protocol's "implementation-specific details", which
+/// clients such as qemu's show as the description).
+pub fn server_entry(name: &str, description: &str) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(4 + name.len() + description.len());
     buf.put_u32(u32::try_from(name.len()).unwrap_or(u32::MAX));
     buf.put_slice(name.as_bytes());
+    buf.put_slice(description.as_bytes());
     buf
 }
 

@@ -620,11 +620,15 @@ fn spawn_background(
         } else {
             Grant::ReadOnly
         };
-        let mut export = Export::new(&config.volume, description, Arc::clone(view.device()))
-            .with_anonymous(anonymous);
+        // One listener for every volume this node holds; today that is the
+        // configured one, which the empty export name also means.
+        let mut exports = crate::nbd::Exports::new().with_anonymous(anonymous);
         if let Some(tls) = tls {
-            export = export.with_tls(tls);
+            exports = exports.with_tls(tls);
         }
+        let export = Export::new(&config.volume, description, Arc::clone(view.device()));
+        exports.insert(Arc::new(export));
+        exports.set_default(config.volume.as_str());
         if config.nbd_exposed() && !config.nbd_client_auth && config.nbd_tls != NbdTls::Off {
             tracing::warn!(
                 nbd = ?config.nbd,
@@ -641,12 +645,11 @@ fn spawn_background(
                  certificate; drop nbd_tls = \"off\" to require TLS and client certificates"
             );
         }
-        let export = Arc::new(export);
         let stats = Arc::clone(view.nbd_stats());
         let stop = tasks.stop_signal();
         tasks.spawn_draining(
             "NBD server",
-            crate::nbd::serve(listener, export, stats, stop),
+            crate::nbd::serve(listener, exports, stats, stop),
         );
     }
     if let Some(listener) = http {
