@@ -1,5 +1,7 @@
 //! The serving wing: a node's store offered to the writer over the network.
 //!
+//! - [`stores`]: the registry of the stores a node serves, by volume name,
+//!   each with its volume's fence callback.
 //! - [`blocks`]: the block channel's server (writes, discards, reads,
 //!   flushes and marks ahead as binary frames): checks the cluster, the
 //!   volume and the incarnation (S8) of every frame, then calls the store.
@@ -12,3 +14,4 @@
 
 pub mod blocks;
 pub mod service;
+pub mod stores;
