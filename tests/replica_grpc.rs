@@ -28,6 +28,7 @@ use replica_ha::replica::mirror::fencer::TokenFencer;
 use replica_ha::replica::mirror::set::ReplicaSet;
 use replica_ha::replica::peer::remote::RemoteReplica;
 use replica_ha::replica::serve::service::ReplicaService;
+use replica_ha::replica::serve::stores::{OnFenced, Stores};
 use replica_ha::replica::{FloorBook, Replica, ReplicaError, Stamp};
 use replica_ha::volume::{Device, DeviceError, MAX_REQUEST, RangeError};
 use tonic::Code;
@@ -67,10 +68,11 @@ async fn a_fence_tells_the_node_its_new_floor() {
     let dir = tempfile::tempdir().unwrap();
     let local = store(dir.path(), NodeId(1)).await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let service = ReplicaService::new(local).on_fenced({
+    let on_fenced: OnFenced = {
         let seen = Arc::clone(&seen);
         Arc::new(move |floor| seen.lock().unwrap().push(floor))
-    });
+    };
+    let service = ReplicaService::serving(Stores::one(local, Some(on_fenced)));
     let addr = common::serve_replica(service).await;
     remote(addr, NodeId(1)).fence(Term(4)).await.unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![Term(4)]);

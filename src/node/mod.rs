@@ -75,6 +75,7 @@ use crate::raft::network::{PeerBook, Peers, RaftService};
 use crate::raft::runtime::RaftRuntime;
 use crate::raft::{Raft, RaftCoordinator, RaftDb};
 use crate::replica::serve::service::ReplicaService;
+use crate::replica::serve::stores::{OnFenced, Stores};
 use hello::HelloService;
 use host::VolumeHost;
 use tasks::Tasks;
@@ -511,6 +512,13 @@ struct GrpcServer {
     tasks: [JoinHandle<Result<(), tonic::transport::Error>>; 2],
     /// The standard health service's reporter (see [`report_health`]).
     health: tonic_health::server::HealthReporter,
+    /// The stores the data listener serves, by volume: the node adds and
+    /// removes volumes here as it opens and drops their copies.
+    #[expect(
+        dead_code,
+        reason = "volumes come and go here once a node hosts many (#38)"
+    )]
+    stores: Stores,
 }
 
 /// The servers: on the gRPC listener, Raft and `Node` for members, admin
@@ -548,13 +556,19 @@ fn serve_grpc(
         Arc::clone(raft.peers.book()),
     )
     .with_data_dir(&facts.data_dir);
-    let replica_service = ReplicaService::new(Arc::clone(&volume.store))
+    // The data listener serves every volume of `stores`; today the one
+    // this node holds, whose fence tells its own controller to step down.
+    let stores = Stores::new(facts.cluster_id.clone());
+    let step_down: OnFenced = {
+        let controller = Arc::clone(&volume.controller);
+        Arc::new(move |floor| controller.step_down(floor))
+    };
+    stores
+        .insert(Arc::clone(&volume.store), Some(step_down))
+        .map_err(|e| failed(format!("serving the replica: {e}")))?;
+    let replica_service = ReplicaService::serving(stores.clone())
         .of_incarnation(facts.member.incarnation())
-        .on_node(facts.id.to_string())
-        .on_fenced({
-            let controller = Arc::clone(&volume.controller);
-            Arc::new(move |floor| controller.step_down(floor))
-        });
+        .on_node(facts.id.to_string());
     let until_stopped = |mut stopped: watch::Receiver<bool>| async move {
         let _ = stopped.wait_for(|stop| *stop).await;
     };
@@ -596,6 +610,7 @@ fn serve_grpc(
         stop: stop_server,
         tasks: [control, data],
         health,
+        stores,
     })
 }
 

@@ -18,8 +18,11 @@ fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
 #[derive(Clone)]
 pub struct ServedGroups {
     node: Arc<PeerBook>,
-    groups: Arc<std::sync::RwLock<BTreeMap<GroupId, (Raft, Arc<Peers>)>>>,
+    groups: Arc<std::sync::RwLock<GroupMap>>,
 }
+
+/// Each served group's Raft and peers, by id.
+type GroupMap = BTreeMap<GroupId, (Raft, Arc<Peers>)>;
 
 impl ServedGroups {
     /// No group yet, over `node`'s book.

@@ -35,7 +35,8 @@
 //!
 //! The `Fence(T)` sent to the previous writer's own replica doubles as the
 //! best-effort "step down" notice: its node closes its gate on receipt
-//! (see `ReplicaService::on_fenced`). Nothing depends on it — the raised
+//! (see the fence callback of the volume's entry in the node's
+//! `replica::serve::stores::Stores`). Nothing depends on it — the raised
 //! floors refuse the old term either way.
 
 use std::collections::{BTreeMap, BTreeSet};

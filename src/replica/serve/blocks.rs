@@ -1,5 +1,6 @@
-//! The block channel's server: a node's store, served to the writer as
-//! frames ([`crate::net::frame`]) for writes, discards, reads and flushes.
+//! The block channel's server: the stores a node serves, offered to their
+//! volumes' writers as frames ([`crate::net::frame`]) for writes,
+//! discards, reads and flushes.
 //!
 //! It is block I/O's only server (the replica gRPC service has only the
 //! control calls), and makes the same checks as that service, in the
@@ -7,12 +8,20 @@
 //! - **S9.** A connection reaches this server only after the data
 //!   listener's TLS handshake; every frame is then admitted by the members'
 //!   [`PeerGuard`] (the member list can change while a connection lives).
-//! - **Identity.** The first frame must be a `Hello` naming this replica's
-//!   cluster and volume; anything else closes the connection. The `Ok`
-//!   that answers it carries the store's session (8 bytes, big-endian;
+//! - **Identity.** The first frame must be a `Hello` naming this node's
+//!   cluster and a volume it holds a copy of ([`Stores`]); anything else
+//!   closes the connection with the refusal, and no store is touched. The
+//!   connection is bound to that volume's store for its life: a later
+//!   frame cannot name another (a second `Hello` closes it), so a writer
+//!   of one volume reaches no other volume's copy (S2, S3 hold per
+//!   volume). The `Ok` that answers the `Hello` carries the store's
+//!   session (8 bytes, big-endian;
 //!   [`crate::replica::disk::store::ReplicaStore::session`]), by which the
 //!   writer tells a replica that restarted (and may have lost writes it
 //!   had not flushed) from one it merely reconnected to.
+//! - **Removal.** A volume removed from the [`Stores`] while a connection
+//!   to it lives closes that connection as the server's stop does: no
+//!   further frame is read, what runs finishes on the store it began on.
 //! - **S8.** Every request names the incarnation it is for; one meant for
 //!   another incarnation is refused and changes nothing.
 //! - **S2, S3, S6, range.** The store checks the stamp, drains, marks and
@@ -36,11 +45,12 @@ use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::ids::Incarnation;
 use crate::net::PeerGuard;
-use crate::net::conn::Accepted;
+use crate::net::conn::{Accepted, PeerInfo};
 use crate::net::frame::{FUA, Frame, Header, Kind, parse_hello};
 use crate::net::link::{FrameReader, ReadError, send_frames};
 use crate::replica::ReplicaError;
 use crate::replica::disk::store::ReplicaStore;
+use crate::replica::serve::stores::{Served, Stores};
 use crate::replica::wire::to_refusal;
 
 /// The most requests one connection runs at once.
@@ -92,7 +102,7 @@ enum Closed {
     /// What arrived is no frame, or the connection failed.
     #[error(transparent)]
     Read(#[from] ReadError),
-    /// The first frame was no `Hello` for this replica.
+    /// The first frame was no `Hello` for a volume this node serves.
     #[error(transparent)]
     Hello(ReplicaError),
     /// A reply or a second `Hello` where a request belongs.
@@ -100,26 +110,21 @@ enum Closed {
     Misplaced(Kind),
 }
 
-/// Serves one store's block channel; see the module docs.
+/// Serves the block channel of a node's stores; see the module docs.
 #[derive(Clone)]
 pub struct BlockServer {
-    store: Arc<ReplicaStore>,
+    stores: Stores,
     incarnation: Incarnation,
     guard: PeerGuard,
     node: Arc<str>,
 }
 
 impl BlockServer {
-    /// A server of `store`, incarnation `incarnation` of node `node`'s data
-    /// dir, admitting frames through `guard`.
-    pub fn new(
-        store: Arc<ReplicaStore>,
-        incarnation: Incarnation,
-        guard: PeerGuard,
-        node: &str,
-    ) -> Self {
+    /// A server of `stores`, incarnation `incarnation` of node `node`'s
+    /// data dir, admitting frames through `guard`.
+    pub fn new(stores: Stores, incarnation: Incarnation, guard: PeerGuard, node: &str) -> Self {
         Self {
-            store,
+            stores,
             incarnation,
             guard,
             node: Arc::from(node),
@@ -169,7 +174,7 @@ impl BlockServer {
     async fn serve_connection(
         &self,
         accepted: Accepted,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) -> Result<(), Closed> {
         let peer = accepted.peer().clone();
         let (reader, writer) = tokio::io::split(accepted);
@@ -179,92 +184,16 @@ impl BlockServer {
         let mut sending = tokio::spawn(send_frames(writer, outgoing, move || {
             IN_FLIGHT - running.available_permits() > 1
         }));
-        let budget = Arc::new(Semaphore::new(BUDGET_KIB as usize));
         let mut frames = FrameReader::new(reader, BytesMut::with_capacity(64 * 1024));
-        // Nothing is read from a connection the guard would not admit, and
-        // little before its Hello.
-        frames.limit(Some(HELLO_MAX));
-        let mut hello = false;
-        let outcome = match self.guard.admit(Some(&peer)) {
-            Err(status) => {
-                let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
-                let _ = replies.send(to_refusal(0, &refusal)).await;
-                Err(Closed::NotAdmitted(status.message().to_string()))
-            }
-            Ok(_) => loop {
-                if *stop.borrow() {
-                    break Ok(());
-                }
-                // Stopping drops a frame being read: the connection ends.
-                // What is buffered already is taken without a select.
-                let read = match frames.buffered() {
-                    Ok(None) => tokio::select! {
-                        read = frames.next() => read,
-                        _ = stop.wait_for(|stop| *stop) => break Ok(()),
-                    },
-                    buffered => buffered.map_err(ReadError::from),
-                };
-                let frame = match read {
-                    Ok(Some(frame)) => frame,
-                    Ok(None) => break Ok(()),
-                    Err(err) => break Err(Closed::Read(err)),
-                };
-                let id = frame.header.id;
-                // The member list can change while a connection lives.
-                if let Err(status) = self.guard.admit(Some(&peer)) {
-                    let refusal = ReplicaError::IdentityMismatch(status.message().to_string());
-                    let _ = replies.send(to_refusal(id, &refusal)).await;
-                    break Err(Closed::NotAdmitted(status.message().to_string()));
-                }
-                if !hello {
-                    match self.hello(&frame) {
-                        Ok(()) => {
-                            hello = true;
-                            frames.limit(None);
-                            // Its payload: the store's session, which tells
-                            // the writer whether this replica restarted.
-                            let session =
-                                Bytes::copy_from_slice(&self.store.session().to_be_bytes());
-                            let ok = Frame::new(Header::new(Kind::Ok, id), session);
-                            let _ = replies.send(ok).await;
-                            continue;
-                        }
-                        Err(err) => {
-                            let _ = replies.send(to_refusal(id, &err)).await;
-                            break Err(Closed::Hello(err));
-                        }
-                    }
-                }
-                if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
-                    break Err(Closed::Misplaced(frame.header.kind));
-                }
-                let (Ok(slot), Ok(bytes)) = (
-                    Arc::clone(&in_flight).acquire_owned().await,
-                    Arc::clone(&budget)
-                        .acquire_many_owned(cost(&frame.header))
-                        .await,
-                ) else {
-                    break Ok(());
-                };
-                let server = self.clone();
-                let replies = replies.clone();
-                tokio::spawn(async move {
-                    let reply = server.handle(frame).await;
-                    // A read's data keeps its share of the budget until it
-                    // has been sent.
-                    let reply = Frame {
-                        payload: Bytes::from_owner(Held {
-                            data: reply.payload,
-                            _bytes: bytes,
-                        }),
-                        header: reply.header,
-                    };
-                    let _ = replies.send(reply).await;
-                    drop(slot);
-                });
-            },
+        let mut connection = Connection {
+            peer,
+            replies,
+            stop,
+            in_flight,
+            budget: Arc::new(Semaphore::new(BUDGET_KIB as usize)),
         };
-        drop(replies);
+        let outcome = self.converse(&mut connection, &mut frames).await;
+        drop(connection);
         // Replies of requests still running are sent as they finish; the
         // writer ends once the last one is out, or gives up on a client
         // that does not read.
@@ -277,33 +206,134 @@ impl BlockServer {
         outcome
     }
 
-    /// Checks a connection's first frame: a `Hello` for this replica.
-    fn hello(&self, frame: &Frame) -> Result<(), ReplicaError> {
+    /// Admits the peer, binds the connection to the volume its `Hello`
+    /// names, then serves its requests against that volume's store.
+    async fn converse<R>(
+        &self,
+        connection: &mut Connection,
+        frames: &mut FrameReader<R>,
+    ) -> Result<(), Closed>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        // Nothing is read from a connection the guard would not admit, and
+        // little before its Hello.
+        frames.limit(Some(HELLO_MAX));
+        self.admit(connection, 0).await?;
+        let Some(frame) = connection.next(frames, None).await? else {
+            return Ok(());
+        };
+        self.admit(connection, frame.header.id).await?;
+        let served = match self.hello(&frame) {
+            Ok(served) => served,
+            Err(err) => {
+                connection.reply(to_refusal(frame.header.id, &err)).await;
+                return Err(Closed::Hello(err));
+            }
+        };
+        frames.limit(None);
+        // Its payload: the store's session, which tells the writer whether
+        // this replica restarted.
+        let session = Bytes::copy_from_slice(&served.store().session().to_be_bytes());
+        let ok = Frame::new(Header::new(Kind::Ok, frame.header.id), session);
+        connection.reply(ok).await;
+        self.serve_requests(connection, frames, &served).await
+    }
+
+    /// Serves the requests of a connection bound to `served`'s store until
+    /// it closes, fails, `stop` turns true or the volume is removed.
+    async fn serve_requests<R>(
+        &self,
+        connection: &mut Connection,
+        frames: &mut FrameReader<R>,
+        served: &Served,
+    ) -> Result<(), Closed>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        let mut retired = served.retired();
+        loop {
+            let Some(frame) = connection.next(frames, Some(&mut retired)).await? else {
+                return Ok(());
+            };
+            // The member list can change while a connection lives.
+            self.admit(connection, frame.header.id).await?;
+            if frame.header.kind.is_reply() || frame.header.kind == Kind::Hello {
+                return Err(Closed::Misplaced(frame.header.kind));
+            }
+            let (Ok(slot), Ok(bytes)) = (
+                Arc::clone(&connection.in_flight).acquire_owned().await,
+                Arc::clone(&connection.budget)
+                    .acquire_many_owned(cost(&frame.header))
+                    .await,
+            ) else {
+                return Ok(());
+            };
+            let server = self.clone();
+            let store = Arc::clone(served.store());
+            let replies = connection.replies.clone();
+            tokio::spawn(async move {
+                let reply = server.handle(&store, frame).await;
+                // A read's data keeps its share of the budget until it has
+                // been sent.
+                let reply = Frame {
+                    payload: Bytes::from_owner(Held {
+                        data: reply.payload,
+                        _bytes: bytes,
+                    }),
+                    header: reply.header,
+                };
+                let _ = replies.send(reply).await;
+                drop(slot);
+            });
+        }
+    }
+
+    /// Asks the guard whether the peer is (still) admitted (S9); if not,
+    /// refuses request `id` and closes.
+    async fn admit(&self, connection: &Connection, id: u64) -> Result<(), Closed> {
+        match self.guard.admit(Some(&connection.peer)) {
+            Ok(_) => Ok(()),
+            Err(status) => {
+                let why = status.message().to_string();
+                let refusal = ReplicaError::IdentityMismatch(why.clone());
+                connection.reply(to_refusal(id, &refusal)).await;
+                Err(Closed::NotAdmitted(why))
+            }
+        }
+    }
+
+    /// Checks a connection's first frame: a `Hello` for this node's
+    /// cluster and a volume it serves, whose store it returns. Looks at no
+    /// store before both match.
+    fn hello(&self, frame: &Frame) -> Result<Served, ReplicaError> {
         if frame.header.kind != Kind::Hello {
             return Err(ReplicaError::InvalidRequest(format!(
                 "a block channel opens with Hello, not {:?}",
                 frame.header.kind
             )));
         }
-        let identity = self.store.identity();
-        match parse_hello(&frame.payload) {
-            Some((cluster, volume))
-                if cluster == identity.cluster_id && volume == identity.volume =>
-            {
-                Ok(())
-            }
-            Some((cluster, volume)) => Err(ReplicaError::IdentityMismatch(format!(
-                "block channel for cluster {cluster:?} volume {volume:?}; this replica holds \
-                 cluster {:?} volume {:?}",
-                identity.cluster_id, identity.volume
-            ))),
-            None => Err(ReplicaError::InvalidRequest("malformed Hello".into())),
+        let Some((cluster, volume)) = parse_hello(&frame.payload) else {
+            return Err(ReplicaError::InvalidRequest("malformed Hello".into()));
+        };
+        if cluster != self.stores.cluster_id() {
+            return Err(ReplicaError::IdentityMismatch(format!(
+                "block channel for cluster {cluster:?} volume {volume:?}; this node serves \
+                 cluster {:?}",
+                self.stores.cluster_id()
+            )));
         }
+        self.stores.get(volume).ok_or_else(|| {
+            ReplicaError::IdentityMismatch(format!(
+                "block channel for volume {volume:?}: this node holds no copy of it"
+            ))
+        })
     }
 
-    /// Runs one request against the store; the reply to send.
-    #[tracing::instrument(level = "debug", name = "blocks.request", skip_all, fields(node = %self.node, kind = ?frame.header.kind, term = %frame.header.stamp.term))]
-    async fn handle(&self, frame: Frame) -> Frame {
+    /// Runs one request against `store`, the connection's; the reply to
+    /// send.
+    #[tracing::instrument(level = "debug", name = "blocks.request", skip_all, fields(node = %self.node, volume = %store.identity().volume, kind = ?frame.header.kind, term = %frame.header.stamp.term))]
+    async fn handle(&self, store: &ReplicaStore, frame: Frame) -> Frame {
         let h = frame.header;
         let stamp = h.stamp;
         let done = |payload: Bytes| Frame::new(Header::new(Kind::Ok, h.id), payload);
@@ -315,23 +345,20 @@ impl BlockServer {
             return to_refusal(h.id, &err);
         }
         let outcome = match h.kind {
-            Kind::Write => self
-                .store
+            Kind::Write => store
                 .write(stamp, h.offset, frame.payload, h.flags & FUA != 0)
                 .await
                 .map(|()| Bytes::new()),
-            Kind::Discard => self
-                .store
+            Kind::Discard => store
                 .discard(stamp, h.offset, h.length)
                 .await
                 .map(|()| Bytes::new()),
-            Kind::Mark => self
-                .store
+            Kind::Mark => store
                 .mark_ahead(stamp, h.offset, h.length)
                 .await
                 .map(|()| Bytes::new()),
-            Kind::Read => self.store.read(h.offset, h.length).await,
-            Kind::Flush => self.store.flush(stamp).await.map(|()| Bytes::new()),
+            Kind::Read => store.read(h.offset, h.length).await,
+            Kind::Flush => store.flush(stamp).await.map(|()| Bytes::new()),
             Kind::Hello | Kind::Ok | Kind::Refused => Err(ReplicaError::InvalidRequest(format!(
                 "{:?} is not a request",
                 h.kind
@@ -341,5 +368,63 @@ impl BlockServer {
             Ok(payload) => done(payload),
             Err(err) => to_refusal(h.id, &err),
         }
+    }
+}
+
+/// One connection's state shared by its reading loop: who the peer is,
+/// where replies go, and what bounds it.
+struct Connection {
+    peer: PeerInfo,
+    replies: mpsc::Sender<Frame>,
+    stop: watch::Receiver<bool>,
+    in_flight: Arc<Semaphore>,
+    budget: Arc<Semaphore>,
+}
+
+impl Connection {
+    /// Queues `frame` for the peer (a peer gone already gets nothing).
+    async fn reply(&self, frame: Frame) {
+        let _ = self.replies.send(frame).await;
+    }
+
+    /// The next frame, or `None` once the peer closed, `stop` turned true
+    /// or (when given) the volume was retired. Stopping drops a frame
+    /// being read: the connection ends. What is buffered already is taken
+    /// without waiting.
+    async fn next<R>(
+        &mut self,
+        frames: &mut FrameReader<R>,
+        retired: Option<&mut watch::Receiver<bool>>,
+    ) -> Result<Option<Frame>, Closed>
+    where
+        R: tokio::io::AsyncRead + Unpin,
+    {
+        let is_retired = retired.as_ref().is_some_and(|r| *r.borrow());
+        if *self.stop.borrow() || is_retired {
+            return Ok(None);
+        }
+        let read = match frames.buffered() {
+            // Stopping and retiring first: a frame that arrives after the
+            // volume was removed is never served.
+            Ok(None) => tokio::select! {
+                biased;
+                _ = self.stop.wait_for(|stop| *stop) => return Ok(None),
+                () = until_retired(retired) => return Ok(None),
+                read = frames.next() => read,
+            },
+            buffered => buffered.map_err(ReadError::from),
+        };
+        read.map_err(Closed::Read)
+    }
+}
+
+/// Resolves once `retired` turns true or its registry is gone; never
+/// without one.
+async fn until_retired(retired: Option<&mut watch::Receiver<bool>>) {
+    match retired {
+        Some(retired) => {
+            let _ = retired.wait_for(|retired| *retired).await;
+        }
+        None => std::future::pending().await,
     }
 }

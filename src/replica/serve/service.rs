@@ -1,17 +1,25 @@
-//! The replica gRPC service: a node's store, served to the writer for its
-//! control calls (fence, grow, marks, digests, missed-write maps, status).
-//! Block I/O (write, discard, read, flush) is not here: it has one server,
-//! the block channel ([`crate::replica::serve::blocks`]), on the same
-//! listener.
+//! The replica gRPC service: the stores a node serves, offered to their
+//! volumes' writers for the control calls (fence, grow, marks, digests,
+//! missed-write maps, status). Block I/O (write, discard, read, flush) is
+//! not here: it has one server, the block channel
+//! ([`crate::replica::serve::blocks`]), on the same listener.
 //!
-//! Every request names the cluster and the volume; a request for another
-//! one is refused (`PERMISSION_DENIED`) before the store is touched. It
-//! also names the incarnation of this node's data dir that the writer
-//! expects (S8): a replica whose disk was replaced is a new, empty copy,
-//! and refuses (`FAILED_PRECONDITION`) every request meant for the copy it
-//! replaced, so it never counts as that copy toward S5. The
-//! store enforces the fencing token exactly as in-process (S2, S3), so the
-//! wire adds no path around it. Its errors go to the wire through
+//! Every request names the cluster, the incarnation and the volume
+//! (`VolumeRef`), and is checked in that order before any store is touched
+//! ([`ReplicaService::admit`]):
+//! - no volume named: `INVALID_ARGUMENT`;
+//! - another cluster: `PERMISSION_DENIED` (S9);
+//! - another incarnation of this node's data dir (S8): a replica whose
+//!   disk was replaced is a new, empty copy, and refuses
+//!   (`FAILED_PRECONDITION`, "replaced disk") every request meant for the
+//!   copy it replaced, so it never counts as that copy toward S5;
+//! - a volume this node holds no copy of: `NOT_FOUND`, naming it.
+//!
+//! Only then is the named volume's store picked from the node's
+//! [`Stores`], and the request served by that store alone: the store
+//! enforces the fencing token exactly as in-process (S2, S3), so the wire
+//! adds no path around it, and a fence that raised a floor notifies that
+//! volume's controller only. Its errors go to the wire through
 //! [`crate::replica::wire`].
 
 use std::sync::Arc;
@@ -30,28 +38,32 @@ use crate::replica::DirtyExtent;
 use crate::replica::disk::missed::Unverified;
 use crate::replica::disk::store::ReplicaStore;
 use crate::replica::serve::blocks::BlockServer;
+pub use crate::replica::serve::stores::OnFenced;
+use crate::replica::serve::stores::{Served, Stores};
 use crate::replica::wire::{Stamped, replaced_disk, to_status};
 
-/// Called with the new floor whenever a fence raised it.
-pub type OnFenced = Arc<dyn Fn(Term) + Send + Sync>;
-
-/// Serves one store.
+/// Serves the stores of a node's [`Stores`], each to its own volume's
+/// requests.
 pub struct ReplicaService {
-    store: Arc<ReplicaStore>,
+    stores: Stores,
     /// This node's data dir's incarnation.
     incarnation: Incarnation,
-    on_fenced: Option<OnFenced>,
     /// The node this service runs on, for the handlers' spans.
     node: String,
 }
 
 impl ReplicaService {
-    /// A service over `store`.
+    /// A service over `store` alone, with no fence callback.
     pub fn new(store: Arc<ReplicaStore>) -> Self {
+        Self::serving(Stores::one(store, None))
+    }
+
+    /// A service over every store of `stores`, as it is when each request
+    /// arrives (volumes may come and go while it serves).
+    pub fn serving(stores: Stores) -> Self {
         Self {
-            store,
+            stores,
             incarnation: Incarnation(0),
-            on_fenced: None,
             node: String::new(),
         }
     }
@@ -69,12 +81,9 @@ impl ReplicaService {
         self
     }
 
-    /// Also tells this node when its replica is fenced: the fence a new
-    /// writer sends to every replica doubles as the "step down" notice to
-    /// the previous writer's node.
-    pub fn on_fenced(mut self, notify: OnFenced) -> Self {
-        self.on_fenced = Some(notify);
-        self
+    /// The stores it serves (shared: a volume added to them is served).
+    pub fn stores(&self) -> &Stores {
+        &self.stores
     }
 
     /// The tonic server (the transport sets its limits).
@@ -82,18 +91,18 @@ impl ReplicaService {
         ReplicaServer::new(self)
     }
 
-    /// The block channel's server of the same store, admitting frames
+    /// The block channel's server of the same stores, admitting frames
     /// through `transport`'s members' guard.
     pub fn block_server(&self, transport: &Transport) -> BlockServer {
         BlockServer::new(
-            Arc::clone(&self.store),
+            self.stores.clone(),
             self.incarnation,
             transport.guard(Audience::Members),
             &self.node,
         )
     }
 
-    /// Serves this replica on `listener` through `transport` until `stop`
+    /// Serves these stores on `listener` through `transport` until `stop`
     /// turns true: the gRPC service and the block channel on the same
     /// port, told apart by each connection's first bytes.
     pub async fn serve(
@@ -121,27 +130,38 @@ impl ReplicaService {
         served
     }
 
-    fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<(), Status> {
-        let identity = self.store.identity();
-        match volume {
-            Some(v)
-                if v.cluster_id == identity.cluster_id
-                    && v.volume == identity.volume
-                    && v.incarnation != self.incarnation.0 =>
-            {
-                Err(Status::failed_precondition(replaced_disk(
-                    self.incarnation,
-                    Incarnation(v.incarnation),
-                )))
-            }
-            Some(v) if v.cluster_id == identity.cluster_id && v.volume == identity.volume => Ok(()),
-            Some(v) => Err(Status::permission_denied(format!(
-                "request for cluster {:?} volume {:?}; this replica holds cluster {:?} volume {:?}",
-                v.cluster_id, v.volume, identity.cluster_id, identity.volume
-            ))),
-            None => Err(Status::invalid_argument("request names no volume")),
+    /// Checks the volume a request names, in the module docs' order,
+    /// before any store is touched; the store it names.
+    fn admit(&self, volume: Option<&pb::VolumeRef>) -> Result<Served, Status> {
+        let Some(v) = volume else {
+            return Err(Status::invalid_argument("request names no volume"));
+        };
+        if v.cluster_id != self.stores.cluster_id() {
+            return Err(Status::permission_denied(format!(
+                "request for cluster {:?} volume {:?}; this node serves cluster {:?}",
+                v.cluster_id,
+                v.volume,
+                self.stores.cluster_id()
+            )));
         }
+        if v.incarnation != self.incarnation.0 {
+            return Err(Status::failed_precondition(replaced_disk(
+                self.incarnation,
+                Incarnation(v.incarnation),
+            )));
+        }
+        self.stores.get(&v.volume).ok_or_else(|| {
+            Status::not_found(format!(
+                "this node holds no copy of volume {:?} of cluster {:?}",
+                v.volume, v.cluster_id
+            ))
+        })
     }
+}
+
+/// The volume a request names, for its span.
+fn volume_of(volume: &Option<pb::VolumeRef>) -> &str {
+    volume.as_ref().map_or("", |v| v.volume.as_str())
 }
 
 fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
@@ -153,36 +173,34 @@ fn to_pb(mark: &DirtyExtent) -> pb::DirtyExtent {
 
 #[tonic::async_trait]
 impl ReplicaRpc for ReplicaService {
-    #[tracing::instrument(name = "replica.grow", skip_all, fields(node = %self.node, term = request.get_ref().term, size = request.get_ref().size))]
+    #[tracing::instrument(name = "replica.grow", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term, size = request.get_ref().size))]
     async fn grow(
         &self,
         request: Request<pb::GrowRequest>,
     ) -> Result<Response<pb::GrowReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let size = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let size = served
+            .store()
             .grow(r.stamp(), r.size)
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::GrowReply { size }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.fence", skip_all, fields(node = %self.node, term = request.get_ref().term))]
+    #[tracing::instrument(level = "debug", name = "replica.fence", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term))]
     async fn fence(
         &self,
         request: Request<pb::FenceRequest>,
     ) -> Result<Response<pb::FenceReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let reply = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let reply = served
+            .store()
             .fence(Term(r.term))
             .await
             .map_err(|e| to_status(&e))?;
-        if let Some(notify) = &self.on_fenced {
-            notify(reply.floor);
-        }
+        served.fenced(reply.floor);
         Ok(Response::new(pb::FenceReply {
             floor: reply.floor.0,
             dirty: reply.dirty.iter().map(to_pb).collect(),
@@ -192,29 +210,30 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.clear_dirty", skip_all, fields(node = %self.node, term = request.get_ref().term))]
+    #[tracing::instrument(level = "debug", name = "replica.clear_dirty", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term))]
     async fn clear_dirty(
         &self,
         request: Request<pb::ClearDirtyRequest>,
     ) -> Result<Response<pb::ClearDirtyReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
+        let served = self.admit(r.volume.as_ref())?;
+        served
+            .store()
             .clear_dirty_below(Term(r.term))
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::ClearDirtyReply {}))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.retire_marks", skip_all, fields(node = %self.node, term = request.get_ref().term))]
+    #[tracing::instrument(level = "debug", name = "replica.retire_marks", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term))]
     async fn retire_marks(
         &self,
         request: Request<pb::RetireMarksRequest>,
     ) -> Result<Response<pb::RetireMarksReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let retired = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let retired = served
+            .store()
             .retire_marks(r.stamp(), Term(r.through), &r.extents)
             .await
             .map_err(|e| to_status(&e))?;
@@ -223,37 +242,37 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.digest", skip_all, fields(node = %self.node))]
+    #[tracing::instrument(level = "debug", name = "replica.digest", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume)))]
     async fn digest(
         &self,
         request: Request<pb::DigestRequest>,
     ) -> Result<Response<pb::DigestReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let (first_extent, digests) = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let (first_extent, digests) = served
+            .store()
             .digests(r.offset, r.length)
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::DigestReply {
-            extent_size: self.store.identity().extent_size,
+            extent_size: served.store().identity().extent_size,
             first_extent,
             digests: digests.iter().map(|d| d.to_vec().into()).collect(),
-            session: self.store.session(),
+            session: served.store().session(),
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.status", skip_all, fields(node = %self.node))]
+    #[tracing::instrument(level = "debug", name = "replica.status", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume)))]
     async fn status(
         &self,
         request: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusReply>, Status> {
-        self.admit(request.into_inner().volume.as_ref())?;
-        let info = self.store.info().await.map_err(|e| to_status(&e))?;
+        let served = self.admit(request.into_inner().volume.as_ref())?;
+        let info = served.store().info().await.map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::StatusReply {
             floor: info.floor.0,
-            size: self.store.size(),
-            extent_size: self.store.identity().extent_size,
+            size: served.store().size(),
+            extent_size: served.store().identity().extent_size,
             dirty_extents: info.dirty_extents,
             stale_accepts: info.stale_accepts,
             generation: info.generation,
@@ -261,14 +280,15 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.note_missed", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    #[tracing::instrument(level = "debug", name = "replica.note_missed", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term, of = request.get_ref().node))]
     async fn note_missed(
         &self,
         request: Request<pb::NoteMissedRequest>,
     ) -> Result<Response<pb::NoteMissedReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
+        let served = self.admit(r.volume.as_ref())?;
+        served
+            .store()
             .note_missed(
                 r.stamp(),
                 NodeId(r.node),
@@ -280,15 +300,15 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::NoteMissedReply {}))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.missed", skip_all, fields(node = %self.node, of = request.get_ref().node))]
+    #[tracing::instrument(level = "debug", name = "replica.missed", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), of = request.get_ref().node))]
     async fn missed(
         &self,
         request: Request<pb::MissedRequest>,
     ) -> Result<Response<pb::MissedReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let map = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let map = served
+            .store()
             .missed(NodeId(r.node), r.from)
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(match map {
@@ -304,14 +324,14 @@ impl ReplicaRpc for ReplicaService {
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.missed_maps", skip_all, fields(node = %self.node))]
+    #[tracing::instrument(level = "debug", name = "replica.missed_maps", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume)))]
     async fn missed_maps(
         &self,
         request: Request<pb::MissedMapsRequest>,
     ) -> Result<Response<pb::MissedMapsReply>, Status> {
-        self.admit(request.into_inner().volume.as_ref())?;
-        let maps = self
-            .store
+        let served = self.admit(request.into_inner().volume.as_ref())?;
+        let maps = served
+            .store()
             .missed_open()
             .into_iter()
             .map(|(node, incarnation)| pb::OpenMap {
@@ -322,38 +342,39 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::MissedMapsReply { maps }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.allocation", skip_all, fields(node = %self.node))]
+    #[tracing::instrument(level = "debug", name = "replica.allocation", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume)))]
     async fn allocation(
         &self,
         request: Request<pb::AllocationRequest>,
     ) -> Result<Response<pb::AllocationReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        let runs = self
-            .store
+        let served = self.admit(r.volume.as_ref())?;
+        let runs = served
+            .store()
             .allocation(r.offset, r.length)
             .await
             .map_err(|e| to_status(&e))?;
         Ok(Response::new(pb::AllocationReply {
             lengths: runs.iter().map(|run| run.len).collect(),
             holes: runs.iter().map(|run| run.hole).collect(),
-            session: self.store.session(),
+            session: served.store().session(),
         }))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.set_unverified", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    #[tracing::instrument(level = "debug", name = "replica.set_unverified", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term, of = request.get_ref().node))]
     async fn set_unverified(
         &self,
         request: Request<pb::SetUnverifiedRequest>,
     ) -> Result<Response<pb::SetUnverifiedReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
+        let served = self.admit(r.volume.as_ref())?;
         let change = if r.raise {
             Unverified::Raise(r.extent)
         } else {
             Unverified::Lower(r.extent)
         };
-        self.store
+        served
+            .store()
             .set_unverified(
                 r.stamp(),
                 NodeId(r.node),
@@ -365,14 +386,15 @@ impl ReplicaRpc for ReplicaService {
         Ok(Response::new(pb::SetUnverifiedReply {}))
     }
 
-    #[tracing::instrument(level = "debug", name = "replica.close_missed", skip_all, fields(node = %self.node, term = request.get_ref().term, of = request.get_ref().node))]
+    #[tracing::instrument(level = "debug", name = "replica.close_missed", skip_all, fields(node = %self.node, volume = volume_of(&request.get_ref().volume), term = request.get_ref().term, of = request.get_ref().node))]
     async fn close_missed(
         &self,
         request: Request<pb::CloseMissedRequest>,
     ) -> Result<Response<pb::CloseMissedReply>, Status> {
         let r = request.into_inner();
-        self.admit(r.volume.as_ref())?;
-        self.store
+        let served = self.admit(r.volume.as_ref())?;
+        served
+            .store()
             .close_missed(r.stamp(), NodeId(r.node))
             .await
             .map_err(|e| to_status(&e))?;
@@ -436,6 +458,78 @@ mod tests {
         service.grow(grow(7)).await.unwrap();
         assert_eq!(store.floor().await, Term(4));
         assert_eq!(store.size(), 2 << 20);
+    }
+
+    /// The checks that need no store come first, in the order of the
+    /// module docs: a request of another cluster, or for another
+    /// incarnation, is refused as such even when it names a volume this
+    /// node does not hold; only a request that passes both is looked up,
+    /// and a volume not held is `NOT_FOUND`. None touches a store.
+    #[tokio::test]
+    async fn the_cluster_and_the_incarnation_are_checked_before_the_volume_is_looked_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = |volume: &'static str| {
+            let identity = crate::replica::disk::store::StoreIdentity::new("c1", volume, 1 << 20);
+            ReplicaStore::open(dir.path().join(volume), identity)
+        };
+        let (a, b) = (
+            Arc::new(open("a").await.unwrap()),
+            Arc::new(open("b").await.unwrap()),
+        );
+        let stores = Stores::new("c1");
+        stores.insert(Arc::clone(&a), None).unwrap();
+        stores.insert(Arc::clone(&b), None).unwrap();
+        let service = ReplicaService::serving(stores).of_incarnation(Incarnation(7));
+        let fence = |cluster: &str, volume: &str, incarnation| {
+            Request::new(pb::FenceRequest {
+                volume: Some(pb::VolumeRef {
+                    cluster_id: cluster.into(),
+                    volume: volume.into(),
+                    incarnation,
+                }),
+                term: 5,
+            })
+        };
+        let refusals = [
+            (
+                fence("c2", "a", 7),
+                tonic::Code::PermissionDenied,
+                "cluster",
+            ),
+            (
+                fence("c2", "z", 7),
+                tonic::Code::PermissionDenied,
+                "cluster",
+            ),
+            (
+                fence("c1", "a", 6),
+                tonic::Code::FailedPrecondition,
+                "replaced disk",
+            ),
+            (
+                fence("c1", "z", 6),
+                tonic::Code::FailedPrecondition,
+                "replaced disk",
+            ),
+            (fence("c1", "z", 7), tonic::Code::NotFound, "volume \"z\""),
+        ];
+        for (request, code, text) in refusals {
+            let refused = service.fence(request).await.unwrap_err();
+            assert_eq!(refused.code(), code, "{refused:?}");
+            assert!(refused.message().contains(text), "{refused:?}");
+        }
+        let no_volume = Request::new(pb::FenceRequest {
+            volume: None,
+            term: 5,
+        });
+        let refused = service.fence(no_volume).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert_eq!(a.floor().await, Term(0));
+        assert_eq!(b.floor().await, Term(0));
+        // Past the checks: the volume named, and only it.
+        service.fence(fence("c1", "b", 7)).await.unwrap();
+        assert_eq!(a.floor().await, Term(0));
+        assert_eq!(b.floor().await, Term(5));
     }
 
     #[test]
