@@ -142,3 +142,114 @@ async fn volumes_are_created_once_by_name_listed_everywhere_and_deleted() {
         "{out}"
     );
 }
+
+/// Each volume's writer as every node in `among` sees it, once they agree
+/// on one; polls until then.
+async fn wait_writer(cluster: &Cluster, among: &[u64], name: &str) -> u64 {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut seen = Vec::new();
+        for id in among {
+            let (ok, out, _) = cluster.cli(*id, &["volume", "list"]).await;
+            let writer = out
+                .lines()
+                .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                .find(|words| ok && words.first() == Some(&name))
+                .and_then(|words| words.get(6).and_then(|w| w.parse::<u64>().ok()));
+            seen.push(writer);
+        }
+        if let Some(Some(writer)) = seen.first().copied() {
+            let (_, shown, _) = cluster.cli(writer, &["volume", "show", name]).await;
+            if seen.iter().all(|w| *w == Some(writer)) && shown.contains("this node writes it now")
+            {
+                return writer;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no agreed writer of {name}: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Writes `pattern` over the first MiB of volume `name` through node
+/// `id`'s NBD export of that name, and reads it back.
+async fn write_pattern(cluster: &Cluster, id: u64, name: &str, pattern: u8) {
+    let uri = format!("nbd://{}/{name}", cluster.nbd_addrs[&id]);
+    let out = common::tools::run_ok_within(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -P {pattern} 0 1M"),
+            "-c",
+            &format!("read -P {pattern} 0 1M"),
+            &uri,
+        ],
+        WAIT,
+    )
+    .await;
+    assert!(!out.contains("failed"), "{out}");
+}
+
+/// Reads volume `name`'s first MiB through node `id` and checks it holds
+/// `pattern` only.
+async fn read_pattern(cluster: &Cluster, id: u64, name: &str, pattern: u8) {
+    let uri = format!("nbd://{}/{name}", cluster.nbd_addrs[&id]);
+    let out = common::tools::run_ok_within(
+        "qemu-io",
+        &[
+            "-r",
+            "-f",
+            "raw",
+            "-c",
+            &format!("read -P {pattern} 0 1M"),
+            &uri,
+        ],
+        WAIT,
+    )
+    .await;
+    assert!(
+        !out.contains("failed") && !out.contains("mismatch"),
+        "{name} on {id}: {out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_volume_has_a_group_and_a_writer_of_its_own_and_keeps_its_own_data() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(3).await;
+    cluster.wait_for_leader(&[1, 2, 3], WAIT).await;
+    for name in ["a", "b"] {
+        let (ok, out, err) = cluster
+            .cli(1, &["volume", "create", name, "--size", "8MiB"])
+            .await;
+        assert!(ok, "create {name}: {out} {err}");
+    }
+    let writer_a = wait_writer(&cluster, &[1, 2, 3], "a").await;
+    let writer_b = wait_writer(&cluster, &[1, 2, 3], "b").await;
+    write_pattern(&cluster, writer_a, "a", 0x0a).await;
+    write_pattern(&cluster, writer_b, "b", 0x0b).await;
+    // Each volume reads back its own bytes, and the configured volume is
+    // untouched (a volume created through the table starts zeroed).
+    read_pattern(&cluster, writer_a, "a", 0x0a).await;
+    read_pattern(&cluster, writer_b, "b", 0x0b).await;
+    let (writer0, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    read_pattern(&cluster, writer0, "vol0", 0).await;
+    // Every node lists both exports.
+    let listed = common::tools::run_ok_within(
+        "nbdinfo",
+        &[
+            "--list",
+            "--json",
+            &format!("nbd://{}", cluster.nbd_addrs[&1]),
+        ],
+        WAIT,
+    )
+    .await;
+    for name in ["\"vol0\"", "\"a\"", "\"b\""] {
+        assert!(listed.contains(name), "{listed}");
+    }
+}

@@ -80,11 +80,25 @@ pub enum VolumeError {
     Failed(String),
 }
 
+/// A volume of the table, and what this node sees of its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeState {
+    /// The table's entry.
+    pub entry: VolumeEntry,
+    /// Its group's leader as this node knows it; none when unknown or
+    /// when this node does not run the group.
+    pub leader: Option<NodeId>,
+    /// Its group's term as this node knows it (0: it does not run it).
+    pub term: u64,
+    /// Whether this node is its active writer now.
+    pub writing: bool,
+}
+
 /// Changes to the volume table, as the node makes them.
 #[async_trait::async_trait]
 pub trait VolumeChanges: Send + Sync {
     /// Every volume, the cluster group's own first.
-    fn list(&self) -> Vec<VolumeEntry>;
+    async fn list(&self) -> Vec<VolumeState>;
     /// Creates the volume `request` asks for; returns it, and whether it
     /// was created now (false: it existed as asked).
     async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError>;
@@ -517,9 +531,17 @@ impl Admin for AdminService {
         &self,
         _: Request<VolumeListRequest>,
     ) -> Result<Response<VolumeListReply>, Status> {
-        let volumes = self.volume_changes()?.list();
+        let volumes = self.volume_changes()?.list().await;
         Ok(Response::new(VolumeListReply {
-            volumes: volumes.iter().map(volume_info).collect(),
+            volumes: volumes
+                .iter()
+                .map(|state| VolumeInfo {
+                    leader: state.leader.map_or(0, |id| id.0),
+                    term: state.term,
+                    writing: state.writing,
+                    ..volume_info(&state.entry)
+                })
+                .collect(),
         }))
     }
 
@@ -591,6 +613,9 @@ fn volume_info(entry: &VolumeEntry) -> VolumeInfo {
         min_in_sync: u32::try_from(entry.min_in_sync).unwrap_or(u32::MAX),
         placement: entry.placement.iter().map(|node| node.0).collect(),
         group: entry.group.0,
+        leader: 0,
+        term: 0,
+        writing: false,
     }
 }
 

@@ -142,28 +142,30 @@ async fn list(addr: &str, tls: &ClientTls, only: Option<String>) -> ExitCode {
 /// The column heads of `volume list`.
 pub fn header() -> String {
     format!(
-        "{:<24} {:>16} {:>6} {:>11} {:>6}  nodes",
-        "name", "size", "copies", "min-in-sync", "group"
+        "{:<24} {:>16} {:>6} {:>11} {:>6}  {:<12} {:>6} {:>6}",
+        "name", "size", "copies", "min-in-sync", "group", "nodes", "writer", "term"
     )
 }
 
 /// One volume's line of `volume list`.
 pub fn line(volume: &VolumeInfo) -> String {
     format!(
-        "{:<24} {:>16} {:>6} {:>11} {:>6}  {}",
+        "{:<24} {:>16} {:>6} {:>11} {:>6}  {:<12} {:>6} {:>6}",
         volume.name,
         volume.size,
         volume.copies,
         volume.min_in_sync,
         volume.group,
-        nodes(&volume.placement)
+        nodes(&volume.placement),
+        known(volume.leader),
+        known(volume.term)
     )
 }
 
 /// One volume, a fact a line.
 pub fn details(volume: &VolumeInfo) -> String {
     format!(
-        "volume {}\n  size         {} bytes\n  copies       {}\n  min-in-sync  {}\n  nodes        {}\n  raft group   {}{}",
+        "volume {}\n  size         {} bytes\n  copies       {}\n  min-in-sync  {}\n  nodes        {}\n  raft group   {}{}\n  writer       {} (term {}, as the node asked sees it){}",
         volume.name,
         volume.size,
         volume.copies,
@@ -174,8 +176,23 @@ pub fn details(volume: &VolumeInfo) -> String {
             " (the cluster group: the volume the nodes' config names)"
         } else {
             ""
+        },
+        known(volume.leader),
+        known(volume.term),
+        if volume.writing {
+            "\n  this node writes it now"
+        } else {
+            ""
         }
     )
+}
+
+/// A number the node may not know: `-` for 0.
+fn known(value: u64) -> String {
+    match value {
+        0 => "-".into(),
+        value => value.to_string(),
+    }
 }
 
 fn nodes(placement: &[u64]) -> String {

@@ -1,76 +1,406 @@
-//! The volumes a node hosts, by id.
+//! The volumes a node hosts: the cluster group's own (the configured
+//! volume, on every node) and each volume of the cluster group's table
+//! that places a copy here, with the Raft group of its own.
 //!
-//! The [`VolumeHost`] owns each [`Volume`] the node holds a copy of; the
-//! node itself keeps only node-wide work (identity, transport,
-//! certificates, Raft, health and the listeners). A volume is started and
-//! stopped through the host, and every volume stops its own tasks.
+//! The table's volumes follow the table ([`VolumeHost::follow_table`]):
+//! whenever the applied table changes (and every [`RECHECK`], so that a
+//! start that failed is tried again), the node
+//! - starts each volume placed here that it does not run: its Raft group
+//!   (served from then on; formed with the founders the table records, by
+//!   any founder, when it has no state yet), the group's failure
+//!   detector, and the volume's parts over that group, its copy in a
+//!   directory named for group and name, its store in the data listener's
+//!   [`Stores`] and its export in the NBD listener's [`Exports`];
+//! - stops each volume it runs that the table no longer places here:
+//!   its export and store go first (no new client, no new peer request),
+//!   then its writer (the gate closes), its tasks, its group (no longer
+//!   served), and last its data: the copy's directory and the group's Raft
+//!   trees.
 //!
-//! One volume is all a node hosts for now (the one in its config); the
-//! host is the seam at which a node will hold many.
+//! Every invariant stays local to one volume: a volume's parts speak only
+//! to its own group and its own copies. Shutdown stops every volume at
+//! once within one deadline, as for the configured one.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::{Mutex, watch};
+
+use crate::ha::Coordinator;
+use crate::volume::Device;
+
 use super::config::{ConfigError, NodeConfig};
-use super::volume::Volume;
+use super::volume::{Site, Volume};
 use super::{NodeError, RaftParts, failed};
-use crate::ids::VolumeId;
+use crate::ids::{GroupId, MemberId, NodeId, VolumeId};
+use crate::nbd::{Export, Exports};
 use crate::net::Transport;
+use crate::raft::group::RaftGroup;
+use crate::raft::network::{PeerBook, ServedGroups};
+use crate::raft::volume_table::VolumeEntry;
+use crate::raft::{MemberNode, RaftCoordinator, RaftDb, RaftTiming};
+use crate::replica::serve::stores::{OnFenced, Stores};
+
+/// How often the table's volumes are checked even without a change.
+pub const RECHECK: Duration = Duration::from_secs(5);
+
+/// The table's volumes a node runs, by name; clones share them.
+#[derive(Clone, Default)]
+pub struct HostedVolumes(Arc<Mutex<BTreeMap<VolumeId, Hosted>>>);
+
+/// What a node sees of one of the table's volumes it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostedView {
+    /// Its group.
+    pub group: GroupId,
+    /// The group's leader as this node knows it (its writer, once
+    /// promoted).
+    pub leader: Option<NodeId>,
+    /// The group's current term.
+    pub term: u64,
+    /// Whether this node is the volume's active writer now (its gate open).
+    pub writing: bool,
+}
+
+impl HostedVolumes {
+    /// What this node sees of each table volume it runs.
+    pub async fn views(&self) -> BTreeMap<VolumeId, HostedView> {
+        let table = self.0.lock().await;
+        table
+            .iter()
+            .map(|(id, hosted)| {
+                let metrics = hosted.group.raft.metrics().borrow().clone();
+                let view = HostedView {
+                    group: hosted.group.id,
+                    leader: metrics.current_leader.map(MemberId::node),
+                    term: metrics.current_term,
+                    writing: hosted.volume.controller.device().is_writable(),
+                };
+                (id.clone(), view)
+            })
+            .collect()
+    }
+}
 
 /// See the module docs.
-#[derive(Default)]
 pub struct VolumeHost {
-    volumes: BTreeMap<VolumeId, Volume>,
+    /// The cluster group's own volume.
+    own: Volume,
+    /// The table's volumes this node runs, by name.
+    table: HostedVolumes,
+    /// Stops the table follower.
+    stop_following: watch::Sender<bool>,
+    follower: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A volume of the table, running here with its group.
+struct Hosted {
+    volume: Volume,
+    group: RaftGroup,
+    detector: tokio::task::JoinHandle<()>,
+}
+
+/// What starting and stopping the table's volumes needs of the node.
+#[derive(Clone)]
+pub struct HostParts {
+    pub config: NodeConfig,
+    pub transport: Transport,
+    pub member: MemberId,
+    pub db: RaftDb,
+    pub book: Arc<PeerBook>,
+    pub runtime: tokio::runtime::Handle,
+    pub served: ServedGroups,
+    pub cluster: Arc<RaftCoordinator>,
+    pub stores: Stores,
+    pub exports: Option<Exports>,
 }
 
 impl VolumeHost {
-    /// Takes `volume` in; a second volume of the same id is refused.
-    pub fn insert(&mut self, volume: Volume) -> Result<(), NodeError> {
-        if self.volumes.contains_key(volume.id()) {
-            return Err(failed(format!("volume {} is hosted already", volume.id())));
+    /// A host of `own`, the cluster group's volume, and of the table's
+    /// volumes in `table`.
+    pub fn new(own: Volume, table: HostedVolumes) -> Self {
+        Self {
+            own,
+            table,
+            stop_following: watch::channel(false).0,
+            follower: None,
         }
-        self.volumes.insert(volume.id().clone(), volume);
-        Ok(())
     }
 
-    /// The volume named `id`, when this node hosts it.
-    pub fn get(&self, id: &VolumeId) -> Option<&Volume> {
-        self.volumes.get(id)
+    /// The cluster group's own volume.
+    pub fn own(&self) -> &Volume {
+        &self.own
     }
 
-    /// Every hosted volume, by id.
-    pub fn volumes(&self) -> impl Iterator<Item = &Volume> {
-        self.volumes.values()
-    }
-
-    /// Starts every volume's tasks.
+    /// Starts the cluster group's volume's tasks.
     pub(super) fn start(&mut self, config: &NodeConfig, raft: &RaftParts, transport: &Transport) {
-        for volume in self.volumes.values_mut() {
-            volume.start(config, raft, transport);
-        }
+        self.own.start(config, &raft.cluster, transport);
     }
 
-    /// Resolves with the first conflict between a volume's recorded config
-    /// and this node's; never, when there is none.
+    /// Starts following the volume table (see the module docs).
+    pub(super) fn follow_table(&mut self, parts: HostParts) {
+        let table = Arc::clone(&self.table.0);
+        let stop = self.stop_following.subscribe();
+        self.follower = Some(tokio::spawn(follow(table, parts, stop)));
+    }
+
+    /// Resolves with the first conflict between the configured volume's
+    /// recorded config and this node's; never, when there is none.
     pub(super) async fn conflict(&self, raft: &RaftParts) -> ConfigError {
-        let conflicts: Vec<_> = self
-            .volumes
-            .values()
-            .map(|volume| Box::pin(volume.conflict(raft)))
-            .collect();
-        if conflicts.is_empty() {
-            return std::future::pending().await;
+        self.own.conflict(&raft.cluster).await
+    }
+
+    /// Stops following the table, then closes every volume's gate, all at
+    /// once, each within `grace`, and has every table volume's group hand
+    /// its leadership over.
+    pub(super) async fn stop_writing(&mut self, grace: Duration) {
+        self.stop_following.send_replace(true);
+        if let Some(follower) = self.follower.take() {
+            let _ = follower.await;
         }
-        futures::future::select_all(conflicts).await.0
+        let table = self.table.0.lock().await;
+        let gates = table
+            .values()
+            .map(|hosted| hosted.volume.stop_writing(grace))
+            .chain([self.own.stop_writing(grace)]);
+        futures::future::join_all(gates).await;
+        let resigns = table.values().map(|hosted| async move {
+            if tokio::time::timeout(grace, hosted.group.coordinator.resign())
+                .await
+                .is_err()
+            {
+                tracing::warn!(volume = %hosted.volume.id(), "resigning timed out");
+            }
+        });
+        futures::future::join_all(resigns).await;
     }
 
-    /// Closes every volume's gate, all at once, each within `grace`.
-    pub(super) async fn stop_writing(&self, grace: Duration) {
-        futures::future::join_all(self.volumes.values().map(|v| v.stop_writing(grace))).await;
-    }
-
-    /// Stops every volume's tasks, all at once, within `deadline`.
+    /// Stops every volume's tasks, all at once, within `deadline`, and the
+    /// table volumes' groups.
     pub(super) async fn stop(self, deadline: Duration) {
-        futures::future::join_all(self.volumes.into_values().map(|v| v.stop(deadline))).await;
+        let table = std::mem::take(&mut *self.table.0.lock().await);
+        let stops = table.into_values().map(|hosted| async move {
+            hosted.detector.abort();
+            hosted.volume.stop(deadline).await;
+            if let Err(err) = hosted.group.raft.shutdown().await {
+                tracing::warn!(%err, "raft shutdown of a volume group");
+            }
+        });
+        tokio::join!(futures::future::join_all(stops), self.own.stop(deadline));
     }
+}
+
+/// The volumes of the applied table placed on this node.
+fn placed_here(parts: &HostParts) -> BTreeMap<VolumeId, VolumeEntry> {
+    let applied = parts.cluster.state_machine().current();
+    applied
+        .control
+        .volumes
+        .volumes()
+        .filter(|entry| entry.placement.contains(&parts.member.node()))
+        .map(|entry| (entry.id.clone(), entry.clone()))
+        .collect()
+}
+
+/// Keeps `table` in step with the cluster group's volume table until
+/// `stop` turns true (see the module docs).
+async fn follow(
+    table: Arc<Mutex<BTreeMap<VolumeId, Hosted>>>,
+    parts: HostParts,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut applied = parts.cluster.state_machine().subscribe();
+    loop {
+        let wanted = placed_here(&parts);
+        {
+            let mut running = table.lock().await;
+            let gone: Vec<VolumeId> = running
+                .iter()
+                .filter(|(id, hosted)| {
+                    wanted.get(*id).map(|entry| entry.group) != Some(hosted.group.id)
+                })
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in gone {
+                if let Some(hosted) = running.remove(&id) {
+                    remove(&parts, hosted).await;
+                }
+            }
+            for (id, entry) in &wanted {
+                if running.contains_key(id) {
+                    continue;
+                }
+                match host(&parts, entry).await {
+                    Ok(hosted) => {
+                        tracing::info!(volume = %id, group = entry.group.0, "volume started");
+                        running.insert(id.clone(), hosted);
+                    }
+                    Err(err) => {
+                        tracing::warn!(volume = %id, %err, "cannot start the volume yet")
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            changed = applied.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(RECHECK) => {}
+            _ = stop.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// The gRPC address of every member of the cluster group: the peer list's,
+/// else the membership's record.
+fn addresses(parts: &HostParts) -> BTreeMap<NodeId, String> {
+    let applied = parts.cluster.state_machine().current();
+    let mut addresses: BTreeMap<NodeId, String> = applied
+        .membership
+        .membership()
+        .nodes()
+        .filter(|(_, node)| !node.addr.is_empty())
+        .map(|(member, node)| (member.node(), node.addr.clone()))
+        .collect();
+    for (id, addr) in &parts.config.peers {
+        addresses.insert(*id, addr.to_string());
+    }
+    addresses
+}
+
+/// Starts `entry`'s group and volume on this node.
+async fn host(parts: &HostParts, entry: &VolumeEntry) -> Result<Hosted, NodeError> {
+    let addresses = addresses(parts);
+    let group = start_group(parts, entry, &addresses).await?;
+    let site = Site::of_table(&parts.config, entry, &addresses);
+    let assembled =
+        Volume::assemble(&parts.config, site, &parts.transport, &group.coordinator).await;
+    let mut volume = match assembled {
+        Ok(volume) => volume,
+        Err(err) => {
+            stop_group(parts, &group).await;
+            return Err(err);
+        }
+    };
+    let step_down: OnFenced = {
+        let controller = Arc::clone(&volume.controller);
+        Arc::new(move |floor| controller.step_down(floor))
+    };
+    if let Err(err) = parts
+        .stores
+        .insert(Arc::clone(&volume.store), Some(step_down))
+    {
+        stop_group(parts, &group).await;
+        return Err(failed(format!("serving volume {}: {err}", entry.id)));
+    }
+    volume.start(&parts.config, &group, &parts.transport);
+    if let Some(exports) = &parts.exports {
+        let description = format!(
+            "replica-ha volume {} of cluster {}",
+            entry.id, parts.config.cluster_id
+        );
+        let device = Arc::clone(&volume.device);
+        exports.insert(Arc::new(Export::new(&entry.id.0, description, device)));
+    }
+    let detector = parts.runtime.spawn({
+        let (raft, peers, timing) = (
+            group.raft.clone(),
+            Arc::clone(&group.peers),
+            parts.config.timing,
+        );
+        async move {
+            // The start-up window: no campaign before it has passed.
+            tokio::time::sleep(timing.election_max).await;
+            crate::raft::detector::run(raft, peers, timing).await;
+        }
+    });
+    Ok(Hosted {
+        volume,
+        group,
+        detector,
+    })
+}
+
+/// Starts `entry`'s Raft group, serves it, and forms it with the founders
+/// when this node is one and the group has no state yet (forming it on
+/// several founders with the same membership is safe).
+async fn start_group(
+    parts: &HostParts,
+    entry: &VolumeEntry,
+    addresses: &BTreeMap<NodeId, String>,
+) -> Result<RaftGroup, NodeError> {
+    let timing: RaftTiming = parts.config.timing;
+    let group = RaftGroup::start(
+        entry.group,
+        parts.member,
+        &parts.db,
+        Arc::clone(&parts.book),
+        timing,
+        &parts.runtime,
+    )
+    .await
+    .map_err(failed)?;
+    if let Err(err) = parts
+        .served
+        .insert(group.raft.clone(), Arc::clone(&group.peers))
+    {
+        let _ = group.raft.shutdown().await;
+        return Err(failed(err));
+    }
+    let formed = group.raft.is_initialized().await.map_err(failed)?;
+    if !formed && entry.founders.contains(&parts.member) {
+        let members: BTreeMap<MemberId, MemberNode> = entry
+            .founders
+            .iter()
+            .map(|member| {
+                let addr = addresses.get(&member.node()).cloned().unwrap_or_default();
+                (*member, MemberNode { addr })
+            })
+            .collect();
+        match group.raft.initialize(members).await {
+            Ok(()) => {
+                tracing::info!(volume = %entry.id, group = entry.group.0, "volume group formed")
+            }
+            Err(err) => tracing::debug!(volume = %entry.id, %err, "volume group formed already"),
+        }
+    }
+    Ok(group)
+}
+
+/// Stops serving and running `group`.
+async fn stop_group(parts: &HostParts, group: &RaftGroup) {
+    parts.served.remove(group.id);
+    if let Err(err) = group.raft.shutdown().await {
+        tracing::warn!(%err, group = group.id.0, "raft shutdown of a volume group");
+    }
+}
+
+/// Stops a volume the table no longer places here and removes its data
+/// (see the module docs for the order).
+async fn remove(parts: &HostParts, hosted: Hosted) {
+    let Hosted {
+        volume,
+        group,
+        detector,
+    } = hosted;
+    let id = volume.id().clone();
+    if let Some(exports) = &parts.exports {
+        exports.remove(&id.0);
+    }
+    parts.stores.remove(&id.0);
+    volume.stop_writing(super::STOP_DEADLINE).await;
+    detector.abort();
+    let dir = volume.site().dir.parent().map(std::path::Path::to_path_buf);
+    volume.stop(super::STOP_DEADLINE).await;
+    stop_group(parts, &group).await;
+    let group_id = group.id;
+    drop(group);
+    if let Err(err) = parts.db.drop_group(group_id).await {
+        tracing::warn!(volume = %id, %err, "removing the volume group's Raft state");
+    }
+    if let Some(dir) = dir {
+        if let Err(err) = tokio::fs::remove_dir_all(&dir).await {
+            tracing::warn!(volume = %id, dir = %dir.display(), %err, "removing the volume's copy");
+        }
+    }
+    tracing::info!(volume = %id, "volume stopped and its copy removed");
 }

@@ -538,14 +538,16 @@ impl MembersChanges for Membership {
     }
 }
 
-/// Keeps this node's replica set, channel pool and certificate allow-list
-/// in step with the applied (committed) membership: a new member's replica
-/// joins (out of sync until the resync rebuilds it), a removed member's
-/// leaves. Runs until the state machine stops.
+/// Keeps this node's replica set and channel pool in step with the
+/// applied (committed) membership of the volume's group: a new member's
+/// replica joins (out of sync until the resync rebuilds it), a removed
+/// member's leaves. With `admission` (the cluster group's volume, whose
+/// membership is the node list) the certificate allow-list follows it
+/// too. Runs until the state machine stops.
 pub async fn follow_membership(
     coordinator: Arc<RaftCoordinator>,
     replicas: Arc<ReplicaSet>,
-    transport: Transport,
+    admission: Option<Transport>,
     make: impl Fn(NodeId, &str) -> Arc<dyn Replica> + Send,
 ) {
     let local = replicas.local_id();
@@ -563,7 +565,9 @@ pub async fn follow_membership(
         if !members.is_empty() {
             for (node, addr) in &members {
                 if *node != local && replicas.get(*node).is_none() {
-                    transport.admit_member(*node);
+                    if let Some(transport) = &admission {
+                        transport.admit_member(*node);
+                    }
                     if let Some(channels) = replicas.channels() {
                         channels.add(*node, addr.clone(), None);
                     }
@@ -580,7 +584,9 @@ pub async fn follow_membership(
                             if let Some(channels) = replicas.channels() {
                                 channels.remove(node);
                             }
-                            transport.expel_member(node);
+                            if let Some(transport) = &admission {
+                                transport.expel_member(node);
+                            }
                             tracing::info!(%node, "a removed member's replica left the set");
                         }
                         Err(err) => tracing::warn!(%node, %err, "cannot drop the removed replica"),

@@ -71,9 +71,9 @@ use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
 use crate::net::{Audience, Limits, Tls, Transport};
 use crate::raft::group::RaftGroup;
-use crate::raft::network::{PeerBook, Peers, RaftService};
+use crate::raft::network::{PeerBook, RaftService, ServedGroups};
 use crate::raft::runtime::RaftRuntime;
-use crate::raft::{Raft, RaftCoordinator, RaftDb};
+use crate::raft::{RaftCoordinator, RaftDb};
 use crate::replica::serve::service::ReplicaService;
 use crate::replica::serve::stores::{OnFenced, Stores};
 use hello::HelloService;
@@ -126,11 +126,15 @@ pub struct Node {
 }
 
 /// Raft and what runs beside it on its own runtime.
-struct RaftParts {
-    raft: Raft,
+pub(crate) struct RaftParts {
+    /// The cluster group (group 0).
+    cluster: RaftGroup,
     runtime: RaftRuntime,
-    peers: Arc<Peers>,
-    coordinator: Arc<RaftCoordinator>,
+    /// The node's Raft Db, every group's.
+    db: RaftDb,
+    /// The groups the Raft server serves: the cluster group and every
+    /// hosted volume's.
+    served: ServedGroups,
 }
 
 /// The listeners, bound before anything is served.
@@ -170,7 +174,7 @@ impl Node {
         let replica_dir = config.data_dir.join("replica");
         let replica_missing = !replica_dir.exists();
         let raft = start_raft(&config, &db, &transport, member).await?;
-        if replica_missing && raft.raft.is_initialized().await.map_err(failed)? {
+        if replica_missing && raft.cluster.raft.is_initialized().await.map_err(failed)? {
             // S8 covers the whole data dir: a lost replica with the Raft
             // state intact would otherwise be recreated empty and count as
             // the copy this member held.
@@ -187,11 +191,17 @@ impl Node {
             .into());
         }
         let waiting = Arc::new(crate::members::Waiting::default());
-        let volume = Volume::assemble(&config, &transport, &raft.coordinator).await?;
+        let volume = Volume::assemble(
+            &config,
+            volume::Site::configured(&config),
+            &transport,
+            &raft.cluster.coordinator,
+        )
+        .await?;
         let view = Arc::new(NodeView::new(NodeParts {
             facts: facts(&config, data_addr, member),
             waiting: Arc::clone(&waiting),
-            coordinator: Arc::clone(&raft.coordinator),
+            coordinator: Arc::clone(&raft.cluster.coordinator),
             controller: Arc::clone(&volume.controller),
             replicas: Arc::clone(&volume.replicas),
             resync: Arc::clone(&volume.resync),
@@ -202,16 +212,17 @@ impl Node {
             nbd: Arc::default(),
         }));
         let members = Arc::new(membership::Membership::new(
-            Arc::clone(&raft.coordinator),
+            Arc::clone(&raft.cluster.coordinator),
             Arc::clone(&volume.controller),
             Arc::clone(&volume.engine),
             transport.clone(),
             view.facts().peers.clone(),
         ));
+        let hosted = host::HostedVolumes::default();
         let grpc = serve_grpc(
             &transport,
             &raft,
-            &volume,
+            (&volume, &hosted),
             &view,
             &members,
             (listeners.grpc, listeners.data),
@@ -226,7 +237,7 @@ impl Node {
         tasks.spawn(
             "formation",
             formation::run(
-                raft.raft.clone(),
+                raft.cluster.raft.clone(),
                 config.clone(),
                 member,
                 transport.clone(),
@@ -237,7 +248,7 @@ impl Node {
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
-        spawn_background(
+        let exports = spawn_background(
             &mut tasks,
             &config,
             &raft,
@@ -247,9 +258,20 @@ impl Node {
                 .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
             listeners.http,
         );
-        let mut host = VolumeHost::default();
-        host.insert(volume)?;
+        let mut host = VolumeHost::new(volume, hosted);
         host.start(&config, &raft, &transport);
+        host.follow_table(host::HostParts {
+            config: config.clone(),
+            transport: transport.clone(),
+            member,
+            db: raft.db.clone(),
+            book: Arc::clone(raft.cluster.peers.node()),
+            runtime: raft.runtime.handle().clone(),
+            served: raft.served.clone(),
+            cluster: Arc::clone(&raft.cluster.coordinator),
+            stores: grpc.stores.clone(),
+            exports,
+        });
         tracing::info!(
             node = %config.id,
             incarnation = %member.incarnation(),
@@ -274,7 +296,7 @@ impl Node {
 
     /// The coordinator.
     pub fn coordinator(&self) -> &Arc<RaftCoordinator> {
-        &self.raft.coordinator
+        &self.raft.cluster.coordinator
     }
 
     /// Runs until SIGTERM/SIGINT (Ok) or until the cluster's volume config
@@ -320,7 +342,7 @@ impl Node {
 
     /// Closes the gate, resigns, stops the background tasks, Raft and the
     /// server, and flushes.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         // Load balancers and routers stop sending here first.
         use tonic_health::ServingStatus::NotServing;
         for service in ["", WRITER_HEALTH_SERVICE] {
@@ -328,7 +350,7 @@ impl Node {
         }
         let grace = self.config.timing.election_max * 4;
         self.host.stop_writing(grace).await;
-        if tokio::time::timeout(grace, self.raft.coordinator.resign())
+        if tokio::time::timeout(grace, self.raft.cluster.coordinator.resign())
             .await
             .is_err()
         {
@@ -338,18 +360,15 @@ impl Node {
             self.tasks.stop(STOP_DEADLINE),
             self.host.stop(STOP_DEADLINE)
         );
-        if let Err(err) = self.raft.raft.shutdown().await {
+        if let Err(err) = self.raft.cluster.raft.shutdown().await {
             tracing::warn!(%err, "raft shutdown");
         }
         self.stop_server.send_replace(true);
         let _ = tokio::time::timeout(STOP_DEADLINE, futures::future::join_all(self.servers)).await;
         let RaftParts {
-            runtime,
-            coordinator,
-            peers,
-            ..
+            runtime, cluster, ..
         } = self.raft;
-        drop((coordinator, peers));
+        drop(cluster);
         runtime.shutdown().await;
         if let Err(err) = self.db.flush_async().await {
             tracing::warn!(%err, "flushing the Raft Db");
@@ -456,15 +475,12 @@ async fn start_raft(
     let runtime =
         RaftRuntime::start().map_err(|e| failed(format!("cannot start Raft's threads: {e}")))?;
     node.run_on(runtime.handle().clone());
-    let RaftGroup {
-        raft,
-        peers,
-        coordinator,
-        ..
-    } = RaftGroup::start(
+    let db = RaftDb::new(db);
+    let served = ServedGroups::new(Arc::clone(&node));
+    let cluster = RaftGroup::start(
         GroupId::FIRST,
         member,
-        &RaftDb::new(db),
+        &db,
         node,
         config.timing,
         runtime.handle(),
@@ -474,13 +490,21 @@ async fn start_raft(
     // The book holds the stored membership before anything is served: a
     // peer asking whether this node has Raft state gets the truth at once.
     book.set(crate::raft::coordinator::book_entries(
-        raft.metrics().borrow().membership_config.membership(),
+        cluster
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership(),
     ));
+    served
+        .insert(cluster.raft.clone(), Arc::clone(&cluster.peers))
+        .map_err(failed)?;
     Ok(RaftParts {
-        raft,
+        cluster,
         runtime,
-        peers,
-        coordinator,
+        db,
+        served,
     })
 }
 
@@ -514,10 +538,6 @@ struct GrpcServer {
     health: tonic_health::server::HealthReporter,
     /// The stores the data listener serves, by volume: the node adds and
     /// removes volumes here as it opens and drops their copies.
-    #[expect(
-        dead_code,
-        reason = "volumes come and go here once a node hosts many (#38)"
-    )]
     stores: Stores,
 }
 
@@ -527,7 +547,7 @@ struct GrpcServer {
 fn serve_grpc(
     transport: &Transport,
     raft: &RaftParts,
-    volume: &Volume,
+    (volume, hosted): (&Volume, &host::HostedVolumes),
     view: &Arc<NodeView>,
     members: &Arc<membership::Membership>,
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
@@ -535,12 +555,17 @@ fn serve_grpc(
     let (stop_server, stopped) = watch::channel(false);
     let facts = view.facts();
     let volumes = volumes::VolumeTableChanges::new(
-        Arc::clone(&raft.coordinator),
+        Arc::clone(&raft.cluster.coordinator),
         transport.clone(),
         facts.cluster_id.clone(),
         facts.data_dir.clone(),
         facts.peers.clone(),
-    );
+        hosted.clone(),
+    )
+    .with_own_writer({
+        let view = Arc::clone(view);
+        move || view.is_active_writer()
+    });
     let admin = AdminService::new(Arc::clone(view))
         .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>)
         .with_volumes(Arc::new(volumes));
@@ -553,7 +578,7 @@ fn serve_grpc(
         facts.member,
         facts.cluster_id.clone(),
         facts.data,
-        Arc::clone(raft.peers.book()),
+        Arc::clone(raft.cluster.peers.book()),
     )
     .with_data_dir(&facts.data_dir);
     // The data listener serves every volume of `stores`; today the one
@@ -588,7 +613,7 @@ fn serve_grpc(
         .server()
         .add_service(transport.serve(
             Audience::Members,
-            RaftService::new(raft.raft.clone(), Arc::clone(&raft.peers)).into_server(),
+            RaftService::serving(raft.served.clone()).into_server(),
         ))
         .add_service(transport.serve(Audience::Nodes, hello.into_server()))
         .add_service(transport.serve(Audience::Operators, admin.into_server()))
@@ -624,7 +649,8 @@ fn spawn_background(
     view: &Arc<NodeView>,
     nbd: Option<(tokio::net::TcpListener, Option<ExportTls>)>,
     http: Option<tokio::net::TcpListener>,
-) {
+) -> Option<crate::nbd::Exports> {
+    let mut served = None;
     if let Some((listener, tls)) = nbd {
         let description = format!(
             "replica-ha volume {} of cluster {}",
@@ -662,6 +688,7 @@ fn spawn_background(
         }
         let stats = Arc::clone(view.nbd_stats());
         let stop = tasks.stop_signal();
+        served = Some(exports.clone());
         tasks.spawn_draining(
             "NBD server",
             crate::nbd::serve(listener, exports, stats, stop),
@@ -675,12 +702,17 @@ fn spawn_background(
             }
         });
     }
-    let (raft_handle, peers, timing) = (raft.raft.clone(), Arc::clone(&raft.peers), config.timing);
+    let (raft_handle, peers, timing) = (
+        raft.cluster.raft.clone(),
+        Arc::clone(&raft.cluster.peers),
+        config.timing,
+    );
     tasks.spawn_on(raft.runtime.handle(), "failure detector", async move {
         // The start-up window: no campaign before it has passed.
         tokio::time::sleep(timing.election_max).await;
         crate::raft::detector::run(raft_handle, peers, timing).await;
     });
+    served
 }
 
 async fn bind(

@@ -27,7 +27,8 @@ use std::time::Duration;
 use openraft::ServerState;
 
 use super::hello::{FEATURE_GROUPS, free_bytes};
-use crate::api::admin::{VolumeChanges, VolumeError};
+use super::host::HostedVolumes;
+use crate::api::admin::{VolumeChanges, VolumeError, VolumeState};
 use crate::ha::HaError;
 use crate::ids::{GroupId, MemberId, NodeId, Term, VolumeId};
 use crate::net::Transport;
@@ -55,6 +56,10 @@ pub struct VolumeTableChanges {
     /// Every node's gRPC address from the configuration, where the
     /// membership records none.
     configured: BTreeMap<NodeId, String>,
+    /// The table's volumes this node runs.
+    hosted: HostedVolumes,
+    /// Whether this node writes the cluster group's own volume now.
+    own_writing: Option<Box<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl VolumeTableChanges {
@@ -65,6 +70,7 @@ impl VolumeTableChanges {
         cluster_id: String,
         data_dir: PathBuf,
         configured: BTreeMap<NodeId, String>,
+        hosted: HostedVolumes,
     ) -> Self {
         Self {
             cluster,
@@ -72,7 +78,16 @@ impl VolumeTableChanges {
             cluster_id,
             data_dir,
             configured,
+            hosted,
+            own_writing: None,
         }
+    }
+
+    /// Tells whether this node writes the cluster group's own volume by
+    /// `writing`.
+    pub fn with_own_writer(mut self, writing: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        self.own_writing = Some(Box::new(writing));
+        self
     }
 
     /// The voters of the cluster group with their gRPC addresses.
@@ -208,8 +223,10 @@ pub fn with_defaults(mut request: VolumeRequest, nodes: usize) -> VolumeRequest 
 
 #[async_trait::async_trait]
 impl VolumeChanges for VolumeTableChanges {
-    fn list(&self) -> Vec<VolumeEntry> {
+    async fn list(&self) -> Vec<VolumeState> {
         let applied = self.cluster.state_machine().current();
+        let hosted = self.hosted.views().await;
+        let status = self.cluster.status();
         let own = applied.control.volume.as_ref().map(|spec| {
             let members: Vec<_> = self.members().into_keys().collect();
             VolumeEntry {
@@ -222,9 +239,24 @@ impl VolumeChanges for VolumeTableChanges {
                 group: GroupId::FIRST,
             }
         });
-        own.into_iter()
-            .chain(applied.control.volumes.volumes().cloned())
-            .collect()
+        let own = own.map(|entry| VolumeState {
+            entry,
+            leader: status.leader,
+            term: status.term.0,
+            writing: self.own_writing.as_ref().is_some_and(|writing| writing()),
+        });
+        let table = applied.control.volumes.volumes().map(|entry| {
+            let seen = hosted
+                .get(&entry.id)
+                .filter(|view| view.group == entry.group);
+            VolumeState {
+                entry: entry.clone(),
+                leader: seen.and_then(|view| view.leader),
+                term: seen.map_or(0, |view| view.term),
+                writing: seen.is_some_and(|view| view.writing),
+            }
+        });
+        own.into_iter().chain(table).collect()
     }
 
     async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError> {

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{REPLICA_TIMEOUT, Volume, policy};
+use super::{REPLICA_TIMEOUT, Site, Volume};
 use crate::ha::{Controller, ControllerConfig, Coordinator, InSyncTracker, ReadGate, WriterEngine};
 use crate::ids::VolumeId;
 use crate::metrics::{DeviceMetrics, MeteredDevice};
@@ -26,24 +26,25 @@ use crate::replica::mirror::set::ReplicaSet;
 use crate::replica::peer::channels::Channels;
 use crate::replica::peer::remote::RemoteReplica;
 use crate::replica::{FloorBook, Replica, ReplicaError};
-use crate::volume::VolumeSpec;
 
 /// How long one fence attempt may take before the controller retries.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Volume {
-    /// Opens this node's copy and wires the volume's parts over
-    /// `coordinator` and `transport`. Nothing runs yet: see
-    /// `Volume::start`.
+    /// Opens this node's copy of the volume at `site` and wires its parts
+    /// over its group's `coordinator` and `transport`. Nothing runs yet:
+    /// see `Volume::start`.
     pub async fn assemble(
         config: &NodeConfig,
+        site: Site,
         transport: &Transport,
         coordinator: &Arc<RaftCoordinator>,
     ) -> Result<Self, NodeError> {
-        let spec = policy::volume_spec(config);
-        let store = Arc::new(open_store(config, &spec).await?);
+        let spec = site.spec.clone();
+        let store = Arc::new(open_store(&site).await?);
         let replicas = Arc::new(replica_set(
             config,
+            &site,
             transport,
             &store,
             Arc::clone(coordinator.book()),
@@ -74,7 +75,7 @@ impl Volume {
                 suspend_timeout: config.suspend_timeout,
             },
         ));
-        if let Some(path) = &config.gate_journal {
+        if let Some(path) = config.gate_journal.as_ref().filter(|_| site.configured) {
             let journal = journal::FileJournal::open(path)
                 .map_err(|err| ConfigError(format!("gate journal {}: {err}", path.display())))?;
             controller
@@ -108,7 +109,7 @@ impl Volume {
             Arc::clone(&engine),
             ScrubConfig {
                 rate: config.scrub_rate,
-                keep_dir: Some(config.data_dir.join("scrub-kept")),
+                keep_dir: Some(site.keep_dir.clone()),
             },
         ));
         let io = Arc::new(DeviceMetrics::default());
@@ -120,8 +121,8 @@ impl Volume {
         let gated = ReadGate::new(controller.device(), Arc::new(local_copy));
         let device = Arc::new(MeteredDevice::new(Arc::new(gated), Arc::clone(&io)));
         Ok(Self {
-            id: VolumeId(config.volume.clone()),
-            spec,
+            id: VolumeId(spec.name.clone()),
+            site,
             tasks: Tasks::default(),
             store,
             replicas,
@@ -137,10 +138,10 @@ impl Volume {
 
 /// Opens this node's replica; one of another cluster, volume or size is a
 /// configuration error.
-async fn open_store(config: &NodeConfig, spec: &VolumeSpec) -> Result<ReplicaStore, NodeError> {
-    let identity = StoreIdentity::from(spec);
-    let dir = config.data_dir.join("replica");
-    ReplicaStore::open(&dir, identity)
+async fn open_store(site: &Site) -> Result<ReplicaStore, NodeError> {
+    let identity = StoreIdentity::from(&site.spec);
+    let dir = &site.dir;
+    ReplicaStore::open(dir, identity)
         .await
         .map_err(|err| match err {
             ReplicaError::IdentityMismatch(why) | ReplicaError::InvalidIdentity(why) => {
@@ -156,6 +157,7 @@ async fn open_store(config: &NodeConfig, spec: &VolumeSpec) -> Result<ReplicaSto
 /// every request the peer's incarnation that `book` expects (S8).
 fn replica_set(
     config: &NodeConfig,
+    site: &Site,
     transport: &Transport,
     store: &Arc<ReplicaStore>,
     book: Arc<crate::members::MemberBook>,
@@ -172,14 +174,14 @@ fn replica_set(
     );
     let mut replicas: Vec<Arc<dyn Replica>> =
         vec![Arc::new(LocalReplica::new(local_id, Arc::clone(store)))];
-    for (id, addr) in &config.peers {
+    for (id, addr) in &site.peers {
         if *id != config.id {
             channels.add(*id, addr.to_string(), config.peer_data.get(id).cloned());
             let remote = RemoteReplica::through(
                 *id,
                 Arc::clone(&channels),
                 &config.cluster_id,
-                &config.volume,
+                &site.spec.name,
                 // The engine and the fencer give up on a silent replica
                 // after REPLICA_TIMEOUT; the transport allows a busy one to
                 // take as long as they may wait.

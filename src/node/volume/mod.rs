@@ -21,14 +21,18 @@ mod policy;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::RaftParts;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
 use super::config::{ConfigError, NodeConfig};
 use super::membership;
 use super::tasks::Tasks;
 use crate::ha::Controller;
-use crate::ids::VolumeId;
+use crate::ids::{NodeId, VolumeId};
 use crate::metrics::DeviceMetrics;
 use crate::net::Transport;
+use crate::raft::group::RaftGroup;
+use crate::raft::volume_table::VolumeEntry;
 use crate::replica::disk::store::ReplicaStore;
 use crate::replica::mirror::engine::Engine;
 use crate::replica::mirror::resync::Resyncer;
@@ -45,12 +49,83 @@ pub const MARK_RETIREMENT: Duration = Duration::from_millis(200);
 /// before it counts as failed; see `replica::mirror::liveness`.
 pub const REPLICA_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// What differs between the volumes of a node: what the volume is, where
+/// its copy lives, and who holds the others.
+#[derive(Debug, Clone)]
+pub struct Site {
+    /// The volume: cluster, name, size, `min_in_sync`.
+    pub spec: VolumeSpec,
+    /// This node's copy's directory.
+    pub dir: PathBuf,
+    /// Where the scrub keeps the copies it replaced.
+    pub keep_dir: PathBuf,
+    /// The other nodes that hold a copy at start, by id, with their gRPC
+    /// addresses (each is asked for its data address); the membership
+    /// changes them later.
+    pub peers: BTreeMap<NodeId, String>,
+    /// Whether the volume is the cluster group's own, configured on every
+    /// node (its spec is checked against the cluster's record, its gate
+    /// journal is the configured one, and its membership is the node
+    /// list, which admits peers, S8, S9).
+    pub configured: bool,
+}
+
+impl Site {
+    /// The cluster group's own volume, as the node's config describes it.
+    pub fn configured(config: &NodeConfig) -> Self {
+        Self {
+            spec: policy::volume_spec(config),
+            dir: config.data_dir.join("replica"),
+            keep_dir: config.data_dir.join("scrub-kept"),
+            peers: config
+                .peers
+                .iter()
+                .filter(|(id, _)| **id != config.id)
+                .map(|(id, addr)| (*id, addr.to_string()))
+                .collect(),
+            configured: true,
+        }
+    }
+
+    /// A volume of the table, whose copy this node holds, with every
+    /// node's gRPC address from `addresses`. Its copy's directory is named
+    /// for its group as well as its name: a name may be reused by a later
+    /// volume, a group never is.
+    pub fn of_table(
+        config: &NodeConfig,
+        entry: &VolumeEntry,
+        addresses: &BTreeMap<NodeId, String>,
+    ) -> Self {
+        let dir = config
+            .data_dir
+            .join("volumes")
+            .join(format!("{}-{}", entry.group.0, entry.id));
+        Self {
+            spec: VolumeSpec::new(
+                &config.cluster_id,
+                &entry.id.0,
+                entry.size,
+                entry.min_in_sync,
+            ),
+            keep_dir: dir.join("scrub-kept"),
+            dir: dir.join("replica"),
+            peers: entry
+                .placement
+                .iter()
+                .filter(|id| **id != config.id)
+                .filter_map(|id| addresses.get(id).map(|addr| (*id, addr.clone())))
+                .collect(),
+            configured: false,
+        }
+    }
+}
+
 /// One volume's parts, wired together, and its running tasks.
 pub struct Volume {
     /// The volume's name.
     id: VolumeId,
-    /// The volume config this node was configured with.
-    spec: VolumeSpec,
+    /// What and where the volume is.
+    site: Site,
     /// What [`Volume::start`] spawned.
     tasks: Tasks,
     /// This node's copy.
@@ -75,9 +150,14 @@ impl Volume {
         &self.id
     }
 
-    /// Spawns the volume's tasks (see the module docs) over the node's
-    /// Raft and transport.
-    pub(super) fn start(&mut self, config: &NodeConfig, raft: &RaftParts, transport: &Transport) {
+    /// What and where the volume is.
+    pub fn site(&self) -> &Site {
+        &self.site
+    }
+
+    /// Spawns the volume's tasks (see the module docs) over its Raft group
+    /// `raft` and the node's transport.
+    pub(super) fn start(&mut self, config: &NodeConfig, raft: &RaftGroup, transport: &Transport) {
         let tasks = &mut self.tasks;
         if let Some(channels) = self.replicas.channels() {
             tasks.spawn(
@@ -85,11 +165,11 @@ impl Volume {
                 membership::follow_membership(
                     Arc::clone(&raft.coordinator),
                     Arc::clone(&self.replicas),
-                    transport.clone(),
+                    self.site.configured.then(|| transport.clone()),
                     membership::remote_maker(
                         Arc::clone(channels),
                         config.cluster_id.clone(),
-                        config.volume.clone(),
+                        self.site.spec.name.clone(),
                         crate::replica::mirror::liveness::longest_wait(REPLICA_TIMEOUT),
                     ),
                 ),
@@ -119,14 +199,17 @@ impl Volume {
         );
         tasks.spawn(
             "volume config",
-            policy::fix_volume_spec(Arc::clone(&raft.coordinator), self.spec.clone()),
+            policy::fix_volume_spec(Arc::clone(&raft.coordinator), self.site.spec.clone()),
         );
     }
 
     /// Resolves when the cluster's recorded config of this volume differs
     /// from the one this node was configured with.
-    pub(super) async fn conflict(&self, raft: &RaftParts) -> ConfigError {
-        policy::conflict(&raft.coordinator, &self.spec).await
+    pub(super) async fn conflict(&self, raft: &RaftGroup) -> ConfigError {
+        match self.site.configured {
+            true => policy::conflict(&raft.coordinator, &self.site.spec).await,
+            false => std::future::pending().await,
+        }
     }
 
     /// Closes the gate: no client write is admitted from now on. Gives up
