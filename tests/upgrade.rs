@@ -14,7 +14,7 @@
 //! The nodes of this build start on those data dirs, certificates and
 //! configs, on fresh ports given as flags (the configs' addresses are the
 //! fixture's; a node dials its peers where its peer list says, whatever
-//! the membership recorded).
+//! the membership recorded), and a second volume can then be created.
 
 mod common;
 
@@ -240,6 +240,32 @@ async fn a_cluster_made_by_the_8957a70_build_opens_with_its_volume_data_identiti
     assert_eq!(
         volumes,
         vec![vec![record.volume.as_str(), &size, "3", "2", "0", "1,2,3"]],
+        "volume list shows:\n{out}"
+    );
+
+    // The upgraded members all know volume groups: a second volume can be
+    // created, asked of a follower (which names the leader), though every
+    // node now listens elsewhere than the membership recorded.
+    let (ok, out, err) = cluster
+        .cli(follower, &["volume", "create", "more", "--size", "8MiB"])
+        .await;
+    assert!(
+        ok && out.contains("volume more created"),
+        "volume create after the upgrade: {out}{err}"
+    );
+    let (ok, out, err) = cluster.cli(writer, &["volume", "list"]).await;
+    assert!(ok, "volume list failed: {err}");
+    let listed: Vec<(&str, &str)> = out
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            Some((*words.first()?, *words.get(4)?))
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        vec![(record.volume.as_str(), "0"), ("more", "1")],
         "volume list shows:\n{out}"
     );
 
