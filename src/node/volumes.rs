@@ -53,8 +53,10 @@ pub struct VolumeTableChanges {
     cluster_id: String,
     /// This node's data dir: its own room.
     data_dir: PathBuf,
-    /// Every node's gRPC address from the configuration, where the
-    /// membership records none.
+    /// Every node's gRPC address from this node's peer list: where it
+    /// reaches a member now, before the address the membership recorded
+    /// (a node restarted on another port, an upgrade's new addresses),
+    /// as [`crate::raft::network::PeerBook::address`] dials.
     configured: BTreeMap<NodeId, String>,
     /// The table's volumes this node runs.
     hosted: HostedVolumes,
@@ -90,7 +92,9 @@ impl VolumeTableChanges {
         self
     }
 
-    /// The voters of the cluster group with their gRPC addresses.
+    /// The voters of the cluster group with their gRPC addresses: the
+    /// peer list's, else the membership's record (a node added at run
+    /// time).
     fn members(&self) -> BTreeMap<MemberId, String> {
         let applied = self.cluster.state_machine().current();
         let membership = applied.membership.membership();
@@ -98,14 +102,11 @@ impl VolumeTableChanges {
             .nodes()
             .filter(|(member, _)| membership.voter_ids().any(|voter| voter == **member))
             .map(|(member, node)| {
-                let addr = match node.addr.is_empty() {
-                    false => node.addr.clone(),
-                    true => self
-                        .configured
-                        .get(&member.node())
-                        .cloned()
-                        .unwrap_or_default(),
-                };
+                let addr = self
+                    .configured
+                    .get(&member.node())
+                    .cloned()
+                    .unwrap_or_else(|| node.addr.clone());
                 (*member, addr)
             })
             .collect()

@@ -97,6 +97,9 @@ pub struct Cluster {
     /// `nbd_addrs` (which clients still dial); `None`: `nbd_addrs` as they
     /// are (loopback).
     pub nbd_bind: Option<std::net::IpAddr>,
+    /// Start each node with `--config <dir>/node<id>.toml` as well; the
+    /// flags still give its addresses, data dir and certificates.
+    pub configs: bool,
 }
 
 impl Cluster {
@@ -146,15 +149,27 @@ impl Cluster {
 
     pub fn new(n: u64) -> Cluster {
         let ids: Vec<u64> = (1..=n).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let cluster_id = "test-cluster".to_string();
+        make_certs(dir.path(), &cluster_id, &ids);
+        Cluster::adopt(dir, &cluster_id, &ids)
+    }
+
+    /// Nodes `ids` of cluster `cluster_id` on what `dir` already holds:
+    /// the certificates in `<dir>/certs` (see the module docs; at least
+    /// `admin`), and whatever each node's data dir `<dir>/node<id>` holds
+    /// (nothing, or a cluster's state, as an upgrade finds it), on fresh
+    /// ports. Nothing is started.
+    pub fn adopt(dir: tempfile::TempDir, cluster_id: &str, ids: &[u64]) -> Cluster {
+        let ids = ids.to_vec();
         let ports = || {
             ids.iter()
                 .map(|id| (*id, SocketAddr::from(([127, 0, 0, 1], free_port()))))
                 .collect::<BTreeMap<_, _>>()
         };
         let (addrs, nbd_addrs, http_addrs, data_addrs) = (ports(), ports(), ports(), ports());
-        let dir = tempfile::tempdir().unwrap();
-        let cluster_id = "test-cluster".to_string();
-        let certs = make_certs(dir.path(), &cluster_id, &ids);
+        let cluster_id = cluster_id.to_string();
+        let certs = dir.path().join("certs");
         let admin = client_transport(&certs, "admin");
         Cluster {
             dir,
@@ -175,6 +190,7 @@ impl Cluster {
             bin: PathBuf::from(BIN),
             founders: None,
             nbd_bind: None,
+            configs: false,
         }
     }
 
@@ -284,8 +300,13 @@ impl Cluster {
 
     /// The arguments node `id` starts with.
     pub fn args(&self, id: u64) -> Vec<String> {
-        let mut args = vec![
-            "node".to_string(),
+        let mut args = vec!["node".to_string()];
+        if self.configs {
+            args.push("--config".into());
+            let config = self.dir.path().join(format!("node{id}.toml"));
+            args.push(config.display().to_string());
+        }
+        args.extend([
             "--id".into(),
             id.to_string(),
             "--cluster-id".into(),
@@ -305,7 +326,7 @@ impl Cluster {
             self.journal_path(id).display().to_string(),
             "--tls-dir".into(),
             self.certs.display().to_string(),
-        ];
+        ]);
         if !self.os_chosen_data_ports {
             args.push("--data-listen".into());
             args.push(self.data_addrs[&id].to_string());
