@@ -114,6 +114,8 @@ pub struct Export {
     /// Shared by every connection to this export; see
     /// [`DEVICE_BUDGET_BYTES`].
     executing: Semaphore,
+    /// How many clients are in their transmission phase on it now.
+    sessions: std::sync::atomic::AtomicUsize,
 }
 
 /// What a client may do with an export, as its certificate (or the lack
@@ -260,7 +262,13 @@ impl Export {
             description: description.into(),
             device,
             executing: Semaphore::new(transmission::units(DEVICE_BUDGET_BYTES) as usize),
+            sessions: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// How many clients use this export now (past their handshake).
+    pub fn sessions(&self) -> usize {
+        self.sessions.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The session a client with `grant` would get now: writable, bound
@@ -448,7 +456,28 @@ where
     };
     tracing::debug!(export = %export.name, mode, "NBD export opened");
     let admission = exports.admission();
+    let _counted = SessionCount::of(&export);
     transmission::run(reader, writer, export, session, client, admission).await
+}
+
+/// Counts one client's session on an export while it lives.
+struct SessionCount(Arc<Export>);
+
+impl SessionCount {
+    fn of(export: &Arc<Export>) -> Self {
+        export
+            .sessions
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(Arc::clone(export))
+    }
+}
+
+impl Drop for SessionCount {
+    fn drop(&mut self) {
+        self.0
+            .sessions
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// What a finished handshake leaves: the stream to serve on, the export

@@ -51,6 +51,8 @@ pub struct HelloService {
     data: SocketAddr,
     /// The data dir, whose free space the reply tells.
     data_dir: Option<std::path::PathBuf>,
+    /// The NBD listener's exports, whose clients the reply counts.
+    exports: Option<crate::nbd::Exports>,
 }
 
 impl HelloService {
@@ -69,7 +71,20 @@ impl HelloService {
             cluster_id: cluster_id.into(),
             data,
             data_dir: None,
+            exports: None,
         }
+    }
+
+    /// Counts the clients of `exports`' volumes when asked.
+    pub fn with_exports(mut self, exports: Option<crate::nbd::Exports>) -> Self {
+        self.exports = exports;
+        self
+    }
+
+    /// How many NBD clients use volume `name` on this node now.
+    fn sessions_of(&self, name: &str) -> u64 {
+        let export = self.exports.as_ref().and_then(|exports| exports.get(name));
+        export.map_or(0, |export| export.sessions() as u64)
     }
 
     /// Tells the free space of `dir` in every reply.
@@ -111,6 +126,10 @@ impl Node for HelloService {
             asker_member: members.get(&asker).map_or(0, |entry| entry.member.0),
             features: FEATURES,
             free_bytes: self.data_dir.as_deref().and_then(free_bytes).unwrap_or(0),
+            sessions: match request.sessions_of.is_empty() {
+                true => 0,
+                false => self.sessions_of(&request.sessions_of),
+            },
         }))
     }
 }

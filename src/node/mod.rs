@@ -218,11 +218,16 @@ impl Node {
             transport.clone(),
             view.facts().peers.clone(),
         ));
+        let nbd = listeners.nbd.map(|listener| {
+            let tls = nbd_tls(&config, tls.as_ref(), &transport);
+            (listener, nbd_exports(&config, tls, view.device()))
+        });
+        let exports = nbd.as_ref().map(|(_, exports)| exports.clone());
         let hosted = host::HostedVolumes::default();
         let grpc = serve_grpc(
             &transport,
             &raft,
-            (&volume, &hosted),
+            (&volume, &hosted, exports.as_ref()),
             &view,
             &members,
             (listeners.grpc, listeners.data),
@@ -248,16 +253,7 @@ impl Node {
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
-        let exports = spawn_background(
-            &mut tasks,
-            &config,
-            &raft,
-            &view,
-            listeners
-                .nbd
-                .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
-            listeners.http,
-        );
+        spawn_background(&mut tasks, &config, &raft, &view, nbd, listeners.http);
         let mut host = VolumeHost::new(volume, hosted);
         host.start(&config, &raft, &transport);
         host.follow_table(host::HostParts {
@@ -547,7 +543,7 @@ struct GrpcServer {
 fn serve_grpc(
     transport: &Transport,
     raft: &RaftParts,
-    (volume, hosted): (&Volume, &host::HostedVolumes),
+    (volume, hosted, exports): (&Volume, &host::HostedVolumes, Option<&crate::nbd::Exports>),
     view: &Arc<NodeView>,
     members: &Arc<membership::Membership>,
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
@@ -580,7 +576,8 @@ fn serve_grpc(
         facts.data,
         Arc::clone(raft.cluster.peers.book()),
     )
-    .with_data_dir(&facts.data_dir);
+    .with_data_dir(&facts.data_dir)
+    .with_exports(exports.cloned());
     // The data listener serves every volume of `stores`; today the one
     // this node holds, whose fence tells its own controller to step down.
     let stores = Stores::new(facts.cluster_id.clone());
@@ -647,48 +644,12 @@ fn spawn_background(
     config: &NodeConfig,
     raft: &RaftParts,
     view: &Arc<NodeView>,
-    nbd: Option<(tokio::net::TcpListener, Option<ExportTls>)>,
+    nbd: Option<(tokio::net::TcpListener, crate::nbd::Exports)>,
     http: Option<tokio::net::TcpListener>,
-) -> Option<crate::nbd::Exports> {
-    let mut served = None;
-    if let Some((listener, tls)) = nbd {
-        let description = format!(
-            "replica-ha volume {} of cluster {}",
-            config.volume, config.cluster_id
-        );
-        let anonymous = if config.nbd_anonymous_writes() {
-            Grant::ReadWrite
-        } else {
-            Grant::ReadOnly
-        };
-        // One listener for every volume this node holds; today that is the
-        // configured one, which the empty export name also means.
-        let mut exports = crate::nbd::Exports::new().with_anonymous(anonymous);
-        if let Some(tls) = tls {
-            exports = exports.with_tls(tls);
-        }
-        let export = Export::new(&config.volume, description, Arc::clone(view.device()));
-        exports.insert(Arc::new(export));
-        exports.set_default(config.volume.as_str());
-        if config.nbd_exposed() && !config.nbd_client_auth && config.nbd_tls != NbdTls::Off {
-            tracing::warn!(
-                nbd = ?config.nbd,
-                "NBD beyond loopback without nbd_client_auth: a client without a \
-                 certificate may READ the volume (read-only export); set \
-                 nbd_client_auth = true to require a certificate for reads too"
-            );
-        }
-        if config.nbd_plaintext_exposed() {
-            tracing::warn!(
-                nbd = ?config.nbd,
-                "NBD is PLAINTEXT beyond loopback (nbd_tls = \"off\"): anyone who can reach \
-                 the port can read the volume and, on the writer, write it, without a \
-                 certificate; drop nbd_tls = \"off\" to require TLS and client certificates"
-            );
-        }
+) {
+    if let Some((listener, exports)) = nbd {
         let stats = Arc::clone(view.nbd_stats());
         let stop = tasks.stop_signal();
-        served = Some(exports.clone());
         tasks.spawn_draining(
             "NBD server",
             crate::nbd::serve(listener, exports, stats, stop),
@@ -712,7 +673,52 @@ fn spawn_background(
         tokio::time::sleep(timing.election_max).await;
         crate::raft::detector::run(raft_handle, peers, timing).await;
     });
-    served
+}
+
+/// The NBD listener's exports: one for every volume this node holds (the
+/// configured one now, which the empty export name also means; the host
+/// adds the table's), with the listener's TLS and the grant of a client
+/// without a certificate. Warns of an exposed listener's weaker settings.
+fn nbd_exports(
+    config: &NodeConfig,
+    tls: Option<ExportTls>,
+    device: &Arc<dyn crate::volume::Device>,
+) -> crate::nbd::Exports {
+    let description = format!(
+        "replica-ha volume {} of cluster {}",
+        config.volume, config.cluster_id
+    );
+    let anonymous = if config.nbd_anonymous_writes() {
+        Grant::ReadWrite
+    } else {
+        Grant::ReadOnly
+    };
+    // One listener for every volume this node holds; today that is the
+    // configured one, which the empty export name also means.
+    let mut exports = crate::nbd::Exports::new().with_anonymous(anonymous);
+    if let Some(tls) = tls {
+        exports = exports.with_tls(tls);
+    }
+    let export = Export::new(&config.volume, description, Arc::clone(device));
+    exports.insert(Arc::new(export));
+    exports.set_default(config.volume.as_str());
+    if config.nbd_exposed() && !config.nbd_client_auth && config.nbd_tls != NbdTls::Off {
+        tracing::warn!(
+            nbd = ?config.nbd,
+            "NBD beyond loopback without nbd_client_auth: a client without a \
+             certificate may READ the volume (read-only export); set \
+             nbd_client_auth = true to require a certificate for reads too"
+        );
+    }
+    if config.nbd_plaintext_exposed() {
+        tracing::warn!(
+            nbd = ?config.nbd,
+            "NBD is PLAINTEXT beyond loopback (nbd_tls = \"off\"): anyone who can reach \
+             the port can read the volume and, on the writer, write it, without a \
+             certificate; drop nbd_tls = \"off\" to require TLS and client certificates"
+        );
+    }
+    exports
 }
 
 async fn bind(

@@ -34,7 +34,7 @@ use crate::ids::{GroupId, MemberId, NodeId, Term, VolumeId};
 use crate::net::Transport;
 use crate::raft::volume_table::{Offer, VolumeEntry, VolumeRequest};
 use crate::raft::{RaftCoordinator, Request};
-use crate::replica::peer::channels::hello;
+use crate::replica::peer::channels::{hello, hello_counting};
 
 /// How long a member may take to say how much room it has.
 const OFFER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -193,6 +193,41 @@ impl VolumeTableChanges {
         Ok(offers)
     }
 
+    /// Refuses to delete `entry` while a node that holds a copy serves it
+    /// to an NBD client, or cannot say whether it does.
+    async fn refuse_if_in_use(&self, entry: &VolumeEntry) -> Result<(), VolumeError> {
+        let me = self.cluster.member();
+        let members = self.members();
+        let asks = members
+            .iter()
+            .filter(|(member, _)| entry.placement.contains(&member.node()))
+            .map(|(member, addr)| async move {
+                let node = member.node();
+                let counted = hello_counting(
+                    &self.transport,
+                    &self.cluster_id,
+                    me.node(),
+                    (node, addr),
+                    OFFER_TIMEOUT,
+                    &entry.id.0,
+                )
+                .await;
+                (node, counted.map(|reply| reply.sessions))
+            });
+        for (node, counted) in futures::future::join_all(asks).await {
+            let why = match counted {
+                Ok(0) => continue,
+                Ok(clients) => format!("{clients} NBD client(s) use it on node {node}"),
+                Err(err) => format!("node {node} cannot say whether a client uses it ({err})"),
+            };
+            return Err(VolumeError::Refused(format!(
+                "volume {} is not deleted: {why}; disconnect them, or delete with --force",
+                entry.id
+            )));
+        }
+        Ok(())
+    }
+
     /// Commits `request` in `term`; a refusal is the table's.
     async fn commit(
         &self,
@@ -300,7 +335,7 @@ impl VolumeChanges for VolumeTableChanges {
         Ok((volume, response.created))
     }
 
-    async fn delete(&self, name: VolumeId, _force: bool) -> Result<VolumeEntry, VolumeError> {
+    async fn delete(&self, name: VolumeId, force: bool) -> Result<VolumeEntry, VolumeError> {
         let term = self.leading()?;
         let control = self.cluster.state_machine().current().control;
         if control.volume.as_ref().is_some_and(|v| v.name == name.0) {
@@ -308,8 +343,11 @@ impl VolumeChanges for VolumeTableChanges {
                 "volume {name} is the cluster group's own and cannot be deleted"
             )));
         }
-        if control.volumes.get(&name).is_none() {
+        let Some(entry) = control.volumes.get(&name) else {
             return Err(crate::raft::volume_table::TableError::Unknown(name).into());
+        };
+        if !force {
+            self.refuse_if_in_use(entry).await?;
         }
         let response = self.commit(term, Request::DeleteVolume { name }).await?;
         response

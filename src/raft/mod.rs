@@ -83,7 +83,7 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::VolumeId;
+use crate::ids::{GroupId, VolumeId};
 use crate::volume::VolumeSpec;
 use volume_table::{Offer, VolumeEntry, VolumeRequest, VolumeTable};
 
@@ -247,7 +247,7 @@ pub struct ControlState {
     pub size: Option<u64>,
     /// The volume table: every volume but the one this group carries
     /// (cluster group only; see [`volume_table`]).
-    #[serde(default, skip_serializing_if = "VolumeTable::is_empty")]
+    #[serde(default, skip_serializing_if = "VolumeTable::is_pristine")]
     pub volumes: VolumeTable,
 }
 
@@ -598,8 +598,18 @@ mod tests {
         });
         assert!(gone.applied);
         assert!(state.volumes.is_empty());
-        // An empty table is not written: the state reads as before.
-        let text = serde_json::to_string(&state).unwrap();
+        // A table emptied by deletions still knows the groups it gave out:
+        // restored from its written form, it gives the next volume a new
+        // group, the same as on a node that never restarted.
+        let restored: ControlState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        assert_eq!(restored, state);
+        let mut restored = restored;
+        let next = restored.apply(&create("db2")).volume.unwrap().group;
+        assert_eq!(next, GroupId(2));
+        // A table that never had a volume is not written: the state reads
+        // as before.
+        let text = serde_json::to_string(&ControlState::default()).unwrap();
         assert!(!text.contains("volumes"), "{text}");
     }
 }

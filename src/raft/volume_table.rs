@@ -274,6 +274,19 @@ impl VolumeTable {
         self.volumes.is_empty()
     }
 
+    /// Whether the table has never had a volume: then, and only then, it
+    /// need not be written down (a table emptied by deletions still knows
+    /// which groups were given out, and must go on knowing it).
+    pub fn is_pristine(&self) -> bool {
+        self.volumes.is_empty() && self.next_group == 0
+    }
+
+    /// Whether group `group` was given to a volume of this table (now or
+    /// before it was deleted).
+    pub fn has_given(&self, group: GroupId) -> bool {
+        group >= FIRST_NEW_GROUP && group.0 < self.next_group
+    }
+
     /// The room of every member that offered some, with the copies it
     /// holds.
     fn rooms(&self, offers: &[Offer]) -> BTreeMap<NodeId, NodeRoom> {

@@ -199,6 +199,19 @@ pub async fn hello(
     control: &str,
     timeout: Duration,
 ) -> Result<HelloReply, HelloError> {
+    hello_counting(transport, cluster_id, from, (id, control), timeout, "").await
+}
+
+/// [`hello`], also asking how many NBD clients use volume `sessions_of`
+/// on the node.
+pub async fn hello_counting(
+    transport: &Transport,
+    cluster_id: &str,
+    from: impl Into<Asker>,
+    (id, control): (NodeId, &str),
+    timeout: Duration,
+    sessions_of: &str,
+) -> Result<HelloReply, HelloError> {
     let mut client = transport.client(control, Expect::Node(id), NodeClient::new)?;
     let (from, waiting_member) = match from.into() {
         Asker::Node(node) => (node, 0),
@@ -208,6 +221,7 @@ pub async fn hello(
         cluster_id: cluster_id.to_string(),
         from: from.0,
         waiting_member,
+        sessions_of: sessions_of.to_string(),
     });
     request.set_timeout(timeout);
     let reply = client.hello(request).await?.into_inner();
