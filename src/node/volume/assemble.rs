@@ -180,6 +180,7 @@ fn replica_set(
                 Arc::clone(&channels),
                 &config.cluster_id,
                 &config.volume,
+                store.identity().group,
                 // The engine and the fencer give up on a silent replica
                 // after REPLICA_TIMEOUT; the transport allows a busy one to
                 // take as long as they may wait.

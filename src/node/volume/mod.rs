@@ -90,6 +90,7 @@ impl Volume {
                         Arc::clone(channels),
                         config.cluster_id.clone(),
                         config.volume.clone(),
+                        self.spec.group,
                         crate::replica::mirror::liveness::longest_wait(REPLICA_TIMEOUT),
                     ),
                 ),
