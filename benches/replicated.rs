@@ -78,8 +78,16 @@ async fn engine(dir: &std::path::Path, certs: Option<&std::path::Path>) -> Engin
         let service = ReplicaService::new(open(dir, id).await);
         let addr = common::serve_replica_with(service, transport(certs, id)).await;
         replicas.push(Arc::new(
-            RemoteReplica::new(id, &client, &addr.to_string(), "bench", "vol0", timeout)
-                .expect("remote replica"),
+            RemoteReplica::new(
+                id,
+                &client,
+                &addr.to_string(),
+                "bench",
+                "vol0",
+                replica_ha::ids::GroupId::FIRST,
+                timeout,
+            )
+            .expect("remote replica"),
         ));
     }
     let engine = Engine::new(

@@ -12,8 +12,12 @@
 //! byte is written.
 //!
 //! [`VolumeSpec`] is the one description of a volume (cluster, name, size,
-//! extent size, `min_in_sync`): the store, the engine and the fencer are
-//! built from it, and the Raft state records the cluster's.
+//! extent size, `min_in_sync`, Raft group): the store, the engine and the
+//! fencer are built from it, and the Raft state records the cluster's. A
+//! volume's identity is its cluster, name *and* group: names are reused
+//! after a delete, and a term is a fencing token only within its own group
+//! (S2), so a writer of a deleted volume must never pass for the writer of
+//! a new one of the same name.
 //!
 //! [`Device::access`] says what a client connecting now may do: read and
 //! write under the gate's term, only read, or nothing. The NBD server binds a
@@ -33,7 +37,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-use crate::ids::{NodeId, Term};
+use crate::ids::{GroupId, NodeId, Term};
 
 /// The largest single read or write, in bytes (32 MiB). NBD clients split
 /// larger transfers; a bigger request is refused with [`RangeError::TooLarge`].
@@ -62,6 +66,19 @@ pub struct VolumeSpec {
     pub extent_size: u64,
     /// The fewest in-sync replicas a write may be acknowledged on.
     pub min_in_sync: usize,
+    /// The Raft group whose leader is the volume's writer and whose term
+    /// its fencing token. A name can be reused once its volume is deleted,
+    /// and terms of different groups are not comparable, so the group is
+    /// part of the volume's identity (with the cluster and the name).
+    /// Group 0 (the cluster group, whose volume is the configured one) is
+    /// not written, so specs recorded before groups read as group 0 and a
+    /// group-0 spec serialises as it always has.
+    #[serde(default, skip_serializing_if = "is_group_zero")]
+    pub group: GroupId,
+}
+
+fn is_group_zero(group: &GroupId) -> bool {
+    *group == GroupId::FIRST
 }
 
 fn default_extent_size() -> u64 {
@@ -82,7 +99,13 @@ impl VolumeSpec {
             size,
             extent_size: DEFAULT_EXTENT_SIZE,
             min_in_sync,
+            group: GroupId::FIRST,
         }
+    }
+
+    /// The same volume, of Raft group `group`.
+    pub fn in_group(self, group: GroupId) -> Self {
+        Self { group, ..self }
     }
 }
 
@@ -341,6 +364,27 @@ impl DeviceError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Specs recorded by earlier builds (in Raft logs, snapshots, state)
+    /// name no group: they read as group 0, and a group-0 spec is written
+    /// back as the same text, byte for byte.
+    #[test]
+    fn a_spec_recorded_without_a_group_is_group_zero_and_round_trips_byte_identical() {
+        let old =
+            r#"{"cluster_id":"c","volume":"v","size":4096,"extent_size":1048576,"min_in_sync":2}"#;
+        let spec: VolumeSpec = serde_json::from_str(old).unwrap();
+        assert_eq!(spec.group, GroupId::FIRST);
+        assert_eq!(spec, VolumeSpec::new("c", "v", 4096, 2));
+        assert_eq!(serde_json::to_string(&spec).unwrap(), old);
+    }
+
+    #[test]
+    fn a_spec_of_another_group_records_its_group() {
+        let spec = VolumeSpec::new("c", "db", 4096, 2).in_group(GroupId(2));
+        let text = serde_json::to_string(&spec).unwrap();
+        assert!(text.ends_with(r#","group":2}"#), "{text}");
+        assert_eq!(serde_json::from_str::<VolumeSpec>(&text).unwrap(), spec);
+    }
 
     #[test]
     fn in_range_requests_pass() {

@@ -48,6 +48,24 @@ async fn inspect_shows_identity_floor_and_dirty_extents() {
     assert!(text.contains("cluster_id   c1"), "{text}");
     assert!(text.contains("fence_floor  4"), "{text}");
     assert!(text.contains("term      3  extent 1"), "{text}");
+    assert!(text.contains("group        0"), "{text}");
+
+    // The same name of another Raft group is another volume.
+    let out = replica_ha(&[
+        "inspect",
+        "--data-dir",
+        path,
+        "--cluster-id",
+        "c1",
+        "--group",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let refused = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        refused.contains("group 0") && refused.contains("group 2"),
+        "{refused}"
+    );
 
     let out = replica_ha(&[
         "inspect",

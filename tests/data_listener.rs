@@ -3,12 +3,20 @@
 //! (`replica::serve::Stores`), each request reaching the store of the
 //! volume it names and no other.
 //!
-//! Each test serves two volumes' stores, `a` and `b`, behind one listener
-//! and speaks to them as their writers do (`RemoteReplica`: block I/O on
-//! the block channel, control calls on gRPC), or as a raw gRPC client
-//! for what a writer never sends. Isolation is S2/S3 per volume: a write
-//! or a fence of `a` changes `a`'s copy alone, and only `a`'s controller
-//! hears of `a`'s fence.
+//! Each test serves two volumes' stores, `a` (Raft group 1) and `b` (group
+//! 2), behind one listener and speaks to them as their writers do
+//! (`RemoteReplica`: block I/O on the block channel, control calls on
+//! gRPC), or as a raw gRPC client for what a writer never sends. Isolation
+//! is S2/S3 per volume: a write or a fence of `a` changes `a`'s copy alone,
+//! and only `a`'s controller hears of `a`'s fence.
+//!
+//! A volume is (cluster, name, group): every request names the group too,
+//! and a copy refuses a request that names its name with another group.
+//! Names are reused (`volume delete db`, `volume create db`: a new group)
+//! and terms of different groups are not comparable, so the old volume's
+//! writer, at a term far above the new group's, must not pass the new
+//! copy's fence floor. (Red check: a writer of `b` that names `a`'s group
+//! fails these tests.)
 
 mod common;
 
@@ -17,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use replica_ha::ids::{NodeId, Term};
+use replica_ha::ids::{GroupId, NodeId, Term};
 use replica_ha::net::{Expect, Transport};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
@@ -30,6 +38,18 @@ use tonic::Code;
 
 const SIZE: u64 = 1 << 20;
 const CLUSTER: &str = "test";
+/// The Raft groups of volumes `a` and `b`.
+const GROUP_A: GroupId = GroupId(1);
+const GROUP_B: GroupId = GroupId(2);
+
+/// The group of the volume `volume` of [`TwoVolumes`] (0 for any other).
+fn group_of(volume: &str) -> GroupId {
+    match volume {
+        "a" => GROUP_A,
+        "b" => GROUP_B,
+        _ => GroupId::FIRST,
+    }
+}
 
 /// Two volumes' stores behind one listener, and what each one's fence
 /// callback heard.
@@ -46,7 +66,10 @@ struct TwoVolumes {
 impl TwoVolumes {
     async fn serve() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (open(&dir, "a").await, open(&dir, "b").await);
+        let (a, b) = (
+            open(&dir, "a", GROUP_A).await,
+            open(&dir, "b", GROUP_B).await,
+        );
         let (fenced_a, fenced_b) = (Arc::default(), Arc::default());
         let stores = Stores::new(CLUSTER);
         stores
@@ -69,23 +92,16 @@ impl TwoVolumes {
 
     /// The copy of `volume` on this listener, as its writer sees it.
     fn writer_of(&self, volume: &str) -> RemoteReplica {
-        RemoteReplica::new(
-            NodeId(1),
-            &Transport::default(),
-            &self.addr.to_string(),
-            CLUSTER,
-            volume,
-            Duration::from_secs(2),
-        )
-        .unwrap()
+        self.writer_naming(volume, group_of(volume))
+    }
+
+    /// A writer that names `volume` of group `group`.
+    fn writer_naming(&self, volume: &str, group: GroupId) -> RemoteReplica {
+        writer_at(self.addr, volume, group)
     }
 
     fn grpc(&self) -> ReplicaClient<tonic::transport::Channel> {
-        ReplicaClient::new(
-            Transport::default()
-                .channel(&self.addr.to_string(), Expect::AnyNode)
-                .unwrap(),
-        )
+        grpc_at(self.addr)
     }
 
     /// Neither store holds a write, a raised floor or a mark, and no fence
@@ -101,8 +117,30 @@ impl TwoVolumes {
     }
 }
 
-async fn open(dir: &tempfile::TempDir, volume: &str) -> Arc<ReplicaStore> {
-    let identity = StoreIdentity::new(CLUSTER, volume, SIZE);
+/// A writer of `volume` of group `group` of the listener at `addr`.
+fn writer_at(addr: SocketAddr, volume: &str, group: GroupId) -> RemoteReplica {
+    RemoteReplica::new(
+        NodeId(1),
+        &Transport::default(),
+        &addr.to_string(),
+        CLUSTER,
+        volume,
+        group,
+        Duration::from_secs(2),
+    )
+    .unwrap()
+}
+
+fn grpc_at(addr: SocketAddr) -> ReplicaClient<tonic::transport::Channel> {
+    ReplicaClient::new(
+        Transport::default()
+            .channel(&addr.to_string(), Expect::AnyNode)
+            .unwrap(),
+    )
+}
+
+async fn open(dir: &tempfile::TempDir, volume: &str, group: GroupId) -> Arc<ReplicaStore> {
+    let identity = StoreIdentity::new(CLUSTER, volume, SIZE).in_group(group);
     Arc::new(
         ReplicaStore::open(dir.path().join(volume), identity)
             .await
@@ -127,11 +165,30 @@ fn filled(data: Bytes) -> Option<u8> {
 }
 
 fn volume_ref(volume: &str) -> Option<pb::VolumeRef> {
+    volume_ref_naming(volume, group_of(volume))
+}
+
+fn volume_ref_naming(volume: &str, group: GroupId) -> Option<pb::VolumeRef> {
     Some(pb::VolumeRef {
         cluster_id: CLUSTER.into(),
         volume: volume.into(),
         incarnation: 0,
+        group: group.0,
     })
+}
+
+/// `outcome` is the refusal of a volume's name with another group: an
+/// identity mismatch naming the group the copy holds and the one asked.
+fn assert_refused_as_another_group<T: std::fmt::Debug>(
+    outcome: Result<T, ReplicaError>,
+    held: GroupId,
+    asked: GroupId,
+) {
+    let named = |why: &str| why.contains(&format!("is of group {held}, not group {asked}"));
+    assert!(
+        matches!(outcome, Err(ReplicaError::IdentityMismatch(ref why)) if named(why)),
+        "{outcome:?}"
+    );
 }
 
 #[tokio::test]
@@ -228,4 +285,97 @@ async fn a_removed_volume_is_refused_and_its_block_connections_close() {
         .await
         .unwrap();
     assert_eq!(filled(b.read(0, 4096).await.unwrap()), Some(0xb));
+}
+
+#[tokio::test]
+async fn a_write_naming_a_volume_with_another_group_is_refused_and_changes_nothing() {
+    let node = TwoVolumes::serve().await;
+    // b's group named with a's name (and the reverse, and group 0, which
+    // an earlier build names): refused on the block channel at its Hello,
+    // and on gRPC, before any store is touched.
+    for (volume, held, asked) in [
+        ("a", GROUP_A, GROUP_B),
+        ("b", GROUP_B, GROUP_A),
+        ("a", GROUP_A, GroupId::FIRST),
+    ] {
+        let writer = node.writer_naming(volume, asked);
+        let write = writer.write(Stamp::from(Term(9)), 0, block(9), true).await;
+        assert_refused_as_another_group(write, held, asked);
+        let fence = writer.fence(Term(9)).await;
+        assert_refused_as_another_group(fence, held, asked);
+        let refused = node
+            .grpc()
+            .fence(pb::FenceRequest {
+                volume: volume_ref_naming(volume, asked),
+                term: 9,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::NotFound, "{refused:?}");
+        assert!(
+            refused
+                .message()
+                .contains(&format!("is of group {held}, not group {asked}")),
+            "{refused:?}"
+        );
+    }
+    node.assert_untouched().await;
+    // Named with its own group, each is served.
+    node.writer_of("a")
+        .write(Stamp::from(Term(1)), 0, block(0xa), true)
+        .await
+        .unwrap();
+    assert_eq!(filled(node.a.read(0, 4096).await.unwrap()), Some(0xa));
+}
+
+/// `volume delete db`, `volume create db`: the new db has group 2, and its
+/// writer's terms start low. A node that has not applied the delete may
+/// still run group 1's writer of db, at a term far above: its requests name
+/// "db" too, and would pass the new copy's floor if the name were the
+/// identity. They name group 1, and are refused; the new copy keeps its
+/// data and its floor.
+#[tokio::test]
+async fn a_reused_name_refuses_the_old_groups_writer_at_a_higher_term() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = open(&dir, "db", GroupId(2)).await;
+    let fenced = Arc::default();
+    let stores = Stores::new(CLUSTER);
+    stores
+        .insert(Arc::clone(&db), Some(recorder(&fenced)))
+        .unwrap();
+    let addr = common::serve_replica(ReplicaService::serving(stores)).await;
+    let new_writer = writer_at(addr, "db", GroupId(2));
+    new_writer.fence(Term(1)).await.unwrap();
+    new_writer
+        .write(Stamp::from(Term(1)), 0, block(0xdb), true)
+        .await
+        .unwrap();
+
+    let old_writer = writer_at(addr, "db", GroupId(1));
+    let write = old_writer
+        .write(Stamp::from(Term(5)), 0, block(0x01), true)
+        .await;
+    assert_refused_as_another_group(write, GroupId(2), GroupId(1));
+    let fence = old_writer.fence(Term(5)).await;
+    assert_refused_as_another_group(fence, GroupId(2), GroupId(1));
+    let grow = grpc_at(addr)
+        .grow(pb::GrowRequest {
+            volume: volume_ref_naming("db", GroupId(1)),
+            term: 5,
+            generation: 0,
+            size: 2 * SIZE,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(grow.code(), Code::NotFound, "{grow:?}");
+
+    assert_eq!(filled(db.read(0, 4096).await.unwrap()), Some(0xdb));
+    assert_eq!(db.floor().await, Term(1));
+    assert_eq!(db.size(), SIZE);
+    assert_eq!(*fenced.lock().unwrap(), [Term(1)]);
+    // The new volume's writer goes on at its own low term.
+    new_writer
+        .write(Stamp::from(Term(1)), 4096, block(0xdb), true)
+        .await
+        .unwrap();
 }

@@ -18,7 +18,7 @@ use common::{Fault, FaultyReplica, SIZE, store};
 use replica_ha::ha::InSyncTracker;
 use replica_ha::ha::fake::MemoryInSync;
 use replica_ha::ha::{Fencer, WriterEngine};
-use replica_ha::ids::{NodeId, Term};
+use replica_ha::ids::{GroupId, NodeId, Term};
 use replica_ha::proto::replica as pb;
 use replica_ha::proto::replica::replica_client::ReplicaClient;
 use replica_ha::replica::disk::local::LocalReplica;
@@ -44,6 +44,7 @@ fn volume(cluster: &str) -> Option<pb::VolumeRef> {
         // A replica served alone: the incarnation of a data dir older
         // than incarnations.
         incarnation: 0,
+        group: 0,
     })
 }
 
@@ -58,6 +59,7 @@ fn remote(addr: SocketAddr, id: NodeId) -> RemoteReplica {
         &addr.to_string(),
         "test",
         "vol0",
+        GroupId::FIRST,
         Duration::from_secs(2),
     )
     .unwrap()
@@ -278,6 +280,7 @@ async fn a_replica_that_does_not_answer_in_time_fails_the_request() {
         &addr.to_string(),
         "test",
         "vol0",
+        GroupId::FIRST,
         Duration::from_millis(200),
     )
     .unwrap();
@@ -842,7 +845,8 @@ async fn a_fence_counts_in_sync_replicas_the_set_lacks() {
 
 /// The block channel refuses what it cannot trust and applies nothing of
 /// it: a frame with a wrong checksum, an oversized or unknown header, a
-/// request before `Hello`, a `Hello` for another volume, a request for
+/// request before `Hello`, a `Hello` for another volume or for the
+/// volume's name in another Raft group, a request for
 /// another incarnation (S8), a stale term (S2), a range past the end. A
 /// broken frame closes its connection; the store is unchanged and still
 /// serves the next connection.
@@ -868,12 +872,13 @@ async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
         out.extend_from_slice(&frame.payload);
         out
     };
-    let hello = |volume: &str| {
+    let hello_of = |volume: &str, group: GroupId| {
         wire(&Frame::new(
             Header::new(Kind::Hello, 1),
-            hello_payload("test", volume),
+            hello_payload("test", volume, group),
         ))
     };
+    let hello = |volume: &str| hello_of(volume, GroupId::FIRST);
     // Sends `bytes` after the preface and reads until the server closes;
     // what it answered.
     let exchange = |bytes: Vec<u8>| async move {
@@ -905,6 +910,10 @@ async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
             [hello("vol1"), wire(&write(9, 0, 0))].concat(),
         ),
         (
+            "a Hello for the volume's name in another group",
+            [hello_of("vol0", GroupId(1)), wire(&write(9, 0, 0))].concat(),
+        ),
+        (
             "an oversized Hello",
             [hello(&"v".repeat(4096)), wire(&write(9, 0, 0))].concat(),
         ),
@@ -932,6 +941,7 @@ async fn the_block_channel_refuses_bad_frames_and_changes_nothing() {
             replica_ha::net::Expect::AnyNode,
             "test",
             "vol0",
+            GroupId::FIRST,
             Duration::from_secs(2),
         )
         .await

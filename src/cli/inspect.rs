@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use clap::Args;
 
 use super::{failure, usage_error};
+use crate::ids::GroupId;
 use crate::replica::disk::store::{ReplicaStore, StoreIdentity};
 
 /// The flags of `replica-ha inspect`.
@@ -26,6 +27,11 @@ pub struct InspectArgs {
     /// The volume name.
     #[arg(long, default_value = "vol0")]
     volume: String,
+    /// The volume's Raft group (0: the configured volume's). A volume's
+    /// name may be reused by a volume of another group, so the directory
+    /// must hold this group's copy.
+    #[arg(long, default_value_t = 0)]
+    group: u64,
     /// Accepted for older scripts and otherwise ignored: inspect shows
     /// the size recorded in the directory (the volume may have grown
     /// since its config was written) and never changes the directory.
@@ -40,11 +46,12 @@ pub async fn run(args: InspectArgs) -> ExitCode {
         data_dir: dir,
         cluster_id,
         volume,
+        group,
         size: _,
     } = args;
     // The smallest valid size: opening never grows a store past what it
     // recorded, so inspect changes nothing.
-    let identity = StoreIdentity::new(cluster_id, volume, 512);
+    let identity = StoreIdentity::new(cluster_id, volume, 512).in_group(GroupId(group));
     if !dir.join("meta").exists() {
         return usage_error(format!("{} holds no replica", dir.display()));
     }
@@ -55,6 +62,7 @@ pub async fn run(args: InspectArgs) -> ExitCode {
     let id = store.identity();
     println!("cluster_id   {}", id.cluster_id);
     println!("volume       {}", id.volume);
+    println!("group        {}", id.group);
     println!("size         {}", store.size());
     println!("extent_size  {}", id.extent_size);
     println!("fence_floor  {}", store.floor().await);

@@ -47,7 +47,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::ids::{Stamp, Term};
+use crate::ids::{GroupId, Stamp, Term};
 
 /// What a client sends first on a block-channel connection. Not the start
 /// of an HTTP/2 preface (`PRI * HTTP/2.0`), so one listener serves both.
@@ -388,20 +388,57 @@ impl Decoder {
 /// [`Decoder::next`] does not make room for them.
 pub const ASIDE: usize = 1 << 20;
 
-/// A `Hello` payload: the cluster and volume.
-pub fn hello_payload(cluster_id: &str, volume: &str) -> Bytes {
-    let mut out = BytesMut::with_capacity(cluster_id.len() + volume.len() + 1);
+/// What a `Hello` names: the volume the connection is for, as (cluster,
+/// name, Raft group). Names are reused once a volume is deleted and terms
+/// of different groups are not comparable, so the group is part of the
+/// volume's identity (S2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelloNames<'a> {
+    pub cluster_id: &'a str,
+    pub volume: &'a str,
+    pub group: GroupId,
+}
+
+/// A `Hello` payload: `cluster\0volume`, followed by `\0group` (in
+/// decimal) for a group other than 0. Group 0's is what earlier builds
+/// sent, so either side of an earlier build meets it unchanged; an earlier
+/// server refuses another group's as malformed.
+pub fn hello_payload(cluster_id: &str, volume: &str, group: GroupId) -> Bytes {
+    let group = (group != GroupId::FIRST).then(|| group.0.to_string());
+    let group_len = group.as_ref().map_or(0, |g| g.len() + 1);
+    let mut out = BytesMut::with_capacity(cluster_id.len() + volume.len() + 1 + group_len);
     out.put_slice(cluster_id.as_bytes());
     out.put_u8(0);
     out.put_slice(volume.as_bytes());
+    if let Some(group) = group {
+        out.put_u8(0);
+        out.put_slice(group.as_bytes());
+    }
     out.freeze()
 }
 
-/// The cluster and volume a `Hello` payload names, if it is well formed.
-pub fn parse_hello(payload: &[u8]) -> Option<(&str, &str)> {
+/// What a `Hello` payload names, if it is well formed: one without a group
+/// (an earlier build's) names group 0.
+pub fn parse_hello(payload: &[u8]) -> Option<HelloNames<'_>> {
     let text = std::str::from_utf8(payload).ok()?;
-    let (cluster, volume) = text.split_once('\0')?;
-    (!volume.contains('\0')).then_some((cluster, volume))
+    let (cluster_id, rest) = text.split_once('\0')?;
+    let (volume, group) = match rest.split_once('\0') {
+        Some((volume, group)) => (volume, parse_group(group)?),
+        None => (rest, GroupId::FIRST),
+    };
+    Some(HelloNames {
+        cluster_id,
+        volume,
+        group,
+    })
+}
+
+/// A group in decimal: digits only (no sign, no separator), within `u64`.
+fn parse_group(text: &str) -> Option<GroupId> {
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok().map(GroupId)
 }
 
 #[cfg(test)]
@@ -446,13 +483,40 @@ mod tests {
         assert_ne!(&PREFACE[..4], b"PRI ");
     }
 
+    fn names(cluster_id: &'static str, volume: &'static str, group: u64) -> HelloNames<'static> {
+        HelloNames {
+            cluster_id,
+            volume,
+            group: GroupId(group),
+        }
+    }
+
     #[test]
-    fn hello_names_cluster_and_volume() {
-        let payload = hello_payload("c1", "vol0");
-        assert_eq!(parse_hello(&payload), Some(("c1", "vol0")));
+    fn hello_names_cluster_volume_and_group() {
+        let payload = hello_payload("c1", "db", GroupId(2));
+        assert_eq!(&payload[..], b"c1\0db\x002");
+        assert_eq!(parse_hello(&payload), Some(names("c1", "db", 2)));
+        let payload = hello_payload("c1", "db", GroupId(u64::MAX));
+        assert_eq!(parse_hello(&payload), Some(names("c1", "db", u64::MAX)));
         assert_eq!(parse_hello(b"no separator"), None);
         assert_eq!(parse_hello(b"a\0b\0c"), None);
+        assert_eq!(parse_hello(b"a\0b\0"), None);
+        assert_eq!(parse_hello(b"a\0b\0+2"), None);
+        assert_eq!(parse_hello(b"a\0b\0 2"), None);
+        assert_eq!(parse_hello(b"a\0b\x002\x003"), None);
+        assert_eq!(parse_hello(b"a\0b\x0018446744073709551616"), None);
         assert_eq!(parse_hello(&[0xff, 0, 1]), None);
+    }
+
+    /// An earlier build's `Hello` names no group: it reads as group 0's,
+    /// and group 0's is the same bytes an earlier build sends and reads.
+    #[test]
+    fn a_hello_without_a_group_names_group_zero_and_group_zero_sends_none() {
+        assert_eq!(parse_hello(b"c1\0vol0"), Some(names("c1", "vol0", 0)));
+        assert_eq!(
+            &hello_payload("c1", "vol0", GroupId::FIRST)[..],
+            b"c1\0vol0"
+        );
     }
 
     #[test]
@@ -468,6 +532,21 @@ mod tests {
     }
 
     proptest! {
+        /// Any cluster, volume (no NUL) and group read back as sent, and
+        /// no payload at all panics the parser.
+        #[test]
+        fn a_hello_reads_back_as_sent_and_garbage_never_panics(
+            cluster in "[^\\x00]{0,20}",
+            volume in "[^\\x00]{0,20}",
+            group in any::<u64>(),
+            garbage in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let payload = hello_payload(&cluster, &volume, GroupId(group));
+            let names = HelloNames { cluster_id: &cluster, volume: &volume, group: GroupId(group) };
+            prop_assert_eq!(parse_hello(&payload), Some(names));
+            let _ = parse_hello(&garbage);
+        }
+
         /// Garbage never panics the decoder, and whatever it accepts
         /// carries a payload whose checksum matched: the only frames that
         /// reach a replica.

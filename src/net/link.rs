@@ -34,6 +34,7 @@ use tokio::task::AbortHandle;
 use super::conn::Connector;
 use super::frame::{ASIDE, Decoder, Frame, FrameError, Header, Kind, PREFACE, hello_payload};
 use super::tls::{Expect, Tls};
+use crate::ids::GroupId;
 
 /// The most bytes one vectored write batch carries.
 pub const BATCH_BYTES: usize = 4 * 1024 * 1024;
@@ -147,7 +148,7 @@ pub enum LinkError {
     /// No connection could be made, or the peer refused the `Hello`.
     #[error("cannot open a block channel to {addr}: {why}")]
     Connect { addr: String, why: String },
-    /// The peer refused the `Hello` (another cluster or volume, not a
+    /// The peer refused the `Hello` (another cluster, volume or group, not a
     /// member); the refusal says why.
     #[error("the block channel was refused: {}", String::from_utf8_lossy(&.0.payload))]
     Refused(Frame),
@@ -221,12 +222,14 @@ impl Drop for Link {
 
 impl Link {
     /// Opens a link to `addr` (with `tls`, which must reach `expect`) for
-    /// `cluster_id`'s `volume`; gives up after `timeout`.
+    /// `cluster_id`'s `volume` of Raft group `group`; gives up after
+    /// `timeout`.
     pub async fn connect(
         addr: &str,
         tls: Option<(Arc<Tls>, Expect)>,
         cluster_id: &str,
         volume: &str,
+        group: GroupId,
         timeout: Duration,
     ) -> Result<Link, LinkError> {
         let failed = |why: String| LinkError::Connect {
@@ -240,7 +243,7 @@ impl Link {
                 .map_err(|e| failed(e.to_string()))?;
             let hello = Frame::new(
                 Header::new(Kind::Hello, 0),
-                hello_payload(cluster_id, volume),
+                hello_payload(cluster_id, volume, group),
             );
             let mut opening = PREFACE.to_vec();
             opening.extend_from_slice(&hello.header.encode());

@@ -40,7 +40,7 @@ use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Status};
 
 use crate::certs::{PeerIdentity, Role};
-use crate::ids::NodeId;
+use crate::ids::{GroupId, NodeId};
 use conn::{Connector, PeerInfo};
 pub use tls::{Expect, Tls};
 
@@ -249,19 +249,21 @@ impl Transport {
     }
 
     /// Opens a block-channel link ([`link`]) to `addr`, which must be
-    /// `expect` (with TLS), for `cluster_id`'s `volume`; gives up after
-    /// the connect timeout or `timeout`, whichever is longer.
+    /// `expect` (with TLS), for `cluster_id`'s `volume` of Raft group
+    /// `group`; gives up after the connect timeout or `timeout`, whichever
+    /// is longer.
     pub async fn link(
         &self,
         addr: &str,
         expect: Expect,
         cluster_id: &str,
         volume: &str,
+        group: GroupId,
         timeout: Duration,
     ) -> Result<link::Link, link::LinkError> {
         let tls = self.tls.as_ref().map(|tls| (Arc::clone(tls), expect));
         let timeout = timeout.max(self.limits.connect_timeout);
-        link::Link::connect(addr, tls, cluster_id, volume, timeout).await
+        link::Link::connect(addr, tls, cluster_id, volume, group, timeout).await
     }
 
     /// The connections of `listener` for a server, with `TCP_NODELAY` set

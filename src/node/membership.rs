@@ -40,7 +40,7 @@ use tokio::time::Instant;
 
 use crate::api::admin::{MembersChanges, MembershipError};
 use crate::ha::{Controller, Coordinator};
-use crate::ids::{MemberId, NodeId, Term};
+use crate::ids::{GroupId, MemberId, NodeId, Term};
 use crate::net::Transport;
 use crate::raft::{MemberNode, RaftCoordinator};
 use crate::replica::Replica;
@@ -601,11 +601,12 @@ pub async fn follow_membership(
 }
 
 /// Builds the replica of a member added at run time, reached through
-/// `channels`.
+/// `channels`, of volume `volume` of Raft group `group`.
 pub fn remote_maker(
     channels: Arc<crate::replica::peer::channels::Channels>,
     cluster_id: String,
     volume: String,
+    group: GroupId,
     timeout: Duration,
 ) -> impl Fn(NodeId, &str) -> Arc<dyn Replica> + Send {
     move |node, _addr| {
@@ -614,6 +615,7 @@ pub fn remote_maker(
             Arc::clone(&channels),
             &cluster_id,
             &volume,
+            group,
             timeout,
         )) as Arc<dyn Replica>
     }

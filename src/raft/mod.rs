@@ -83,7 +83,7 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{GroupId, VolumeId};
+use crate::ids::VolumeId;
 use crate::volume::VolumeSpec;
 use volume_table::{Offer, VolumeEntry, VolumeRequest, VolumeTable};
 
@@ -372,6 +372,7 @@ impl ControlState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::GroupId;
 
     fn volume(size: u64) -> VolumeSpec {
         VolumeSpec::new("c", "v", size, 2)

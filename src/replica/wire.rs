@@ -15,7 +15,7 @@
 //! | request too large | `INVALID_ARGUMENT`, `x-range-len`, `x-range-max` | `TooLarge`, length in `length`, maximum in `offset` |
 //! | out of range | `OUT_OF_RANGE`, `x-range-offset`, `x-range-len`, `x-range-size` | `OutOfRange`, `offset`, `length`, volume size in the stamp's `generation` |
 //! | identity mismatch, invalid identity | `FAILED_PRECONDITION` | `IdentityMismatch` |
-//! | no copy of the volume on that node (sent by the service itself) | `NOT_FOUND` | `IdentityMismatch` |
+//! | no copy of the volume on that node, or a copy of another group (sent by the service itself) | `NOT_FOUND` | `IdentityMismatch` |
 //! | unavailable; restarted (found by the writer, never sent) | `UNAVAILABLE` | `Unavailable` |
 //! | disk or metadata I/O | `INTERNAL` | `Io` |
 //!

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use replica_ha::ids::GroupId;
 use replica_ha::net::frame::{FUA, Header, Kind};
 use replica_ha::net::link::{Link, LinkError};
 use replica_ha::net::{Expect, Transport};
@@ -24,7 +25,8 @@ pub struct BlockClient {
 
 impl BlockClient {
     /// Opens a link to the block channel at `addr` (a node's data
-    /// listener), for `cluster_id`'s volume `vol0`, naming `incarnation`.
+    /// listener), for `cluster_id`'s volume `vol0` (group 0, the configured
+    /// volume's), naming `incarnation`.
     pub async fn connect(
         transport: &Transport,
         addr: &str,
@@ -32,8 +34,23 @@ impl BlockClient {
         cluster_id: &str,
         incarnation: u64,
     ) -> Result<Self, LinkError> {
+        let vol0 = ("vol0", GroupId::FIRST);
+        Self::connect_to(transport, addr, expect, cluster_id, vol0, incarnation).await
+    }
+
+    /// Opens a link to the block channel at `addr` for `cluster_id`'s
+    /// `volume`, named as (name, Raft group) in its `Hello`, naming
+    /// `incarnation`.
+    pub async fn connect_to(
+        transport: &Transport,
+        addr: &str,
+        expect: Expect,
+        cluster_id: &str,
+        (volume, group): (&str, GroupId),
+        incarnation: u64,
+    ) -> Result<Self, LinkError> {
         let link = transport
-            .link(addr, expect, cluster_id, "vol0", CALL_TIMEOUT)
+            .link(addr, expect, cluster_id, volume, group, CALL_TIMEOUT)
             .await?;
         Ok(Self { link, incarnation })
     }

@@ -542,6 +542,8 @@ impl Cluster {
                     cluster_id: self.cluster_id.clone(),
                     volume: "vol0".into(),
                     incarnation: status.incarnation,
+                    // The configured volume: the cluster group's.
+                    group: 0,
                 };
             }
             assert!(

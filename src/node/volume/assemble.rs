@@ -182,6 +182,7 @@ fn replica_set(
                 Arc::clone(&channels),
                 &config.cluster_id,
                 &site.spec.name,
+                site.spec.group,
                 // The engine and the fencer give up on a silent replica
                 // after REPLICA_TIMEOUT; the transport allows a busy one to
                 // take as long as they may wait.

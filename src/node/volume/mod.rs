@@ -100,13 +100,17 @@ impl Site {
             .data_dir
             .join("volumes")
             .join(format!("{}-{}", entry.group.0, entry.id));
-        Self {
-            spec: VolumeSpec::new(
+        let spec = VolumeSpec {
+            group: entry.group,
+            ..VolumeSpec::new(
                 &config.cluster_id,
                 &entry.id.0,
                 entry.size,
                 entry.min_in_sync,
-            ),
+            )
+        };
+        Self {
+            spec,
             keep_dir: dir.join("scrub-kept"),
             dir: dir.join("replica"),
             peers: entry
@@ -170,6 +174,7 @@ impl Volume {
                         Arc::clone(channels),
                         config.cluster_id.clone(),
                         self.site.spec.name.clone(),
+                        self.site.spec.group,
                         crate::replica::mirror::liveness::longest_wait(REPLICA_TIMEOUT),
                     ),
                 ),

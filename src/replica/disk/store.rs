@@ -1168,6 +1168,7 @@ fn decode_u64(bytes: &[u8], what: &str) -> Result<u64, ReplicaError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::GroupId;
     use crate::replica::disk::data::{DATA_FILE, DIRECT_IO, INLINE_IO, MEMORY_ALIGN};
     use crate::volume::{MAX_REQUEST, RangeError};
     use std::os::unix::fs::FileExt;
@@ -1970,6 +1971,35 @@ mod tests {
         }
         // The right identity still opens.
         drop(open(dir.path()).await);
+    }
+
+    /// A volume's name can be reused (delete `db`, create `db`: a new
+    /// group), so a store of one group is not the copy of the same name in
+    /// another: opening it as another group is refused, both ways, naming
+    /// both groups, and changes nothing.
+    #[tokio::test]
+    async fn a_store_opened_as_another_group_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let of_group = |group| identity().in_group(GroupId(group));
+        drop(try_open(dir.path(), of_group(2)).await.unwrap());
+        for other in [0, 1, 3] {
+            let err = try_open(dir.path(), of_group(other)).await.unwrap_err();
+            match err {
+                ReplicaError::IdentityMismatch(msg) => assert!(
+                    msg.contains("group 2") && msg.contains(&format!("group {other}")),
+                    "{msg}"
+                ),
+                other => panic!("expected a mismatch of group, got {other:?}"),
+            }
+        }
+        let store = try_open(dir.path(), of_group(2)).await.unwrap();
+        assert_eq!(store.identity().group, GroupId(2));
+        drop(store);
+        // And a group-0 store is not another group's either.
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()).await);
+        let err = try_open(dir.path(), of_group(1)).await.unwrap_err();
+        assert!(matches!(err, ReplicaError::IdentityMismatch(_)), "{err:?}");
     }
 
     /// While a member's map is open, every change adds its extents first,

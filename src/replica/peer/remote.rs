@@ -22,7 +22,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tonic::transport::Channel;
 
-use crate::ids::{Incarnation, NodeId, Term};
+use crate::ids::{GroupId, Incarnation, NodeId, Term};
 use crate::net::frame::{FUA, Frame, Header, Kind};
 use crate::net::link::{Link, LinkError};
 use crate::net::{Expect, Transport, TransportError};
@@ -64,14 +64,17 @@ struct Session {
 }
 
 impl RemoteReplica {
-    /// Node `id`'s replica of `cluster_id`'s `volume`, reached through the
-    /// pool `channels` (which must know the peer), whose calls time out
-    /// after `timeout`.
+    /// Node `id`'s replica of `cluster_id`'s `volume` of Raft group
+    /// `group` (every request names all three: a volume's name may be
+    /// reused by a volume of another group), reached through the pool
+    /// `channels` (which must know the peer), whose calls time out after
+    /// `timeout`.
     pub fn through(
         id: NodeId,
         channels: Arc<Channels>,
         cluster_id: &str,
         volume: &str,
+        group: GroupId,
         timeout: Duration,
     ) -> Self {
         Self {
@@ -81,6 +84,7 @@ impl RemoteReplica {
                 cluster_id: cluster_id.to_string(),
                 volume: volume.to_string(),
                 incarnation: 0,
+                group: group.0,
             },
             timeout,
             links: Default::default(),
@@ -98,6 +102,7 @@ impl RemoteReplica {
         addr: &str,
         cluster_id: &str,
         volume: &str,
+        group: GroupId,
         timeout: Duration,
     ) -> Result<Self, TransportError> {
         // Fails now, not at the first call, on an address that is no
@@ -110,6 +115,7 @@ impl RemoteReplica {
             Arc::new(channels),
             cluster_id,
             volume,
+            group,
             timeout,
         ))
     }
@@ -145,6 +151,7 @@ impl RemoteReplica {
                 Expect::Node(self.id),
                 &self.volume.cluster_id,
                 &self.volume.volume,
+                GroupId(self.volume.group),
                 self.timeout,
             )
             .await
@@ -248,8 +255,8 @@ impl RemoteReplica {
         request
     }
 
-    /// The volume, and the incarnation of this replica's node that the
-    /// membership names (S8).
+    /// The volume (cluster, name, group), and the incarnation of this
+    /// replica's node that the membership names (S8).
     fn volume(&self) -> Option<pb::VolumeRef> {
         Some(pb::VolumeRef {
             incarnation: self.channels.incarnation(self.id).0,

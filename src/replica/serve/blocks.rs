@@ -9,11 +9,15 @@
 //!   listener's TLS handshake; every frame is then admitted by the members'
 //!   [`PeerGuard`] (the member list can change while a connection lives).
 //! - **Identity.** The first frame must be a `Hello` naming this node's
-//!   cluster and a volume it holds a copy of ([`Stores`]); anything else
-//!   closes the connection with the refusal, and no store is touched. The
-//!   connection is bound to that volume's store for its life: a later
-//!   frame cannot name another (a second `Hello` closes it), so a writer
-//!   of one volume reaches no other volume's copy (S2, S3 hold per
+//!   cluster and a volume it holds a copy of ([`Stores`]), by its name and
+//!   Raft group (an earlier build's `Hello` names no group: group 0). A
+//!   copy of that name of another group is another volume (names are
+//!   reused after a delete, and terms of different groups are not
+//!   comparable, S2): refused like a volume not held, naming both groups.
+//!   Anything else closes the connection with the refusal, and no store is
+//!   touched. The connection is bound to that volume's store for its life:
+//!   a later frame cannot name another (a second `Hello` closes it), so a
+//!   writer of one volume reaches no other volume's copy (S2, S3 hold per
 //!   volume). The `Ok` that answers the `Hello` carries the store's
 //!   session (8 bytes, big-endian;
 //!   [`crate::replica::disk::store::ReplicaStore::session`]), by which the
@@ -63,7 +67,7 @@ const BUDGET_KIB: u32 = 64 * 1024;
 /// The most block-channel connections a node serves at once.
 pub const MAX_CONNECTIONS: usize = 256;
 
-/// The largest `Hello` payload (a cluster id and a volume name).
+/// The largest `Hello` payload (a cluster id, a volume name and a group).
 const HELLO_MAX: u32 = 1024;
 
 /// How long a stopping server, or a connection's last replies, may take.
@@ -304,8 +308,8 @@ impl BlockServer {
     }
 
     /// Checks a connection's first frame: a `Hello` for this node's
-    /// cluster and a volume it serves, whose store it returns. Looks at no
-    /// store before both match.
+    /// cluster and a volume it serves, of the group it names, whose store
+    /// it returns. Looks at no store before all match.
     fn hello(&self, frame: &Frame) -> Result<Served, ReplicaError> {
         if frame.header.kind != Kind::Hello {
             return Err(ReplicaError::InvalidRequest(format!(
@@ -313,9 +317,10 @@ impl BlockServer {
                 frame.header.kind
             )));
         }
-        let Some((cluster, volume)) = parse_hello(&frame.payload) else {
+        let Some(hello) = parse_hello(&frame.payload) else {
             return Err(ReplicaError::InvalidRequest("malformed Hello".into()));
         };
+        let (cluster, volume) = (hello.cluster_id, hello.volume);
         if cluster != self.stores.cluster_id() {
             return Err(ReplicaError::IdentityMismatch(format!(
                 "block channel for cluster {cluster:?} volume {volume:?}; this node serves \
@@ -323,11 +328,9 @@ impl BlockServer {
                 self.stores.cluster_id()
             )));
         }
-        self.stores.get(volume).ok_or_else(|| {
-            ReplicaError::IdentityMismatch(format!(
-                "block channel for volume {volume:?}: this node holds no copy of it"
-            ))
-        })
+        self.stores
+            .find(volume, hello.group)
+            .map_err(|refused| ReplicaError::IdentityMismatch(format!("block channel: {refused}")))
     }
 
     /// Runs one request against `store`, the connection's; the reply to

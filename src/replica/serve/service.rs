@@ -4,16 +4,22 @@
 //! not here: it has one server, the block channel
 //! ([`crate::replica::serve::blocks`]), on the same listener.
 //!
-//! Every request names the cluster, the incarnation and the volume
-//! (`VolumeRef`), and is checked in that order before any store is touched
-//! ([`ReplicaService::admit`]):
+//! Every request names the cluster, the incarnation and the volume, as its
+//! name and Raft group (`VolumeRef`), and is checked in that order before
+//! any store is touched ([`ReplicaService::admit`]):
 //! - no volume named: `INVALID_ARGUMENT`;
 //! - another cluster: `PERMISSION_DENIED` (S9);
 //! - another incarnation of this node's data dir (S8): a replica whose
 //!   disk was replaced is a new, empty copy, and refuses
 //!   (`FAILED_PRECONDITION`, "replaced disk") every request meant for the
 //!   copy it replaced, so it never counts as that copy toward S5;
-//! - a volume this node holds no copy of: `NOT_FOUND`, naming it.
+//! - a volume this node holds no copy of: `NOT_FOUND`, naming it;
+//! - a copy of that name of another Raft group: `NOT_FOUND`, naming both
+//!   groups. A volume is (cluster, name, group): a name is reused once its
+//!   volume is deleted, the new volume's group's terms start low, and terms
+//!   of different groups are not comparable, so the old volume's writer
+//!   must not pass the new copy's fence floor (S2). A `VolumeRef` of an
+//!   earlier build names no group: group 0, the configured volume's.
 //!
 //! Only then is the named volume's store picked from the node's
 //! [`Stores`], and the request served by that store alone: the store
@@ -28,7 +34,7 @@ use tonic::{Request, Response, Status};
 
 use tokio::sync::watch;
 
-use crate::ids::{Incarnation, NodeId, Term};
+use crate::ids::{GroupId, Incarnation, NodeId, Term};
 use crate::net::conn::route;
 use crate::net::frame::PREFACE;
 use crate::net::{Audience, Transport};
@@ -150,12 +156,9 @@ impl ReplicaService {
                 Incarnation(v.incarnation),
             )));
         }
-        self.stores.get(&v.volume).ok_or_else(|| {
-            Status::not_found(format!(
-                "this node holds no copy of volume {:?} of cluster {:?}",
-                v.volume, v.cluster_id
-            ))
-        })
+        self.stores
+            .find(&v.volume, GroupId(v.group))
+            .map_err(|refused| Status::not_found(format!("{refused} (cluster {:?})", v.cluster_id)))
     }
 }
 
@@ -423,6 +426,7 @@ mod tests {
                 cluster_id: "c1".into(),
                 volume: "vol0".into(),
                 incarnation,
+                group: 0,
             })
         };
         let grow = |incarnation| {
@@ -463,8 +467,9 @@ mod tests {
     /// The checks that need no store come first, in the order of the
     /// module docs: a request of another cluster, or for another
     /// incarnation, is refused as such even when it names a volume this
-    /// node does not hold; only a request that passes both is looked up,
-    /// and a volume not held is `NOT_FOUND`. None touches a store.
+    /// node does not hold or another group; only a request that passes
+    /// both is looked up, and a volume not held, or held of another group,
+    /// is `NOT_FOUND`. None touches a store.
     #[tokio::test]
     async fn the_cluster_and_the_incarnation_are_checked_before_the_volume_is_looked_up() {
         let dir = tempfile::tempdir().unwrap();
@@ -480,16 +485,19 @@ mod tests {
         stores.insert(Arc::clone(&a), None).unwrap();
         stores.insert(Arc::clone(&b), None).unwrap();
         let service = ReplicaService::serving(stores).of_incarnation(Incarnation(7));
-        let fence = |cluster: &str, volume: &str, incarnation| {
+        let fence_of = |cluster: &str, volume: &str, incarnation, group| {
             Request::new(pb::FenceRequest {
                 volume: Some(pb::VolumeRef {
                     cluster_id: cluster.into(),
                     volume: volume.into(),
                     incarnation,
+                    group,
                 }),
                 term: 5,
             })
         };
+        let fence =
+            |cluster: &str, volume: &str, incarnation| fence_of(cluster, volume, incarnation, 0);
         let refusals = [
             (
                 fence("c2", "a", 7),
@@ -511,7 +519,22 @@ mod tests {
                 tonic::Code::FailedPrecondition,
                 "replaced disk",
             ),
+            (
+                fence_of("c2", "a", 7, 1),
+                tonic::Code::PermissionDenied,
+                "cluster",
+            ),
+            (
+                fence_of("c1", "a", 6, 1),
+                tonic::Code::FailedPrecondition,
+                "replaced disk",
+            ),
             (fence("c1", "z", 7), tonic::Code::NotFound, "volume \"z\""),
+            (
+                fence_of("c1", "a", 7, 1),
+                tonic::Code::NotFound,
+                "is of group 0, not group 1",
+            ),
         ];
         for (request, code, text) in refusals {
             let refused = service.fence(request).await.unwrap_err();

@@ -18,6 +18,15 @@
 //! - **A fence notifies its own volume.** Each entry carries its volume's
 //!   [`OnFenced`] (the "step down" notice to the volume's controller, S1):
 //!   a fence of A's copy reaches A's controller and no other.
+//! - **A volume is (cluster, name, group).** Names are reused: `volume
+//!   delete db` then `volume create db` makes a new volume with a new Raft
+//!   group, whose terms start low again, and terms of different groups are
+//!   not comparable. So a store is found by its name *and* group
+//!   ([`Stores::find`]): a request naming the name with another group (the
+//!   old volume's writer, on a node that has not applied the delete yet) is
+//!   refused ([`NotServed::OtherGroup`]) and never meets the new copy's
+//!   floor (S2, S3). The registry holds one store per name, so a name's two
+//!   groups are never served side by side.
 //! - **The cluster is the node's.** The registry knows its cluster, so the
 //!   servers refuse another cluster's request before any lookup (S9).
 //! - **Removal.** [`Stores::remove`] takes a volume out at once: a request
@@ -35,7 +44,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use tokio::sync::watch;
 
-use crate::ids::Term;
+use crate::ids::{GroupId, Term};
 use crate::replica::disk::store::ReplicaStore;
 
 /// Called with the new floor whenever a fence raised it: the fence a new
@@ -58,6 +67,26 @@ pub enum StoresError {
     /// A store of this volume is served already.
     #[error("volume {0:?} is served already; remove it first")]
     AlreadyServed(String),
+}
+
+/// Why a volume a request names is not served here: the servers refuse
+/// it (`NOT_FOUND`, or a refused `Hello`) before any store is touched.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotServed {
+    /// No store of that name.
+    #[error("this node holds no copy of volume {0:?}")]
+    NoCopy(String),
+    /// A store of that name, of another Raft group: another volume that
+    /// was given the same name (see the module docs).
+    #[error(
+        "this node's copy of volume {volume:?} is of group {held}, not group {asked}: a volume \
+         of the same name in another group is another volume, whose terms are not this one's"
+    )]
+    OtherGroup {
+        volume: String,
+        held: GroupId,
+        asked: GroupId,
+    },
 }
 
 /// One volume's store as the servers use it: the store, its fence
@@ -172,6 +201,24 @@ impl Stores {
         self.read().get(volume).map(|entry| entry.served.clone())
     }
 
+    /// The store of `volume` of Raft group `group`, if this node serves
+    /// it; a store of that name but another group is not it (see the
+    /// module docs).
+    pub fn find(&self, volume: &str, group: GroupId) -> Result<Served, NotServed> {
+        let served = self
+            .get(volume)
+            .ok_or_else(|| NotServed::NoCopy(volume.to_string()))?;
+        let held = served.store.identity().group;
+        if held != group {
+            return Err(NotServed::OtherGroup {
+                volume: volume.to_string(),
+                held,
+                asked: group,
+            });
+        }
+        Ok(served)
+    }
+
     /// The volumes served, by name.
     pub fn volumes(&self) -> Vec<String> {
         let mut names: Vec<String> = self.read().keys().cloned().collect();
@@ -255,6 +302,42 @@ mod tests {
             "{foreign}"
         );
         assert_eq!(stores.volumes(), ["a"]);
+    }
+
+    /// A store is found by its name and its group: the same name with
+    /// another group (a deleted volume's writer, the name since reused) is
+    /// another volume, refused naming both groups.
+    #[tokio::test]
+    async fn a_store_is_found_by_its_name_and_group_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let stores = Stores::new("c1");
+        let identity = StoreIdentity::new("c1", "db", 1 << 20).in_group(GroupId(2));
+        let db = Arc::new(
+            ReplicaStore::open(&dir.path().join("db"), identity)
+                .await
+                .unwrap(),
+        );
+        stores.insert(Arc::clone(&db), None).unwrap();
+        let served = stores.find("db", GroupId(2)).expect("db of group 2");
+        assert!(Arc::ptr_eq(served.store(), &db));
+        for asked in [GroupId(0), GroupId(1), GroupId(3)] {
+            let refused = stores.find("db", asked).err().expect("another group");
+            assert_eq!(
+                refused,
+                NotServed::OtherGroup {
+                    volume: "db".into(),
+                    held: GroupId(2),
+                    asked,
+                }
+            );
+            let text = refused.to_string();
+            assert!(
+                text.contains("group 2") && text.contains(&format!("group {asked}")),
+                "{text}"
+            );
+        }
+        let missing = stores.find("nowhere", GroupId(2)).err().expect("no copy");
+        assert_eq!(missing, NotServed::NoCopy("nowhere".into()));
     }
 
     /// Removing a volume retires what was looked up of it and leaves the
