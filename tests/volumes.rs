@@ -253,3 +253,78 @@ async fn each_volume_has_a_group_and_a_writer_of_its_own_and_keeps_its_own_data(
         assert!(listed.contains(name), "{listed}");
     }
 }
+
+/// Polls until `check` holds, or fails saying `what`.
+async fn wait_until(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The export names node `id` lists.
+async fn exports_of(cluster: &Cluster, id: u64) -> String {
+    common::tools::run_ok_within(
+        "nbdinfo",
+        &[
+            "--list",
+            "--json",
+            &format!("nbd://{}", cluster.nbd_addrs[&id]),
+        ],
+        WAIT,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_copy_is_never_served_empty_and_a_copy_deleted_while_down_is_removed() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start(3).await;
+    cluster.wait_for_leader(&[1, 2, 3], WAIT).await;
+    let (ok, out, err) = cluster
+        .cli(1, &["volume", "create", "a", "--size", "8MiB"])
+        .await;
+    assert!(ok, "{out} {err}");
+    let writer = wait_writer(&cluster, &[1, 2, 3], "a").await;
+    write_pattern(&cluster, writer, "a", 0x5a).await;
+    let lost = [1, 2, 3].into_iter().find(|id| *id != writer).unwrap();
+    let copy = cluster.data_dir(lost).join("volumes/1-a");
+    assert!(copy.join("replica").exists(), "{}", copy.display());
+
+    // Its copy gone, its Raft state intact: the node does not start the
+    // volume (an empty copy would count as the one it held, S8).
+    cluster.kill(lost);
+    std::fs::remove_dir_all(copy.join("replica")).unwrap();
+    cluster.spawn(lost);
+    wait_until("the node refuses to start the lost copy", async || {
+        cluster
+            .log(lost)
+            .contains("is missing but its Raft group's state is here")
+    })
+    .await;
+    assert!(!exports_of(&cluster, lost).await.contains("\"a\""));
+    assert!(!copy.join("replica").exists(), "an empty copy was made");
+    read_pattern(&cluster, writer, "a", 0x5a).await;
+
+    // Deleted while that node is down: it removes what is left when back.
+    cluster.kill(lost);
+    let (ok, _, err) = cluster.cli(writer, &["volume", "delete", "a"]).await;
+    assert!(
+        !ok && err.contains("cannot say whether a client uses it"),
+        "{err}"
+    );
+    let (ok, out, err) = cluster
+        .cli(writer, &["volume", "delete", "a", "--force"])
+        .await;
+    assert!(ok, "{out} {err}");
+    cluster.spawn(lost);
+    wait_until("the deleted volume's copy is removed", async || {
+        !copy.exists()
+    })
+    .await;
+    wait_until("the writer's copy is removed", async || {
+        !cluster.data_dir(writer).join("volumes/1-a").exists()
+    })
+    .await;
+}

@@ -200,57 +200,103 @@ fn nodes(placement: &[u64]) -> String {
     ids.join(",")
 }
 
-/// How many times a change follows a redirect to the cluster leader.
-const REDIRECTS: usize = 3;
+/// How long a change keeps asking while the cluster group's leader moves
+/// or a leader named went away (an election takes about a second).
+const FOLLOW_LEADER_FOR: Duration = Duration::from_secs(10);
 
-/// `volume create`: asks `addr`, then wherever it says the leader is.
-async fn create(addr: &str, tls: &ClientTls, request: VolumeCreateRequest) -> ExitCode {
+/// How long to wait before asking again after a redirect failed (the
+/// leader the node named is gone; a new one is elected within a second).
+const RETRY_AFTER: Duration = Duration::from_millis(500);
+
+/// What a change's reply says: done (with the line to print), or ask the
+/// leader at this address.
+enum Answer {
+    Done(String),
+    AskAt(String),
+    Failed(String),
+}
+
+/// Asks `addr`, then wherever it says the leader is; when a leader it
+/// named cannot be reached, asks `addr` again after [`RETRY_AFTER`].
+async fn change<R>(
+    addr: &str,
+    tls: &ClientTls,
+    what: &str,
+    request: R,
+    answer: impl Fn(R::Reply) -> Answer,
+) -> ExitCode
+where
+    R: super::Rpc + Clone,
+{
     let mut at = addr.to_string();
-    for _ in 0..REDIRECTS {
-        let outcome = Admin::new(&at, tls)
+    let deadline = tokio::time::Instant::now() + FOLLOW_LEADER_FOR;
+    while tokio::time::Instant::now() < deadline {
+        match Admin::new(&at, tls)
             .ask(request.clone(), CHANGE_DEADLINE)
-            .await;
-        match outcome {
-            Ok(reply) if !reply.redirect.is_empty() => at = reply.redirect,
-            Ok(reply) => {
-                let Some(volume) = reply.volume else {
-                    return failure("volume create: the node answered without the volume");
-                };
-                let what = if reply.created {
+            .await
+        {
+            Ok(reply) => match answer(reply) {
+                Answer::Done(line) => {
+                    println!("{line}");
+                    return ExitCode::SUCCESS;
+                }
+                Answer::AskAt(leader) => {
+                    if at != addr {
+                        // Redirected again: let the leadership settle.
+                        tokio::time::sleep(RETRY_AFTER).await;
+                    }
+                    at = leader;
+                }
+                Answer::Failed(why) => return failure(format!("{what}: {why}")),
+            },
+            Err(err) if at != addr => {
+                tracing::debug!(%err, leader = %at, "the leader named did not answer");
+                tokio::time::sleep(RETRY_AFTER).await;
+                at = addr.to_string();
+            }
+            Err(err) => return failure(format!("{what}: {err}")),
+        }
+    }
+    failure(format!(
+        "{what}: the cluster group's leadership kept moving; try again"
+    ))
+}
+
+/// `volume create`.
+async fn create(addr: &str, tls: &ClientTls, request: VolumeCreateRequest) -> ExitCode {
+    let what = format!("volume create {}", request.name);
+    change(addr, tls, &what, request, |reply| {
+        if !reply.redirect.is_empty() {
+            return Answer::AskAt(reply.redirect);
+        }
+        match reply.volume {
+            Some(volume) => {
+                let how = if reply.created {
                     "created"
                 } else {
                     "exists as asked"
                 };
-                println!("volume {} {what}\n{}", volume.name, details(&volume));
-                return ExitCode::SUCCESS;
+                Answer::Done(format!(
+                    "volume {} {how}\n{}",
+                    volume.name,
+                    details(&volume)
+                ))
             }
-            Err(err) => return failure(format!("volume create {}: {err}", request.name)),
+            None => Answer::Failed("the node answered without the volume".into()),
         }
-    }
-    failure(format!(
-        "volume create {}: the cluster group's leadership kept moving; try again",
-        request.name
-    ))
+    })
+    .await
 }
 
-/// `volume delete`: asks `addr`, then wherever it says the leader is.
+/// `volume delete`.
 async fn delete(addr: &str, tls: &ClientTls, request: VolumeDeleteRequest) -> ExitCode {
-    let mut at = addr.to_string();
-    for _ in 0..REDIRECTS {
-        let outcome = Admin::new(&at, tls)
-            .ask(request.clone(), CHANGE_DEADLINE)
-            .await;
-        match outcome {
-            Ok(reply) if !reply.redirect.is_empty() => at = reply.redirect,
-            Ok(_) => {
-                println!("volume {} deleted", request.name);
-                return ExitCode::SUCCESS;
-            }
-            Err(err) => return failure(format!("volume delete {}: {err}", request.name)),
+    let what = format!("volume delete {}", request.name);
+    let name = request.name.clone();
+    change(addr, tls, &what, request, |reply| {
+        match reply.redirect.is_empty() {
+            true => Answer::Done(format!("volume {name} deleted")),
+            false => Answer::AskAt(reply.redirect),
         }
-    }
-    failure(format!(
-        "volume delete {}: the cluster group's leadership kept moving; try again",
-        request.name
-    ))
+    })
+    .await
 }

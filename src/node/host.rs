@@ -39,7 +39,7 @@ use crate::net::Transport;
 use crate::raft::group::RaftGroup;
 use crate::raft::network::{PeerBook, ServedGroups};
 use crate::raft::volume_table::VolumeEntry;
-use crate::raft::{MemberNode, RaftCoordinator, RaftDb, RaftTiming};
+use crate::raft::{MemberNode, RaftCoordinator, RaftDb};
 use crate::replica::serve::stores::{OnFenced, Stores};
 
 /// How often the table's volumes are checked even without a change.
@@ -156,8 +156,12 @@ impl VolumeHost {
     /// its leadership over.
     pub(super) async fn stop_writing(&mut self, grace: Duration) {
         self.stop_following.send_replace(true);
-        if let Some(follower) = self.follower.take() {
-            let _ = follower.await;
+        if let Some(mut follower) = self.follower.take() {
+            // It stops between volumes; one that is starting may take a
+            // while, and is cut off past the grace (Raft stops anyway).
+            if tokio::time::timeout(grace, &mut follower).await.is_err() {
+                follower.abort();
+            }
         }
         let table = self.table.0.lock().await;
         let gates = table
@@ -204,7 +208,8 @@ fn placed_here(parts: &HostParts) -> BTreeMap<VolumeId, VolumeEntry> {
 }
 
 /// Keeps `table` in step with the cluster group's volume table until
-/// `stop` turns true (see the module docs).
+/// `stop` turns true (see the module docs). The table's lock is held only
+/// to take volumes out and put them in, never while one starts or stops.
 async fn follow(
     table: Arc<Mutex<BTreeMap<VolumeId, Hosted>>>,
     parts: HostParts,
@@ -213,39 +218,83 @@ async fn follow(
     let mut applied = parts.cluster.state_machine().subscribe();
     loop {
         let wanted = placed_here(&parts);
-        {
+        let gone: Vec<Hosted> = {
             let mut running = table.lock().await;
-            let gone: Vec<VolumeId> = running
+            let ids: Vec<VolumeId> = running
                 .iter()
                 .filter(|(id, hosted)| {
                     wanted.get(*id).map(|entry| entry.group) != Some(hosted.group.id)
                 })
                 .map(|(id, _)| id.clone())
                 .collect();
-            for id in gone {
-                if let Some(hosted) = running.remove(&id) {
-                    remove(&parts, hosted).await;
-                }
+            ids.iter().filter_map(|id| running.remove(id)).collect()
+        };
+        for hosted in gone {
+            remove(&parts, hosted).await;
+        }
+        let missing: Vec<VolumeEntry> = {
+            let running = table.lock().await;
+            wanted
+                .values()
+                .filter(|entry| !running.contains_key(&entry.id))
+                .cloned()
+                .collect()
+        };
+        for entry in missing {
+            if *stop.borrow() {
+                return;
             }
-            for (id, entry) in &wanted {
-                if running.contains_key(id) {
-                    continue;
+            match host(&parts, &entry).await {
+                Ok(hosted) => {
+                    tracing::info!(volume = %entry.id, group = entry.group.0, "volume started");
+                    table.lock().await.insert(entry.id.clone(), hosted);
                 }
-                match host(&parts, entry).await {
-                    Ok(hosted) => {
-                        tracing::info!(volume = %id, group = entry.group.0, "volume started");
-                        running.insert(id.clone(), hosted);
-                    }
-                    Err(err) => {
-                        tracing::warn!(volume = %id, %err, "cannot start the volume yet")
-                    }
+                Err(err) => {
+                    tracing::warn!(volume = %entry.id, %err, "cannot start the volume yet")
                 }
             }
         }
+        sweep_leftovers(&parts, &wanted).await;
         tokio::select! {
             changed = applied.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(RECHECK) => {}
             _ = stop.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+/// Removes the copies (and Raft state) of table volumes that were deleted
+/// while this node was not running them: a directory `GROUP-NAME` under
+/// `DATA/volumes` whose group the table gave out but no longer places
+/// here. A group the table has not given out yet is left alone (a table
+/// that lags behind the directory cannot happen: a copy is made only after
+/// its volume was applied).
+async fn sweep_leftovers(parts: &HostParts, wanted: &BTreeMap<VolumeId, VolumeEntry>) {
+    let root = parts.config.data_dir.join("volumes");
+    let Ok(mut dirs) = tokio::fs::read_dir(&root).await else {
+        return;
+    };
+    let table = parts.cluster.state_machine().current().control.volumes;
+    while let Ok(Some(dir)) = dirs.next_entry().await {
+        let name = dir.file_name().to_string_lossy().into_owned();
+        let Some(group) = name
+            .split_once('-')
+            .and_then(|(group, _)| group.parse::<u64>().ok())
+            .map(GroupId)
+        else {
+            continue;
+        };
+        let kept = wanted.values().any(|entry| entry.group == group);
+        if kept || !table.has_given(group) {
+            continue;
+        }
+        if let Err(err) = parts.db.drop_group(group).await {
+            tracing::warn!(dir = %name, %err, "removing a deleted volume's Raft state");
+            continue;
+        }
+        match tokio::fs::remove_dir_all(dir.path()).await {
+            Ok(()) => tracing::info!(dir = %name, "removed the copy of a deleted volume"),
+            Err(err) => tracing::warn!(dir = %name, %err, "removing a deleted volume's copy"),
         }
     }
 }
@@ -267,32 +316,80 @@ fn addresses(parts: &HostParts) -> BTreeMap<NodeId, String> {
     addresses
 }
 
-/// Starts `entry`'s group and volume on this node.
+/// Starts `entry`'s group and volume on this node. The copy is opened
+/// before the group is served or formed, so that a group with state here
+/// always has its copy: one whose copy is gone while its Raft state is
+/// there lost its disk, and is not started (an empty copy would count as
+/// the one this member held, S8).
 async fn host(parts: &HostParts, entry: &VolumeEntry) -> Result<Hosted, NodeError> {
     let addresses = addresses(parts);
-    let group = start_group(parts, entry, &addresses).await?;
-    let site = Site::of_table(&parts.config, entry, &addresses);
-    let assembled =
-        Volume::assemble(&parts.config, site, &parts.transport, &group.coordinator).await;
-    let mut volume = match assembled {
-        Ok(volume) => volume,
+    let group = RaftGroup::start(
+        entry.group,
+        parts.member,
+        &parts.db,
+        Arc::clone(&parts.book),
+        parts.config.timing,
+        &parts.runtime,
+    )
+    .await
+    .map_err(failed)?;
+    match start_volume(parts, entry, &addresses, &group).await {
+        Ok(volume) => {
+            let detector = spawn_detector(parts, &group);
+            Ok(Hosted {
+                volume,
+                group,
+                detector,
+            })
+        }
         Err(err) => {
             stop_group(parts, &group).await;
-            return Err(err);
+            Err(err)
         }
-    };
+    }
+}
+
+/// Over `group`, started but not served yet: opens the copy and wires the
+/// volume, serves its store and the group, forms the group when this node
+/// is a founder and it has no state, starts the volume and exports it.
+async fn start_volume(
+    parts: &HostParts,
+    entry: &VolumeEntry,
+    addresses: &BTreeMap<NodeId, String>,
+    group: &RaftGroup,
+) -> Result<Volume, NodeError> {
+    let site = Site::of_table(&parts.config, entry, addresses);
+    let formed = group.raft.is_initialized().await.map_err(failed)?;
+    if formed && !site.dir.exists() {
+        return Err(ConfigError(format!(
+            "volume {}: its copy {} is missing but its Raft group's state is here (a lost \
+             disk?); not started, as an empty copy would count as the one this node held",
+            entry.id,
+            site.dir.display()
+        ))
+        .into());
+    }
+    let mut volume =
+        Volume::assemble(&parts.config, site, &parts.transport, &group.coordinator).await?;
     let step_down: OnFenced = {
         let controller = Arc::clone(&volume.controller);
         Arc::new(move |floor| controller.step_down(floor))
     };
-    if let Err(err) = parts
+    parts
         .stores
         .insert(Arc::clone(&volume.store), Some(step_down))
+        .map_err(|err| failed(format!("serving volume {}: {err}", entry.id)))?;
+    if let Err(err) = parts
+        .served
+        .insert(group.raft.clone(), Arc::clone(&group.peers))
     {
-        stop_group(parts, &group).await;
-        return Err(failed(format!("serving volume {}: {err}", entry.id)));
+        parts.stores.remove(&entry.id.0);
+        return Err(failed(err));
     }
-    volume.start(&parts.config, &group, &parts.transport);
+    if !formed && entry.founders.contains(&parts.member) {
+        form_group(entry, addresses, group).await;
+    }
+    volume.start(&parts.config, group, &parts.transport);
     if let Some(exports) = &parts.exports {
         let description = format!(
             "replica-ha volume {} of cluster {}",
@@ -301,74 +398,45 @@ async fn host(parts: &HostParts, entry: &VolumeEntry) -> Result<Hosted, NodeErro
         let device = Arc::clone(&volume.device);
         exports.insert(Arc::new(Export::new(&entry.id.0, description, device)));
     }
-    let detector = parts.runtime.spawn({
-        let (raft, peers, timing) = (
-            group.raft.clone(),
-            Arc::clone(&group.peers),
-            parts.config.timing,
-        );
-        async move {
-            // The start-up window: no campaign before it has passed.
-            tokio::time::sleep(timing.election_max).await;
-            crate::raft::detector::run(raft, peers, timing).await;
-        }
-    });
-    Ok(Hosted {
-        volume,
-        group,
-        detector,
-    })
+    Ok(volume)
 }
 
-/// Starts `entry`'s Raft group, serves it, and forms it with the founders
-/// when this node is one and the group has no state yet (forming it on
-/// several founders with the same membership is safe).
-async fn start_group(
-    parts: &HostParts,
-    entry: &VolumeEntry,
-    addresses: &BTreeMap<NodeId, String>,
-) -> Result<RaftGroup, NodeError> {
-    let timing: RaftTiming = parts.config.timing;
-    let group = RaftGroup::start(
-        entry.group,
-        parts.member,
-        &parts.db,
-        Arc::clone(&parts.book),
-        timing,
-        &parts.runtime,
-    )
-    .await
-    .map_err(failed)?;
-    if let Err(err) = parts
-        .served
-        .insert(group.raft.clone(), Arc::clone(&group.peers))
-    {
-        let _ = group.raft.shutdown().await;
-        return Err(failed(err));
+/// Forms `entry`'s group with its founders (forming it on several founders
+/// with the same membership is safe; one that finds it formed does
+/// nothing).
+async fn form_group(entry: &VolumeEntry, addresses: &BTreeMap<NodeId, String>, group: &RaftGroup) {
+    let members: BTreeMap<MemberId, MemberNode> = entry
+        .founders
+        .iter()
+        .map(|member| {
+            let addr = addresses.get(&member.node()).cloned().unwrap_or_default();
+            (*member, MemberNode { addr })
+        })
+        .collect();
+    match group.raft.initialize(members).await {
+        Ok(()) => tracing::info!(volume = %entry.id, group = entry.group.0, "volume group formed"),
+        Err(err) => tracing::debug!(volume = %entry.id, %err, "volume group formed already"),
     }
-    let formed = group.raft.is_initialized().await.map_err(failed)?;
-    if !formed && entry.founders.contains(&parts.member) {
-        let members: BTreeMap<MemberId, MemberNode> = entry
-            .founders
-            .iter()
-            .map(|member| {
-                let addr = addresses.get(&member.node()).cloned().unwrap_or_default();
-                (*member, MemberNode { addr })
-            })
-            .collect();
-        match group.raft.initialize(members).await {
-            Ok(()) => {
-                tracing::info!(volume = %entry.id, group = entry.group.0, "volume group formed")
-            }
-            Err(err) => tracing::debug!(volume = %entry.id, %err, "volume group formed already"),
-        }
-    }
-    Ok(group)
+}
+
+/// The group's failure detector, on Raft's runtime, after the start-up
+/// window.
+fn spawn_detector(parts: &HostParts, group: &RaftGroup) -> tokio::task::JoinHandle<()> {
+    let (raft, peers, timing) = (
+        group.raft.clone(),
+        Arc::clone(&group.peers),
+        parts.config.timing,
+    );
+    parts.runtime.spawn(async move {
+        // The start-up window: no campaign before it has passed.
+        tokio::time::sleep(timing.election_max).await;
+        crate::raft::detector::run(raft, peers, timing).await;
+    })
 }
 
 /// Stops serving and running `group`.
 async fn stop_group(parts: &HostParts, group: &RaftGroup) {
-    parts.served.remove(group.id);
+    parts.served.remove(&group.peers);
     if let Err(err) = group.raft.shutdown().await {
         tracing::warn!(%err, group = group.id.0, "raft shutdown of a volume group");
     }

@@ -39,6 +39,9 @@ use crate::replica::peer::channels::{hello, hello_counting};
 /// How long a member may take to say how much room it has.
 const OFFER_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a change waits for the cluster group to have a leader.
+const ELECTION_WAIT: Duration = Duration::from_secs(3);
+
 /// The default copy count, when the cluster has that many nodes.
 pub const DEFAULT_COPIES: usize = 3;
 
@@ -113,7 +116,15 @@ impl VolumeTableChanges {
     }
 
     /// The term this node leads the cluster group in, or who leads it.
-    fn leading(&self) -> Result<Term, VolumeError> {
+    /// While no leader is known (an election), waits up to
+    /// [`ELECTION_WAIT`] for one.
+    async fn leading(&self) -> Result<Term, VolumeError> {
+        let _ = self
+            .cluster
+            .raft()
+            .wait(Some(ELECTION_WAIT))
+            .metrics(|m| m.current_leader.is_some(), "a cluster leader")
+            .await;
         let metrics = self.cluster.raft().metrics().borrow().clone();
         let me = self.cluster.member();
         if metrics.state == ServerState::Leader && metrics.current_leader == Some(me) {
@@ -296,7 +307,23 @@ impl VolumeChanges for VolumeTableChanges {
     }
 
     async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError> {
-        let term = self.leading()?;
+        let term = self.leading().await?;
+        let joint = self
+            .cluster
+            .state_machine()
+            .current()
+            .membership
+            .membership()
+            .get_joint_config()
+            .len()
+            > 1;
+        if joint {
+            // Both incarnations of a replaced node are voters meanwhile;
+            // the old one must not become a founder.
+            return Err(VolumeError::Refused(
+                "a membership change is in progress; create the volume once it is done".into(),
+            ));
+        }
         let members = self.members();
         let request = with_defaults(request, members.len());
         let control = self.cluster.state_machine().current().control;
@@ -336,7 +363,7 @@ impl VolumeChanges for VolumeTableChanges {
     }
 
     async fn delete(&self, name: VolumeId, force: bool) -> Result<VolumeEntry, VolumeError> {
-        let term = self.leading()?;
+        let term = self.leading().await?;
         let control = self.cluster.state_machine().current().control;
         if control.volume.as_ref().is_some_and(|v| v.name == name.0) {
             return Err(VolumeError::Refused(format!(

@@ -55,10 +55,15 @@ impl ServedGroups {
         }
     }
 
-    /// Stops serving `group`: its messages are `NOT_FOUND` from now on.
-    pub fn remove(&self, group: GroupId) -> Option<(Raft, Arc<Peers>)> {
+    /// Stops serving the group of `peers`, if it is the one served (not
+    /// another instance of the same group): its messages are `NOT_FOUND`
+    /// from now on.
+    pub fn remove(&self, peers: &Arc<Peers>) -> Option<(Raft, Arc<Peers>)> {
         let mut groups = self.groups.write().unwrap_or_else(|p| p.into_inner());
-        groups.remove(&group)
+        match groups.get(&peers.group()) {
+            Some((_, served)) if Arc::ptr_eq(served, peers) => groups.remove(&peers.group()),
+            _ => None,
+        }
     }
 
     /// The group `group`, if it is served.
