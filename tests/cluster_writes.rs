@@ -52,6 +52,8 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
     let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     let (old, old_term) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     cluster.write(old, 0, block(1)).await.unwrap();
 
     cluster.pause(old);
@@ -127,6 +129,8 @@ async fn acknowledged_writes_survive_a_sigkill_of_the_writer() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start(3).await;
     let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     let mut acked = Vec::new();
     for i in 0..40u64 {
         if cluster.write(old, i * 4096, block(100 + i)).await.is_ok() {
@@ -388,6 +392,8 @@ async fn in_sync_replicas_converge_after_the_writer_dies_mid_write() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
     let mut cluster = Cluster::start_with_proxies(3).await;
     let (old, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != old).collect();
     cluster.block(old, followers[1], true);
     let mut writers = Vec::new();

@@ -254,6 +254,8 @@ async fn a_returning_follower_and_a_replaced_disk_are_rebuilt_online() {
     let _one = one_cluster_at_a_time().await;
     let mut cluster = Cluster::start_with(3, &["--size", "128MiB"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
 
     // 1. The follower misses 64 MiB of writes.
@@ -441,6 +443,8 @@ async fn divergent_unacknowledged_data_on_a_replica_is_corrected() {
     let _one = one_cluster_at_a_time().await;
     let mut cluster = Cluster::start_with(3, &["--size", "128MiB"]).await;
     let (writer, _) = cluster.wait_for_writer(&[1, 2, 3], WAIT).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     cluster
         .write(writer, 0, Bytes::from(vec![0x11; 4096]))

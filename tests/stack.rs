@@ -41,6 +41,8 @@ async fn every_event(via: impl FnOnce(&Cluster) -> Via) {
     .await;
     let all = [1, 2, 3];
     writer(&cluster, &all).await;
+    // The volume under test is not the only one.
+    cluster.add_volumes(&["other", "more"], WAIT).await;
     let via = via(&cluster);
     let kernel_before = kernel_log().len();
     let mut stack = Stack::build(&cluster, via).await;

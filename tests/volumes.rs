@@ -143,34 +143,9 @@ async fn volumes_are_created_once_by_name_listed_everywhere_and_deleted() {
     );
 }
 
-/// Each volume's writer as every node in `among` sees it, once they agree
-/// on one; polls until then.
+/// Volume `name`'s writer, once every node in `among` agrees on it.
 async fn wait_writer(cluster: &Cluster, among: &[u64], name: &str) -> u64 {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let mut seen = Vec::new();
-        for id in among {
-            let (ok, out, _) = cluster.cli(*id, &["volume", "list"]).await;
-            let writer = out
-                .lines()
-                .map(|line| line.split_whitespace().collect::<Vec<_>>())
-                .find(|words| ok && words.first() == Some(&name))
-                .and_then(|words| words.get(6).and_then(|w| w.parse::<u64>().ok()));
-            seen.push(writer);
-        }
-        if let Some(Some(writer)) = seen.first().copied() {
-            let (_, shown, _) = cluster.cli(writer, &["volume", "show", name]).await;
-            if seen.iter().all(|w| *w == Some(writer)) && shown.contains("this node writes it now")
-            {
-                return writer;
-            }
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no agreed writer of {name}: {seen:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    cluster.wait_volume_writer(among, name, WAIT).await
 }
 
 /// Writes `pattern` over the first MiB of volume `name` through node

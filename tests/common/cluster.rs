@@ -278,6 +278,11 @@ impl Cluster {
         self.dir.path().join(format!("node{id}.journal"))
     }
 
+    /// Node `id`'s process id, while it runs.
+    pub fn pid(&self, id: u64) -> Option<u32> {
+        self.children.get(&id).map(Child::id)
+    }
+
     /// Whether node `id` is running (started and not killed or stopped).
     pub fn is_running(&self, id: u64) -> bool {
         self.children.contains_key(&id)
@@ -698,6 +703,53 @@ impl Cluster {
                 "no single writer among {among:?} within {within:?}: {seen:?}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Creates each volume of `names` (4 MiB, 3 copies) through the
+    /// volume table and waits until each has a writer: the configured
+    /// volume is then not the only one on the cluster.
+    pub async fn add_volumes(&self, names: &[&str], within: Duration) {
+        let ids: Vec<u64> = self.addrs.keys().copied().collect();
+        for name in names {
+            let (ok, out, err) = self
+                .cli(ids[0], &["volume", "create", name, "--size", "4MiB"])
+                .await;
+            assert!(ok, "volume create {name}: {out} {err}");
+        }
+        for name in names {
+            self.wait_volume_writer(&ids, name, within).await;
+        }
+    }
+
+    /// The writer of table volume `name` once every node of `among` names
+    /// the same one and it says it writes it now; polls until then.
+    pub async fn wait_volume_writer(&self, among: &[u64], name: &str, within: Duration) -> u64 {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let mut seen = Vec::new();
+            for id in among {
+                let (ok, out, _) = self.cli(*id, &["volume", "list"]).await;
+                let writer = out
+                    .lines()
+                    .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                    .find(|words| ok && words.first() == Some(&name))
+                    .and_then(|words| words.get(6).and_then(|w| w.parse::<u64>().ok()));
+                seen.push(writer);
+            }
+            if let Some(Some(writer)) = seen.first().copied() {
+                let (_, shown, _) = self.cli(writer, &["volume", "show", name]).await;
+                if seen.iter().all(|w| *w == Some(writer))
+                    && shown.contains("this node writes it now")
+                {
+                    return writer;
+                }
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no agreed writer of {name}: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
