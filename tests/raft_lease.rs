@@ -248,10 +248,15 @@ async fn start_cluster_via(
                 },
             );
         }
-        let service = replica_ha::net::Transport::default().serve(
-            replica_ha::net::Audience::Members,
-            service.expect("at least one group").into_server(),
-        );
+        let service = service.expect("at least one group");
+        // The node's heartbeat clock, over every group it serves.
+        node.tasks
+            .push(tokio::spawn(replica_ha::raft::heartbeat::drive(
+                service.groups().clone(),
+                timing.heartbeat,
+            )));
+        let service = replica_ha::net::Transport::default()
+            .serve(replica_ha::net::Audience::Members, service.into_server());
         node.tasks.push(tokio::spawn(async move {
             let _ = replica_ha::net::Transport::default()
                 .server()

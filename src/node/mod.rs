@@ -668,6 +668,11 @@ fn spawn_background(
         Arc::clone(&raft.cluster.peers),
         config.timing,
     );
+    tasks.spawn_on(
+        raft.runtime.handle(),
+        "heartbeat clock",
+        crate::raft::heartbeat::drive(raft.served.clone(), config.timing.heartbeat),
+    );
     tasks.spawn_on(raft.runtime.handle(), "failure detector", async move {
         // The start-up window: no campaign before it has passed.
         tokio::time::sleep(timing.election_max).await;

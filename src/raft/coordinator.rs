@@ -66,7 +66,8 @@ impl Default for RaftTiming {
 
 impl RaftTiming {
     /// The openraft configuration for this timing. openraft's own election
-    /// timer stays off: [`super::detector`] starts elections.
+    /// timer stays off ([`super::detector`] starts elections), and so does
+    /// its heartbeat timer ([`super::heartbeat`] sends the heartbeats).
     pub fn raft_config(&self, cluster_id: &str) -> Result<openraft::Config, String> {
         let config = openraft::Config {
             cluster_name: cluster_id.to_string(),
@@ -74,6 +75,9 @@ impl RaftTiming {
             election_timeout_min: self.election_min.as_millis() as u64,
             election_timeout_max: self.election_max.as_millis() as u64,
             enable_elect: false,
+            // The node's heartbeat clock sends every group's heartbeats
+            // at once (see `super::heartbeat`).
+            enable_heartbeat: false,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(500),
             max_in_snapshot_log_to_keep: 100,
             ..Default::default()
@@ -268,16 +272,13 @@ impl RaftCoordinator {
         if to == self.id {
             return Ok(());
         }
+        // The heartbeat clock skips this group while the mark lasts.
         self.peers.begin_transfer(to);
-        self.raft.runtime_config().heartbeat(false);
         // However this ends — also when the caller drops it half-way —
         // heartbeats come back and the transfer mark goes: a leader left
         // without heartbeats would neither keep its followers nor hear
         // that they moved on to a higher term.
-        let _restore = TransferGuard {
-            raft: &self.raft,
-            peers: &self.peers,
-        };
+        let _restore = TransferGuard { peers: &self.peers };
         let request = TransferRequest {
             cluster_id: self.peers.cluster_id().to_string(),
             from: self.id.0,
@@ -403,16 +404,14 @@ impl RaftCoordinator {
     }
 }
 
-/// Ends a transfer when dropped: heartbeats on again, the mark gone.
+/// Ends a transfer when dropped: the mark gone, heartbeats on again.
 struct TransferGuard<'a> {
-    raft: &'a Raft,
     peers: &'a Peers,
 }
 
 impl Drop for TransferGuard<'_> {
     fn drop(&mut self) {
         self.peers.end_transfer();
-        self.raft.runtime_config().heartbeat(true);
     }
 }
 

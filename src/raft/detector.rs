@@ -8,8 +8,11 @@
 //! Instead a follower campaigns once it has heard no leader (and granted no
 //! vote) for `election_max` plus a random jitter of up to `election_min / 6`:
 //! by then the other followers' vote leases have run out, and the jitter
-//! makes two candidates in the same round unlikely. It looks every
-//! [`POLL`], so the moment it notices is at most that late. A candidate that does not
+//! makes two candidates in the same round unlikely. It sleeps until the
+//! moment a campaign could be due (at most `election_min / 2`, at least
+//! [`POLL`]) and decides anew at every look from the last leader contact,
+//! so it notices at most [`POLL`] late, while an idle group wakes only a
+//! few times a second (a node runs a detector per group). A candidate that does not
 //! win tries again after two heartbeat intervals plus a fresh jitter (there
 //! is no leader lease left to wait out) — but never sooner than
 //! `election_max` after it last heard a leader or granted a vote: a node
@@ -55,6 +58,16 @@ use crate::proto::raft::PreVoteRequest;
 /// How often the detector looks for a silent leader.
 pub const POLL: Duration = Duration::from_millis(5);
 
+/// How long to sleep from `now` for a campaign due at `due`: until then,
+/// but never longer than `election_min / 2` (a leader heard meanwhile
+/// moves `due` on, and is seen at the next look) nor shorter than
+/// [`POLL`]. Only the sleep depends on it: whether a campaign is due is
+/// decided anew at every look, from the last leader contact.
+fn until_due(now: Instant, due: Instant, timing: RaftTiming) -> Duration {
+    due.saturating_duration_since(now)
+        .clamp(POLL, (timing.election_min / 2).max(POLL))
+}
+
 /// A small xorshift generator: jitter needs no cryptographic quality.
 struct Jitter(u64);
 
@@ -87,8 +100,13 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
     let mut retry_after = Duration::ZERO;
     let mut last_attempt = Instant::now();
     let mut metrics = raft.metrics();
+    // How long to sleep before looking again: only as long as nothing can
+    // be due (see `until_due`), so an idle group costs a few wakeups a
+    // second, not one every poll.
+    let mut pause = POLL;
     loop {
-        tokio::time::sleep(POLL.min(timing.heartbeat / 2)).await;
+        tokio::time::sleep(pause).await;
+        pause = timing.election_min / 2;
         if metrics.has_changed().is_err() {
             return;
         }
@@ -112,6 +130,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         let now = Instant::now();
         if peers.transfer_elsewhere() {
             // Leadership is being handed to another node: let it.
+            pause = POLL.max(timing.heartbeat / 2);
             continue;
         }
         if peers
@@ -119,12 +138,13 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             .is_some_and(|at| now.duration_since(at) < timing.election_max)
         {
             // A peer's log is ahead of ours: let it win instead.
+            pause = POLL.max(timing.heartbeat / 2);
             continue;
         }
         let heard = peers.last_leader_contact();
-        if now.duration_since(heard) < leader_quiet
-            || now.duration_since(last_attempt) < retry_after
-        {
+        let due = (heard + leader_quiet).max(last_attempt + retry_after);
+        if now < due {
+            pause = until_due(now, due, timing);
             continue;
         }
         let recently = now.checked_sub(timing.election_max / 4).unwrap_or(now);
@@ -220,5 +240,22 @@ mod tests {
         assert!(draws.iter().all(|d| *d < Duration::from_millis(100)));
         assert!(draws.iter().any(|d| *d != draws[0]));
         assert_eq!(Jitter::new(0).below(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[test]
+    fn the_detector_sleeps_until_a_campaign_could_be_due_and_no_longer() {
+        let timing = RaftTiming::default();
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(until_due(now, now + ms(40), timing), ms(40));
+        // A leader heard meanwhile moves the due time on: look again
+        // within half the shortest election timeout.
+        assert_eq!(
+            until_due(now, now + ms(400), timing),
+            timing.election_min / 2
+        );
+        // Due now, or already past: the shortest look.
+        assert_eq!(until_due(now, now, timing), POLL);
+        assert_eq!(until_due(now + ms(10), now, timing), POLL);
     }
 }

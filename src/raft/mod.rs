@@ -63,6 +63,8 @@
 //!   placement, each volume's group), pure logic for the cluster group.
 //! - [`network`]: the tonic client and server for Raft's RPCs.
 //! - [`detector`]: the failure detector that starts elections.
+//! - [`heartbeat`]: the node's one heartbeat clock, which has every group
+//!   it leads send its heartbeats at once (they travel together).
 //! - [`coordinator`]: [`RaftCoordinator`], the `Coordinator` and
 //!   `InSyncTracker` of the core.
 //! - [`runtime`]: the threads all of the above run on, apart from the data
@@ -71,6 +73,7 @@
 pub mod coordinator;
 pub mod detector;
 pub mod group;
+pub mod heartbeat;
 pub mod log_store;
 pub mod network;
 pub mod runtime;

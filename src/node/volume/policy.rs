@@ -117,10 +117,20 @@ pub(super) async fn predigest_when_leader_silent(
 ) {
     let silent_for = timing.heartbeat * PREDIGEST_AFTER_HEARTBEATS;
     let metrics = raft.metrics();
+    let mut pause = timing.heartbeat / 2;
     loop {
-        tokio::time::sleep(timing.heartbeat / 2).await;
+        tokio::time::sleep(pause).await;
+        // Look again when the leader could first count as silent (a node
+        // runs this per volume: an idle one wakes a few times a second).
         let leads = metrics.borrow().state == openraft::ServerState::Leader;
-        if leads || peers.last_leader_contact().elapsed() < silent_for {
+        let quiet = peers.last_leader_contact().elapsed();
+        pause = match leads {
+            true => silent_for,
+            false => silent_for
+                .saturating_sub(quiet)
+                .clamp(timing.heartbeat / 2, silent_for),
+        };
+        if leads || quiet < silent_for {
             continue;
         }
         match store.predigest().await {

@@ -37,6 +37,9 @@ pub struct PeerClient {
 #[derive(Clone, Copy)]
 enum Rpc {
     Append,
+    /// An AppendEntries without entries: it goes with the other groups'
+    /// to the same peer (see [`super::batch`]).
+    Heartbeat,
     Vote,
     Snapshot,
 }
@@ -56,16 +59,22 @@ impl PeerClient {
             .envelope(self.target.0, request)
             .map_err(|e| RPCError::Network(NetworkError::new(&NetErr(e))))?;
         let node = self.target.node();
-        let mut client = self
-            .peers
-            .client(node)
-            .map_err(|e| unreachable(e.to_string()))?;
-        let mut grpc = GrpcRequest::new(message);
-        grpc.set_timeout(ttl);
         let reply = match rpc {
-            Rpc::Append => client.append_entries(grpc).await,
-            Rpc::Vote => client.vote(grpc).await,
-            Rpc::Snapshot => client.install_snapshot(grpc).await,
+            Rpc::Heartbeat => self.peers.node().heartbeat(node, message, ttl).await,
+            Rpc::Append | Rpc::Vote | Rpc::Snapshot => {
+                let mut client = self
+                    .peers
+                    .client(node)
+                    .map_err(|e| unreachable(e.to_string()))?;
+                let mut grpc = GrpcRequest::new(message);
+                grpc.set_timeout(ttl);
+                match rpc {
+                    Rpc::Vote => client.vote(grpc).await,
+                    Rpc::Snapshot => client.install_snapshot(grpc).await,
+                    _ => client.append_entries(grpc).await,
+                }
+                .map(GrpcResponse::into_inner)
+            }
         }
         .map_err(|status| {
             let why = format!("{}: {}", status.code(), status.message());
@@ -82,8 +91,7 @@ impl PeerClient {
             // A channel whose connection failed is rebuilt on the next call.
             self.peers.forget_channel(node);
             unreachable(why)
-        })?
-        .into_inner();
+        })?;
         if reply.group != self.peers.group().0 {
             // Only this group's answer counts for it (S4): never one of
             // another group's, as a node that does not know groups would
@@ -144,9 +152,13 @@ impl RaftNetwork<TypeConfig> for PeerClient {
                 peers: Arc::clone(&self.peers),
             };
             let budget = self.peers.election_timeout_max.max(option.hard_ttl());
+            let kind = match rpc.entries.is_empty() {
+                true => Rpc::Heartbeat,
+                false => Rpc::Append,
+            };
             tokio::spawn(async move {
                 let response: RpcResult<AppendEntriesResponse<MemberId>, _> =
-                    client.call(Rpc::Append, &rpc, budget).await;
+                    client.call(kind, &rpc, budget).await;
                 if let Ok(response) = &response {
                     if accepts_leader(response) {
                         client.peers.record_ack(client.target, term, sent_at);

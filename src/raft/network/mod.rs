@@ -73,6 +73,7 @@
 //!   granted vote. The contact is taken after openraft handled the request,
 //!   so it is never earlier than the leader's send time.
 
+mod batch;
 mod client;
 mod server;
 mod votes;
@@ -171,6 +172,8 @@ pub struct PeerBook {
     transport: Transport,
     channels: Mutex<HashMap<NodeId, Channel>>,
     heard: Mutex<HashMap<NodeId, Instant>>,
+    /// Each peer's heartbeat batcher (see [`batch`]).
+    batchers: Mutex<HashMap<NodeId, batch::Batcher>>,
     /// The Raft runtime, when Raft has one (see [`super::runtime`]).
     runtime: std::sync::OnceLock<Handle>,
 }
@@ -325,6 +328,7 @@ impl PeerBook {
             transport,
             channels: Mutex::default(),
             heard: Mutex::default(),
+            batchers: Mutex::default(),
             runtime: std::sync::OnceLock::new(),
         })
     }

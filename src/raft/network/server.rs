@@ -5,6 +5,7 @@
 use super::client::accepts_leader;
 use super::votes::campaign_for_transfer;
 use super::*;
+use crate::proto::raft::{RaftBatch, RaftBatchItem, RaftBatchReply};
 
 fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
     serde_json::from_slice(payload)
@@ -64,6 +65,15 @@ impl ServedGroups {
             Some((_, served)) if Arc::ptr_eq(served, peers) => groups.remove(&peers.group()),
             _ => None,
         }
+    }
+
+    /// Every served group.
+    pub fn all(&self) -> Vec<(Raft, Arc<Peers>)> {
+        let groups = self.groups.read().unwrap_or_else(|p| p.into_inner());
+        groups
+            .values()
+            .map(|(raft, peers)| (raft.clone(), Arc::clone(peers)))
+            .collect()
     }
 
     /// The group `group`, if it is served.
@@ -200,6 +210,21 @@ impl<'a> From<&'a TransferRequest> for Envelope<'a> {
     }
 }
 
+/// Hands one AppendEntries to its group's Raft; a follower that takes the
+/// sender as its leader has heard one (see the module docs of the parent).
+async fn append(
+    raft: Raft,
+    peers: Arc<Peers>,
+    message: RaftMessage,
+) -> Result<RaftMessage, Status> {
+    let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
+    let result = raft.append_entries(rpc).await;
+    if result.as_ref().is_ok_and(accepts_leader) {
+        peers.leader_heard();
+    }
+    reply(&peers, &result).map(GrpcResponse::into_inner)
+}
+
 fn reply<T: Serialize>(peers: &Peers, result: &T) -> Result<GrpcResponse<RaftMessage>, Status> {
     peers
         .envelope(0, result)
@@ -216,13 +241,55 @@ impl raft_server::Raft for RaftService {
         let caller = Caller::of(&request);
         let message = request.into_inner();
         let (raft, peers, _from) = self.admit(&caller, Envelope::from(&message))?;
+        self.on_raft(async move { append(raft, peers, message).await.map(GrpcResponse::new) })
+            .await
+    }
+
+    async fn append_batch(
+        &self,
+        request: GrpcRequest<RaftBatch>,
+    ) -> Result<GrpcResponse<RaftBatchReply>, Status> {
+        let caller = Caller::of(&request);
+        let batch = request.into_inner();
+        if batch.messages.len() > super::batch::MAX_BATCH {
+            return Err(Status::invalid_argument(format!(
+                "a batch of {} messages; at most {} are taken",
+                batch.messages.len(),
+                super::batch::MAX_BATCH
+            )));
+        }
+        // Each message is admitted as if it came alone (S8, S9): the
+        // cluster, the sender its certificate names, this member, and a
+        // group this node runs; one that is not gets its own refusal.
+        let admitted: Vec<_> = batch
+            .messages
+            .into_iter()
+            .map(|message| {
+                self.admit(&caller, Envelope::from(&message))
+                    .map(|(raft, peers, _)| (raft, peers, message))
+            })
+            .collect();
         self.on_raft(async move {
-            let rpc: AppendEntriesRequest<TypeConfig> = decode(&message.payload)?;
-            let result = raft.append_entries(rpc).await;
-            if result.as_ref().is_ok_and(accepts_leader) {
-                peers.leader_heard();
-            }
-            reply(&peers, &result)
+            let answers = admitted.into_iter().map(|admitted| async move {
+                let answer = match admitted {
+                    Ok((raft, peers, message)) => append(raft, peers, message).await,
+                    Err(status) => Err(status),
+                };
+                match answer {
+                    Ok(reply) => RaftBatchItem {
+                        reply: Some(reply),
+                        code: 0,
+                        error: String::new(),
+                    },
+                    Err(status) => RaftBatchItem {
+                        reply: None,
+                        code: status.code() as i32,
+                        error: status.message().to_string(),
+                    },
+                }
+            });
+            let items = futures::future::join_all(answers).await;
+            Ok(GrpcResponse::new(RaftBatchReply { items }))
         })
         .await
     }

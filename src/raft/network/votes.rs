@@ -78,6 +78,12 @@ impl Peers {
         *lock(&self.transfer) = Some((target, until));
     }
 
+    /// Whether a transfer of this node's runs now (its leader sends no
+    /// heartbeats meanwhile; see [`crate::raft::heartbeat`]).
+    pub fn transferring(&self) -> bool {
+        lock(&self.transfer).is_some_and(|(_, until)| Instant::now() < until)
+    }
+
     /// Ends a transfer early.
     pub fn end_transfer(&self) {
         *lock(&self.transfer) = None;
