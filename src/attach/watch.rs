@@ -93,11 +93,12 @@ async fn follow(
     let mut client = transport
         .client(addr, Expect::Node(id), AdminClient::new)
         .map_err(|e| e.to_string())?;
-    let mut stream = tokio::time::timeout(SILENCE, client.watch_leader(WatchLeaderRequest {}))
-        .await
-        .map_err(|_| "no answer".to_string())?
-        .map_err(|status| status.message().to_string())?
-        .into_inner();
+    let mut stream =
+        tokio::time::timeout(SILENCE, client.watch_leader(WatchLeaderRequest::default()))
+            .await
+            .map_err(|_| "no answer".to_string())?
+            .map_err(|status| status.message().to_string())?
+            .into_inner();
     loop {
         let update = tokio::time::timeout(SILENCE, stream.message())
             .await

@@ -52,6 +52,7 @@ pub mod reads;
 pub mod tasks;
 pub mod volume;
 pub mod volumes;
+pub mod writers;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -62,7 +63,7 @@ use tokio::task::JoinHandle;
 
 pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
-use crate::api::admin::AdminService;
+use crate::api::admin::{AdminService, VolumeWriters};
 use crate::api::status::{NodeFacts, NodeParts, NodeView};
 use crate::ha::Coordinator;
 use crate::ids::{GroupId, Incarnation, MemberId, NodeId};
@@ -219,10 +220,15 @@ impl Node {
             view.facts().peers.clone(),
         ));
         let hosted = host::HostedVolumes::default();
+        let writers: Arc<dyn VolumeWriters> = Arc::new(writers::TableWriters::new(
+            Arc::clone(&raft.cluster.coordinator),
+            hosted.clone(),
+            view.facts().peers.clone(),
+        ));
         let grpc = serve_grpc(
             &transport,
             &raft,
-            (&volume, &hosted),
+            (&volume, &hosted, &writers),
             &view,
             &members,
             (listeners.grpc, listeners.data),
@@ -256,7 +262,9 @@ impl Node {
             listeners
                 .nbd
                 .map(|listener| (listener, nbd_tls(&config, tls.as_ref(), &transport))),
-            listeners.http,
+            listeners
+                .http
+                .map(|listener| (listener, Arc::clone(&writers))),
         );
         let mut host = VolumeHost::new(volume, hosted);
         host.start(&config, &raft, &transport);
@@ -547,7 +555,7 @@ struct GrpcServer {
 fn serve_grpc(
     transport: &Transport,
     raft: &RaftParts,
-    (volume, hosted): (&Volume, &host::HostedVolumes),
+    (volume, hosted, writers): (&Volume, &host::HostedVolumes, &Arc<dyn VolumeWriters>),
     view: &Arc<NodeView>,
     members: &Arc<membership::Membership>,
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
@@ -568,7 +576,8 @@ fn serve_grpc(
     });
     let admin = AdminService::new(Arc::clone(view))
         .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>)
-        .with_volumes(Arc::new(volumes));
+        .with_volumes(Arc::new(volumes))
+        .with_writers(Arc::clone(writers));
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -648,7 +657,7 @@ fn spawn_background(
     raft: &RaftParts,
     view: &Arc<NodeView>,
     nbd: Option<(tokio::net::TcpListener, Option<ExportTls>)>,
-    http: Option<tokio::net::TcpListener>,
+    http: Option<(tokio::net::TcpListener, Arc<dyn VolumeWriters>)>,
 ) -> Option<crate::nbd::Exports> {
     let mut served = None;
     if let Some((listener, tls)) = nbd {
@@ -694,10 +703,14 @@ fn spawn_background(
             crate::nbd::serve(listener, exports, stats, stop),
         );
     }
-    if let Some(listener) = http {
-        let (view, stopped) = (Arc::clone(view), tasks.stopped());
+    if let Some((listener, writers)) = http {
+        let health = crate::api::http::Health {
+            view: Arc::clone(view),
+            writers: Some(writers),
+        };
+        let stopped = tasks.stopped();
         tasks.spawn_draining("HTTP server", async move {
-            if let Err(err) = crate::api::http::serve(listener, view, stopped).await {
+            if let Err(err) = crate::api::http::serve(listener, health, stopped).await {
                 tracing::warn!(%err, "the HTTP listener failed");
             }
         });
