@@ -8,9 +8,19 @@
 //! node's gated device exactly as NBD requests do — never around the gate —
 //! so a passive node refuses writes here too.
 //!
-//! `WatchLeader` streams this node's view of who writes, at every change
-//! and at least every [`WATCH_KEEPALIVE`]: `replica-ha attach` follows the
-//! writer by it.
+//! `WatchLeader` streams this node's view of who writes a volume, at every
+//! change and at least every [`WATCH_KEEPALIVE`]: `replica-ha attach`
+//! follows the writer by it. The request names the volume: empty (what
+//! earlier builds of `attach` send) or the configured name means the
+//! cluster group's own volume, read from the [`NodeView`]; any other name is
+//! looked up through the node's [`VolumeWriters`], and the stream then
+//! reports that volume's own group and gate. A volume this node holds no
+//! copy of is `NOT_FOUND`, naming the nodes that hold it (in words, and in
+//! the [`HOLDERS_METADATA`] metadata for a program), so a client moves on
+//! to them; one whose copy does not run here yet is `UNAVAILABLE`. A
+//! stream that follows a table volume looks it up again every
+//! [`WATCH_RECHECK`], and ends with `NOT_FOUND` once the node no longer
+//! holds it.
 //!
 //! Who may call what (S9; the transport's guard has already admitted only
 //! certificates of this cluster): `Status`, `Members` and `Read` any
@@ -31,7 +41,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response, Status};
 
-use crate::api::status::{LeaderView, NodeView, ReplicaReport};
+use crate::api::status::{LeaderSource, LeaderView, NodeView, ReplicaReport};
 use crate::ha::HaError;
 use crate::ids::{NodeId, VolumeId};
 use crate::net::Caller;
@@ -53,6 +63,106 @@ pub struct AdminService {
     view: Arc<NodeView>,
     members: Option<Arc<dyn MembersChanges>>,
     volumes: Option<Arc<dyn VolumeChanges>>,
+    writers: Option<Arc<dyn VolumeWriters>>,
+}
+
+/// Why this node has no view of a volume's writer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotHere {
+    /// Other nodes hold the volume's copies, none of them this one: their
+    /// ids and gRPC addresses ("" when unknown).
+    #[error("volume {name} is held by {}, not by this node", holders_text(.holders))]
+    Elsewhere {
+        name: VolumeId,
+        holders: Vec<(NodeId, String)>,
+    },
+    /// No volume of that name in the cluster.
+    #[error("no volume {0} in this cluster")]
+    Unknown(VolumeId),
+    /// The volume places a copy here that does not run (yet): starting,
+    /// or its start failed and is tried again.
+    #[error("volume {0} has a copy on this node that does not run yet; ask again")]
+    NotRunning(VolumeId),
+    /// The node did not answer in time (it is starting or stopping
+    /// volumes); ask again.
+    #[error("this node is busy starting or stopping volumes; ask again")]
+    Busy,
+}
+
+/// "nodes 2 (127.0.0.1:7002), 3 (…)": who holds a volume, in words.
+fn holders_text(holders: &[(NodeId, String)]) -> String {
+    let named: Vec<String> = holders
+        .iter()
+        .map(|(id, addr)| match addr.is_empty() {
+            true => id.to_string(),
+            false => format!("{id} ({addr})"),
+        })
+        .collect();
+    match named.len() {
+        1 => format!("node {}", named[0]),
+        _ => format!("nodes {}", named.join(", ")),
+    }
+}
+
+/// The metadata key of a `NOT_FOUND` answer to `WatchLeader` that names
+/// the nodes holding the volume, as `ID=HOST:PORT` joined by commas.
+pub const HOLDERS_METADATA: &str = "replica-ha-holders";
+
+/// Where this node reads the writer of each volume of the table it holds
+/// a copy of, as the node runs them (see `node::writers`).
+#[async_trait::async_trait]
+pub trait VolumeWriters: Send + Sync {
+    /// Volume `name`'s [`LeaderSource`] here, or why there is none.
+    async fn leader_source(&self, name: &VolumeId) -> Result<LeaderSource, NotHere>;
+}
+
+/// How long a lookup of a volume's writer may wait on the node (which
+/// holds its volumes' table while it starts or stops one).
+pub const LOOKUP_WAIT: Duration = Duration::from_secs(1);
+
+/// Where volume `name`'s writer is read on this node: the configured
+/// volume's (`name` empty or its own) from `view`, any other from
+/// `writers`; with the volume's name.
+pub async fn leader_source(
+    view: &NodeView,
+    writers: Option<&dyn VolumeWriters>,
+    name: &str,
+    wait: Duration,
+) -> Result<(LeaderSource, String), NotHere> {
+    let configured = &view.facts().volume;
+    if name.is_empty() || name == configured {
+        return Ok((view.leader_source(), configured.clone()));
+    }
+    let id = VolumeId(name.to_string());
+    let Some(writers) = writers else {
+        return Err(NotHere::Unknown(id));
+    };
+    match tokio::time::timeout(wait, writers.leader_source(&id)).await {
+        Ok(found) => found.map(|source| (source, name.to_string())),
+        Err(_) => Err(NotHere::Busy),
+    }
+}
+
+/// A lookup's failure as a gRPC status: `NOT_FOUND` (with the holders as
+/// [`HOLDERS_METADATA`]) or `UNAVAILABLE`.
+pub fn not_here_status(err: NotHere) -> Status {
+    let message = err.to_string();
+    match err {
+        NotHere::Elsewhere { holders, .. } => {
+            let mut status = Status::not_found(message);
+            let listed: Vec<String> = holders
+                .iter()
+                .filter(|(_, addr)| !addr.is_empty())
+                .map(|(id, addr)| format!("{}={addr}", id.0))
+                .collect();
+            if let Ok(value) = listed.join(",").parse() {
+                status.metadata_mut().insert(HOLDERS_METADATA, value);
+            }
+            status
+        }
+        NotHere::Unknown(_) => Status::not_found(message),
+        NotHere::NotRunning(_) | NotHere::Busy => Status::unavailable(message),
+    }
 }
 
 /// Why a volume change was not made.
@@ -150,7 +260,14 @@ impl AdminService {
             view,
             members: None,
             volumes: None,
+            writers: None,
         }
+    }
+
+    /// Follows the writers of the table's volumes through `writers`.
+    pub fn with_writers(mut self, writers: Arc<dyn VolumeWriters>) -> Self {
+        self.writers = Some(writers);
+        self
     }
 
     /// Makes volume changes through `volumes`.
@@ -212,6 +329,87 @@ pub fn status_of(err: HaError) -> Status {
 /// is gone or frozen.
 pub const WATCH_POLL: Duration = Duration::from_millis(20);
 pub const WATCH_KEEPALIVE: Duration = Duration::from_millis(100);
+/// How often a stream that follows a table volume looks the volume up
+/// again (it may have been deleted, or created anew under its name).
+pub const WATCH_RECHECK: Duration = Duration::from_secs(1);
+
+/// One `WatchLeader` stream: the volume it follows and where it reads it.
+struct LeaderWatch {
+    view: Arc<NodeView>,
+    /// Where the volume is looked up again; none for the configured one.
+    writers: Option<Arc<dyn VolumeWriters>>,
+    name: String,
+    source: LeaderSource,
+}
+
+/// What a stream sends.
+type WatchSender = tokio::sync::mpsc::Sender<Result<LeaderUpdate, Status>>;
+
+impl LeaderWatch {
+    /// Sends an update at every change and at least every
+    /// [`WATCH_KEEPALIVE`], until the client goes away or the node no
+    /// longer holds the volume.
+    async fn run(mut self, tx: WatchSender) {
+        let mut last: Option<(LeaderView, Instant)> = None;
+        let mut checked = Instant::now();
+        loop {
+            if checked.elapsed() >= WATCH_RECHECK {
+                checked = Instant::now();
+                if let Err(gone) = self.recheck().await {
+                    let _ = tx.send(Err(not_here_status(gone))).await;
+                    return;
+                }
+            }
+            let now = self.source.view();
+            let due = match last {
+                Some((seen, at)) => seen != now || at.elapsed() >= WATCH_KEEPALIVE,
+                None => true,
+            };
+            if due {
+                if tx.send(Ok(self.update(&now))).await.is_err() {
+                    return;
+                }
+                last = Some((now, Instant::now()));
+            }
+            tokio::time::sleep(WATCH_POLL).await;
+        }
+    }
+
+    /// Looks the volume up again: a new volume of the name is followed
+    /// from then on; one no longer held here ends the stream. A node too
+    /// busy to answer within a poll keeps the source it has.
+    async fn recheck(&mut self) -> Result<(), NotHere> {
+        let Some(writers) = &self.writers else {
+            return Ok(());
+        };
+        let id = VolumeId(self.name.clone());
+        match tokio::time::timeout(WATCH_POLL, writers.leader_source(&id)).await {
+            Ok(Ok(source)) => {
+                if !source.is_same(&self.source) {
+                    self.source = source;
+                }
+                Ok(())
+            }
+            Ok(Err(NotHere::Busy)) | Err(_) => Ok(()),
+            Ok(Err(gone)) => Err(gone),
+        }
+    }
+
+    /// The update that says `now`.
+    fn update(&self, now: &LeaderView) -> LeaderUpdate {
+        let facts = self.view.facts();
+        LeaderUpdate {
+            node_id: facts.id.0,
+            term: now.term.0,
+            leader: now.leader.map_or(0, |id| id.0),
+            writer: now.writer_term.is_some(),
+            writer_term: now.writer_term.map_or(0, |t| t.0),
+            nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
+            volume: self.name.clone(),
+            size: now.size,
+        }
+    }
+}
 
 #[tonic::async_trait]
 impl Admin for AdminService {
@@ -220,38 +418,22 @@ impl Admin for AdminService {
 
     async fn watch_leader(
         &self,
-        _: Request<WatchLeaderRequest>,
+        request: Request<WatchLeaderRequest>,
     ) -> Result<Response<Self::WatchLeaderStream>, Status> {
-        let view = Arc::clone(&self.view);
+        let asked = request.into_inner().volume;
+        let writers = self.writers.clone();
+        let (source, name) = leader_source(&self.view, writers.as_deref(), &asked, LOOKUP_WAIT)
+            .await
+            .map_err(not_here_status)?;
+        let watch = LeaderWatch {
+            view: Arc::clone(&self.view),
+            // The configured volume is the node's for its life: no lookup.
+            writers: writers.filter(|_| name != self.view.facts().volume),
+            name,
+            source,
+        };
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tokio::spawn(async move {
-            let mut last: Option<(LeaderView, Instant)> = None;
-            loop {
-                let now = view.leader_view();
-                let due = match last {
-                    Some((seen, at)) => seen != now || at.elapsed() >= WATCH_KEEPALIVE,
-                    None => true,
-                };
-                if due {
-                    let facts = view.facts();
-                    let update = LeaderUpdate {
-                        node_id: facts.id.0,
-                        term: now.term.0,
-                        leader: now.leader.map_or(0, |id| id.0),
-                        writer: now.writer_term.is_some(),
-                        writer_term: now.writer_term.map_or(0, |t| t.0),
-                        nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
-                        volume: facts.volume.clone(),
-                        size: now.size,
-                    };
-                    if tx.send(Ok(update)).await.is_err() {
-                        return;
-                    }
-                    last = Some((now, Instant::now()));
-                }
-                tokio::time::sleep(WATCH_POLL).await;
-            }
-        });
+        tokio::spawn(watch.run(tx));
         let stream = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|item| (item, rx))
         });

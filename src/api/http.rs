@@ -6,8 +6,13 @@
 //!   fence floors, fence and promotion counters, NBD connections, and Raft's
 //!   own figures (log index, applied index, per-peer replication lag).
 //! - `GET /health/leader`: 200 only on the active writer (fenced, gate open,
-//!   lease valid), 503 elsewhere — what a load balancer or a client-side
-//!   router checks, like Patroni's `/primary`.
+//!   lease valid) of the configured volume, 503 elsewhere — what a load
+//!   balancer or a client-side router checks, like Patroni's `/primary`.
+//! - `GET /health/leader/NAME`: the same for volume `NAME` (the configured
+//!   one or one of the table): 200 only on its active writer, 503 on its
+//!   other copies (and while this node's copy does not run yet), 404 on a
+//!   node that holds no copy of it, with the nodes that do in the body. A
+//!   load balancer checks one backend per node and volume this way.
 //! - `GET /health/live`: 200 while the process serves requests.
 //!
 //! Nothing here changes state; every answer is computed from the node's
@@ -16,42 +21,77 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
 
+use crate::api::admin::{LOOKUP_WAIT, NotHere, VolumeWriters, leader_source};
 use crate::api::status::{NodeStatus, NodeView};
 use crate::ha::ReplicaState;
 use crate::metrics::{Kind, Text, load};
 use crate::replica::ReplicaInfo;
 
+/// What the routes read: the node's view, and where the writers of the
+/// table's volumes are read (none: only the configured volume is known).
+#[derive(Clone)]
+pub struct Health {
+    pub view: Arc<NodeView>,
+    pub writers: Option<Arc<dyn VolumeWriters>>,
+}
+
 /// The routes over a node's view.
-pub fn router(view: Arc<NodeView>) -> Router {
+pub fn router(health: Health) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/health/leader", get(leader))
+        .route("/health/leader/{name}", get(volume_leader))
         .route("/health/live", get(live))
-        .with_state(view)
+        .with_state(health)
 }
 
 /// Serves the routes on `listener` until `stop` resolves.
 pub async fn serve(
     listener: TcpListener,
-    view: Arc<NodeView>,
+    health: Health,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(view))
+    axum::serve(listener, router(health))
         .with_graceful_shutdown(stop)
         .await
 }
 
-async fn leader(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
-    if view.is_active_writer() {
-        (StatusCode::OK, "active writer\n")
+async fn leader(State(health): State<Health>) -> impl IntoResponse {
+    writer_answer(health.view.is_active_writer())
+}
+
+/// 200 or 503, by whether this node writes the volume now.
+fn writer_answer(writing: bool) -> (StatusCode, String) {
+    if writing {
+        (StatusCode::OK, "active writer\n".into())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not the active writer\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not the active writer\n".into(),
+        )
+    }
+}
+
+async fn volume_leader(
+    State(health): State<Health>,
+    Path(name): Path<String>,
+) -> impl IntoResponse {
+    let found = leader_source(&health.view, health.writers.as_deref(), &name, LOOKUP_WAIT).await;
+    match found {
+        Ok((source, _)) => writer_answer(source.is_active_writer()),
+        Err(err @ (NotHere::Elsewhere { .. } | NotHere::Unknown(_))) => {
+            (StatusCode::NOT_FOUND, format!("{err}\n"))
+        }
+        Err(err @ (NotHere::NotRunning(_) | NotHere::Busy)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not the active writer: {err}\n"),
+        ),
     }
 }
 
@@ -59,8 +99,8 @@ async fn live() -> impl IntoResponse {
     (StatusCode::OK, "live\n")
 }
 
-async fn metrics(State(view): State<Arc<NodeView>>) -> impl IntoResponse {
-    let body = render(&view.status().await);
+async fn metrics(State(health): State<Health>) -> impl IntoResponse {
+    let body = render(&health.view.status().await);
     (
         [(
             header::CONTENT_TYPE,

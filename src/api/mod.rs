@@ -14,11 +14,15 @@
 //! A CSI front end (a container orchestrator's volume driver) belongs here
 //! too when it comes.
 //!
-//! The front ends reach the node through two seams only, and a new one
-//! should not add a third: [`status::NodeView`], which reads the node and
-//! carries its few actions (the gated data path, resize, leadership
-//! transfer, the writer's scrub and resync), and
-//! [`admin::MembersChanges`], which `node::membership` implements. Neither
+//! The front ends reach the node through these seams only, and a new one
+//! should be added only for a new kind of question: [`status::NodeView`],
+//! which reads the node and carries its few actions (the gated data path,
+//! resize, leadership transfer, the writer's scrub and resync);
+//! [`admin::MembersChanges`] and [`admin::VolumeChanges`], which
+//! `node::membership` and `node::volumes` implement; and
+//! [`admin::VolumeWriters`], which `node::writers` implements: where each
+//! table volume's writer is read (`WatchLeader`, `/health/leader/NAME`),
+//! a read-only [`status::LeaderSource`]. None of them
 //! hands out the Raft handle, the engine or a replica store: a write from
 //! here passes the same gate as an NBD write (S1), and the control state
 //! changes only through an action the node defines. Who may call what is

@@ -132,7 +132,10 @@ impl Following {
             next: 1,
             disconnected_at: Some(Instant::now()),
         };
-        tasks.spawn(driver.run());
+        // Every line the driver logs names its volume: one attach may
+        // follow several.
+        let span = tracing::info_span!("volume", name = %driver.upstream.export);
+        tasks.spawn(tracing::Instrument::instrument(driver.run(), span));
         Self { jobs, size }
     }
 

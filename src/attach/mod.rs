@@ -13,8 +13,16 @@
 //! seeing the next one: every wait on a writer is bounded or runs beside
 //! the watch ([`follow`]).
 //!
-//! Downstream it offers one export, whatever node it talks to: the
-//! volume's name and size, writable, with flush, FUA, trim and write
+//! One `attach` serves one or more volumes, each on a unix socket of its
+//! own ([`Serve`]), each following its own writer: every volume of the
+//! table has its own group and writer, so each is watched by name
+//! (`WatchLeader` names it) and its requests go to the export of that name
+//! on its writer. A volume's failover is its own: the others' requests
+//! flow on. The TCP listener, when asked for, offers every volume by its
+//! export name (the first is the default export).
+//!
+//! Downstream each socket offers one export, whatever node it talks to:
+//! the volume's name and size, writable, with flush, FUA, trim and write
 //! zeroes, multi-connection safe. The size is the volume's latest: after
 //! a resize, connections opened from then on are offered the new size
 //! (as the nodes do); open ones keep theirs. It shares the NBD server and
@@ -55,11 +63,9 @@ pub const FIRST_CONTACT: Duration = Duration::from_secs(30);
 pub struct AttachConfig {
     /// Every node it may ask, by id: their gRPC addresses.
     pub peers: BTreeMap<NodeId, String>,
-    /// The export to open on the writer and to offer locally.
-    pub volume: String,
-    /// The unix socket to serve on.
-    pub socket: PathBuf,
-    /// A local TCP address to serve on as well.
+    /// The volumes to serve, each on its socket (at least one).
+    pub serves: Vec<Serve>,
+    /// A local TCP address to serve every volume on as well, by name.
     pub listen: Option<SocketAddr>,
     /// How long a request waits for a writer before it fails.
     pub suspend_timeout: Duration,
@@ -69,13 +75,28 @@ pub struct AttachConfig {
     pub first_contact: Duration,
 }
 
+/// One volume `attach` serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Serve {
+    /// The export to open on the volume's writer and to offer locally:
+    /// the volume's name.
+    pub volume: String,
+    /// The unix socket to serve it on.
+    pub socket: PathBuf,
+}
+
 /// Why `attach` could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
     #[error(
-        "no node of {peers} answered within {waited:?} (check the addresses and the certificate)"
+        "no node of {peers} answered for volume {volume} within {waited:?} (check the addresses, \
+         the volume's name and the certificate)"
     )]
-    NoContact { peers: String, waited: Duration },
+    NoContact {
+        peers: String,
+        volume: String,
+        waited: Duration,
+    },
     #[error("{what} {path}: {source}")]
     Socket {
         what: &'static str,
@@ -90,13 +111,100 @@ pub enum AttachError {
         source: std::io::Error,
     },
     #[error(
-        "--listen {0} is not a loopback address: attach serves the volume writable to          whoever connects, with its own certificate, so it listens on this host only          (127.0.0.1 or [::1]); use the unix socket, or a node's NBD export with TLS"
+        "--listen {0} is not a loopback address: attach serves the volume writable to \
+         whoever connects, with its own certificate, so it listens on this host only \
+         (127.0.0.1 or [::1]); use the unix socket, or a node's NBD export with TLS"
     )]
     Exposed(SocketAddr),
+    #[error("{0}")]
+    Serves(String),
 }
 
-/// Serves the volume until `stop` resolves; then stops taking connections,
-/// and removes the socket.
+/// Checks that `serves` names at least one volume, and each volume and
+/// socket once.
+fn check_serves(serves: &[Serve]) -> Result<(), AttachError> {
+    if serves.is_empty() {
+        return Err(AttachError::Serves("no volume to serve".into()));
+    }
+    let mut volumes = std::collections::BTreeSet::new();
+    let mut sockets = std::collections::BTreeSet::new();
+    for serve in serves {
+        if !volumes.insert(&serve.volume) {
+            return Err(AttachError::Serves(format!(
+                "volume {:?} is served twice: one socket per volume",
+                serve.volume
+            )));
+        }
+        if !sockets.insert(&serve.socket) {
+            return Err(AttachError::Serves(format!(
+                "socket {} is given twice: one volume per socket",
+                serve.socket.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Watches every volume of `config` and waits, for all at once up to
+/// `first_contact`, until a node told each one's size; returns each
+/// volume's watch with its size.
+async fn first_contact(
+    config: &AttachConfig,
+    tasks: &mut JoinSet<()>,
+) -> Result<Vec<(tokio::sync::watch::Receiver<watch::Seen>, u64)>, AttachError> {
+    let seens: Vec<_> = config
+        .serves
+        .iter()
+        .map(|serve| watch::spawn(&config.transport, &config.peers, &serve.volume, tasks))
+        .collect();
+    let waited = config.first_contact;
+    let sized = seens.into_iter().map(|mut seen| async move {
+        let size = tokio::time::timeout(waited, seen.wait_for(|s| s.size.is_some()))
+            .await
+            .ok()
+            .and_then(|seen| seen.ok().and_then(|s| s.size));
+        (seen, size)
+    });
+    let mut found = Vec::new();
+    for ((seen, size), serve) in futures::future::join_all(sized)
+        .await
+        .into_iter()
+        .zip(&config.serves)
+    {
+        let size = size.ok_or_else(|| AttachError::NoContact {
+            peers: config
+                .peers
+                .values()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", "),
+            volume: serve.volume.clone(),
+            waited,
+        })?;
+        found.push((seen, size));
+    }
+    Ok(found)
+}
+
+/// Binds every volume's socket; none is left behind when one fails.
+fn bind_sockets(serves: &[Serve]) -> Result<Vec<tokio::net::UnixListener>, AttachError> {
+    let mut bound = Vec::new();
+    for serve in serves {
+        match bind_socket(&serve.socket) {
+            Ok(listener) => bound.push(listener),
+            Err(err) => {
+                for earlier in &serves[..bound.len()] {
+                    let _ = std::fs::remove_file(&earlier.socket);
+                }
+                return Err(err);
+            }
+        }
+    }
+    Ok(bound)
+}
+
+/// Serves the volumes until `stop` resolves; then stops taking
+/// connections, and removes the sockets.
 pub async fn run(
     config: AttachConfig,
     stop: impl std::future::Future<Output = ()>,
@@ -104,63 +212,84 @@ pub async fn run(
     if let Some(addr) = config.listen.filter(|addr| !addr.ip().is_loopback()) {
         return Err(AttachError::Exposed(addr));
     }
+    check_serves(&config.serves)?;
     let mut tasks = JoinSet::new();
-    let mut seen = watch::spawn(&config.transport, &config.peers, &mut tasks);
-    let peers = config
-        .peers
-        .values()
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(", ");
-    let waited = config.first_contact;
-    let size = tokio::time::timeout(waited, seen.wait_for(|s| s.size.is_some()))
-        .await
-        .ok()
-        .and_then(|seen| seen.ok().and_then(|s| s.size))
-        .ok_or(AttachError::NoContact { peers, waited })?;
-    let following = Following::start(
-        seen,
-        size,
-        Upstream {
-            export: config.volume.clone(),
-            tls: config.transport.tls().cloned(),
-            suspend_timeout: config.suspend_timeout,
-        },
-        &mut tasks,
-    );
-    let exports = Exports::single(Arc::new(Export::new(
-        &config.volume,
-        format!("replica-ha volume {} through attach", config.volume),
-        Arc::new(following),
-    )));
-    let unix = bind_socket(&config.socket)?;
+    let contacts = first_contact(&config, &mut tasks).await?;
+    let every = Exports::new();
+    let mut locals = Vec::new();
+    for ((seen, size), serve) in contacts.into_iter().zip(&config.serves) {
+        let following = Following::start(
+            seen,
+            size,
+            Upstream {
+                export: serve.volume.clone(),
+                tls: config.transport.tls().cloned(),
+                suspend_timeout: config.suspend_timeout,
+            },
+            &mut tasks,
+        );
+        let export = Arc::new(Export::new(
+            &serve.volume,
+            format!("replica-ha volume {} through attach", serve.volume),
+            Arc::new(following),
+        ));
+        every.insert(Arc::clone(&export));
+        locals.push(Exports::single(export));
+        tracing::info!(
+            volume = %serve.volume,
+            socket = %serve.socket.display(),
+            size,
+            "serving the volume; following its writer"
+        );
+    }
+    if let Some(first) = config.serves.first() {
+        every.set_default(first.volume.as_str());
+    }
+    let sockets = bind_sockets(&config.serves)?;
     let (stopping, stopped) = tokio::sync::watch::channel(false);
     let stats = Arc::new(NbdStats::default());
     let mut servers = JoinSet::new();
-    servers.spawn(crate::nbd::serve(
-        unix,
-        exports.clone(),
-        Arc::clone(&stats),
-        stopped.clone(),
-    ));
-    if let Some(addr) = config.listen {
-        let tcp = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| AttachError::Listen { addr, source })?;
-        servers.spawn(crate::nbd::serve(tcp, exports, stats, stopped));
+    for (unix, exports) in sockets.into_iter().zip(locals) {
+        servers.spawn(crate::nbd::serve(
+            unix,
+            exports,
+            Arc::clone(&stats),
+            stopped.clone(),
+        ));
     }
-    tracing::info!(
-        socket = %config.socket.display(),
-        listen = ?config.listen,
-        size,
-        "serving the volume; following the writer"
-    );
+    let tcp = match config.listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| AttachError::Listen { addr, source }),
+        ),
+        None => None,
+    };
+    match tcp {
+        Some(Err(err)) => {
+            stopping.send_replace(true);
+            remove_sockets(&config.serves);
+            return Err(err);
+        }
+        Some(Ok(tcp)) => {
+            tracing::info!(listen = ?config.listen, "serving every volume by name on TCP too");
+            servers.spawn(crate::nbd::serve(tcp, every, stats, stopped));
+        }
+        None => {}
+    }
     stop.await;
     stopping.send_replace(true);
     while servers.join_next().await.is_some() {}
     tasks.shutdown().await;
-    let _ = std::fs::remove_file(&config.socket);
+    remove_sockets(&config.serves);
     Ok(())
+}
+
+/// Removes every volume's socket.
+fn remove_sockets(serves: &[Serve]) {
+    for serve in serves {
+        let _ = std::fs::remove_file(&serve.socket);
+    }
 }
 
 /// Binds the unix socket, replacing a stale one (a socket file nothing
@@ -204,8 +333,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let config = |listen: &str| AttachConfig {
             peers: BTreeMap::new(),
-            volume: "vol0".into(),
-            socket: dir.path().join("attach.sock"),
+            serves: vec![Serve {
+                volume: "vol0".into(),
+                socket: dir.path().join("attach.sock"),
+            }],
             listen: Some(listen.parse().unwrap()),
             suspend_timeout: Duration::from_secs(1),
             transport: Transport::default(),
@@ -221,5 +352,22 @@ mod tests {
         // On loopback it goes on (and, with no peer, finds nobody).
         let loopback = run(config("127.0.0.1:0"), std::future::ready(())).await;
         assert!(!matches!(loopback, Err(AttachError::Exposed(_))));
+    }
+
+    #[test]
+    fn each_volume_and_each_socket_is_served_once() {
+        let serve = |volume: &str, socket: &str| Serve {
+            volume: volume.into(),
+            socket: socket.into(),
+        };
+        assert!(check_serves(&[serve("a", "/a"), serve("b", "/b")]).is_ok());
+        for (serves, why) in [
+            (vec![], "no volume"),
+            (vec![serve("a", "/a"), serve("a", "/b")], "served twice"),
+            (vec![serve("a", "/a"), serve("b", "/a")], "given twice"),
+        ] {
+            let err = check_serves(&serves).unwrap_err().to_string();
+            assert!(err.contains(why), "{err}");
+        }
     }
 }

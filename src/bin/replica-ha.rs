@@ -87,11 +87,12 @@ enum Command {
     /// its own Raft group, whose leader is its writer; its NBD export name
     /// is its name.
     Volume(VolumeArgs),
-    /// Serve the volume to local NBD clients, following the writer: run it
-    /// on the client's host and point qemu, nbdcopy, nbdfuse or nbd-client
-    /// at its unix socket. When the writer changes it sends what had no
-    /// answer again to the next writer, so the client sees a pause, never
-    /// an error. Stops on SIGTERM.
+    /// Serve volumes to local NBD clients, each following its own writer:
+    /// run it on the client's host and point qemu, nbdcopy, nbdfuse or
+    /// nbd-client at a volume's unix socket (--socket for one, --serve
+    /// NAME=PATH for each of several). When a writer changes it sends what
+    /// had no answer again to the next writer, so the client sees a pause,
+    /// never an error. Stops on SIGTERM.
     Attach(Box<AttachArgs>),
     /// Show a replica data directory offline: identity, fence floor and the
     /// extents each writer's term may have left dirty. The node that owns

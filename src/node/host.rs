@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, watch};
 
+use crate::api::status::LeaderSource;
 use crate::ha::Coordinator;
 use crate::volume::Device;
 
@@ -80,6 +81,19 @@ impl HostedVolumes {
                 (id.clone(), view)
             })
             .collect()
+    }
+
+    /// Where volume `id`'s writer is read, while this node runs it: its
+    /// group's coordinator and its controller.
+    pub async fn leader_source(&self, id: &VolumeId) -> Option<LeaderSource> {
+        let table = self.0.lock().await;
+        table.get(id).map(|hosted| {
+            LeaderSource::new(
+                Arc::clone(&hosted.group.coordinator),
+                Arc::clone(&hosted.volume.controller),
+                hosted.volume.site().spec.size,
+            )
+        })
     }
 }
 

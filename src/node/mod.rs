@@ -52,6 +52,7 @@ pub mod reads;
 pub mod tasks;
 pub mod volume;
 pub mod volumes;
+pub mod writers;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -62,10 +63,10 @@ use tokio::task::JoinHandle;
 
 pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
-use crate::api::admin::AdminService;
+use crate::api::admin::{AdminService, VolumeWriters};
 use crate::api::status::{NodeFacts, NodeParts, NodeView};
 use crate::ha::Coordinator;
-use crate::ids::{GroupId, Incarnation, MemberId, NodeId};
+use crate::ids::{GroupId, Incarnation, MemberId, NodeId, VolumeId};
 use crate::members::MemberBook;
 use crate::nbd::{Export, ExportTls, Grant};
 use crate::net::tls::{NbdClientAuth, Party};
@@ -218,16 +219,28 @@ impl Node {
             transport.clone(),
             view.facts().peers.clone(),
         ));
+        let hosted = host::HostedVolumes::default();
+        let table_writers = Arc::new(writers::TableWriters::new(
+            Arc::clone(&raft.cluster.coordinator),
+            hosted.clone(),
+            view.facts().peers.clone(),
+        ));
         let nbd = listeners.nbd.map(|listener| {
             let tls = nbd_tls(&config, tls.as_ref(), &transport);
-            (listener, nbd_exports(&config, tls, view.device()))
+            // A volume this node holds no copy of is refused naming the
+            // nodes that hold it.
+            let elsewhere = Arc::clone(&table_writers);
+            let exports = nbd_exports(&config, tls, view.device()).with_lookup(move |name| {
+                Some(elsewhere.not_here(&VolumeId(name.into())).to_string())
+            });
+            (listener, exports)
         });
         let exports = nbd.as_ref().map(|(_, exports)| exports.clone());
-        let hosted = host::HostedVolumes::default();
+        let writers: Arc<dyn VolumeWriters> = table_writers;
         let grpc = serve_grpc(
             &transport,
             &raft,
-            (&volume, &hosted, exports.as_ref()),
+            (&volume, &hosted, exports.as_ref(), &writers),
             &view,
             &members,
             (listeners.grpc, listeners.data),
@@ -253,7 +266,16 @@ impl Node {
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
-        spawn_background(&mut tasks, &config, &raft, &view, nbd, listeners.http);
+        spawn_background(
+            &mut tasks,
+            &config,
+            &raft,
+            &view,
+            nbd,
+            listeners
+                .http
+                .map(|listener| (listener, Arc::clone(&writers))),
+        );
         let mut host = VolumeHost::new(volume, hosted);
         host.start(&config, &raft, &transport);
         host.follow_table(host::HostParts {
@@ -543,7 +565,12 @@ struct GrpcServer {
 fn serve_grpc(
     transport: &Transport,
     raft: &RaftParts,
-    (volume, hosted, exports): (&Volume, &host::HostedVolumes, Option<&crate::nbd::Exports>),
+    (volume, hosted, exports, writers): (
+        &Volume,
+        &host::HostedVolumes,
+        Option<&crate::nbd::Exports>,
+        &Arc<dyn VolumeWriters>,
+    ),
     view: &Arc<NodeView>,
     members: &Arc<membership::Membership>,
     (listener, data): (tokio::net::TcpListener, tokio::net::TcpListener),
@@ -564,7 +591,8 @@ fn serve_grpc(
     });
     let admin = AdminService::new(Arc::clone(view))
         .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>)
-        .with_volumes(Arc::new(volumes));
+        .with_volumes(Arc::new(volumes))
+        .with_writers(Arc::clone(writers));
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -645,7 +673,7 @@ fn spawn_background(
     raft: &RaftParts,
     view: &Arc<NodeView>,
     nbd: Option<(tokio::net::TcpListener, crate::nbd::Exports)>,
-    http: Option<tokio::net::TcpListener>,
+    http: Option<(tokio::net::TcpListener, Arc<dyn VolumeWriters>)>,
 ) {
     if let Some((listener, exports)) = nbd {
         let stats = Arc::clone(view.nbd_stats());
@@ -655,10 +683,14 @@ fn spawn_background(
             crate::nbd::serve(listener, exports, stats, stop),
         );
     }
-    if let Some(listener) = http {
-        let (view, stopped) = (Arc::clone(view), tasks.stopped());
+    if let Some((listener, writers)) = http {
+        let health = crate::api::http::Health {
+            view: Arc::clone(view),
+            writers: Some(writers),
+        };
+        let stopped = tasks.stopped();
         tasks.spawn_draining("HTTP server", async move {
-            if let Err(err) = crate::api::http::serve(listener, view, stopped).await {
+            if let Err(err) = crate::api::http::serve(listener, health, stopped).await {
                 tracing::warn!(%err, "the HTTP listener failed");
             }
         });

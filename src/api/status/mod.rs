@@ -142,6 +142,66 @@ pub struct LeaderView {
     pub size: u64,
 }
 
+/// What a volume's [`LeaderView`] is read from on this node: its group's
+/// coordinator, its controller (whose gate says whether this node writes
+/// it) and the size it was created with (the recorded size wins once the
+/// volume was resized). Cheap to clone; reading it takes no lock, so a
+/// `WatchLeader` stream polls it without holding up the node.
+#[derive(Clone)]
+pub struct LeaderSource {
+    coordinator: Arc<RaftCoordinator>,
+    controller: Arc<Controller>,
+    size: u64,
+}
+
+impl LeaderSource {
+    /// The source of a volume run by `controller` over `coordinator`'s
+    /// group, created with `size` bytes.
+    pub fn new(coordinator: Arc<RaftCoordinator>, controller: Arc<Controller>, size: u64) -> Self {
+        Self {
+            coordinator,
+            controller,
+            size,
+        }
+    }
+
+    /// Who this node sees writing the volume now.
+    pub fn view(&self) -> LeaderView {
+        let raft = self.coordinator.status();
+        let writer_term = match self.controller.device().access() {
+            Access::ReadWrite { term } => Some(term),
+            _ => None,
+        };
+        let size = raft.applied.control.volume_size().unwrap_or(self.size);
+        LeaderView {
+            term: raft.term,
+            leader: raft.leader,
+            writer_term,
+            size,
+        }
+    }
+
+    /// Whether a write through this node's gate of the volume would pass
+    /// now: it is the volume's active writer, fenced and within its lease.
+    pub fn is_active_writer(&self) -> bool {
+        self.controller.device().is_writable()
+    }
+
+    /// Whether `other` reads the same running volume (not a later one of
+    /// the same name).
+    pub fn is_same(&self, other: &LeaderSource) -> bool {
+        Arc::ptr_eq(&self.controller, &other.controller)
+    }
+}
+
+impl std::fmt::Debug for LeaderSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaderSource")
+            .field("view", &self.view())
+            .finish()
+    }
+}
+
 /// I/O held because too few replicas are in sync.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuspendedIo {
@@ -257,22 +317,16 @@ impl NodeView {
 
     /// Who this node sees writing, in brief: what `WatchLeader` streams.
     pub fn leader_view(&self) -> LeaderView {
-        let raft = self.coordinator.status();
-        let writer_term = match self.controller.device().access() {
-            crate::volume::Access::ReadWrite { term } => Some(term),
-            _ => None,
-        };
-        let size = raft
-            .applied
-            .control
-            .volume_size()
-            .unwrap_or(self.facts.size);
-        LeaderView {
-            term: raft.term,
-            leader: raft.leader,
-            writer_term,
-            size,
-        }
+        self.leader_source().view()
+    }
+
+    /// Where the configured volume's [`LeaderView`] is read.
+    pub fn leader_source(&self) -> LeaderSource {
+        LeaderSource::new(
+            Arc::clone(&self.coordinator),
+            Arc::clone(&self.controller),
+            self.facts.size,
+        )
     }
 
     /// The writer's scrub, for the admin API to ask for a pass.
