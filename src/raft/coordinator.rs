@@ -272,8 +272,9 @@ impl RaftCoordinator {
         if to == self.id {
             return Ok(());
         }
-        // The heartbeat clock skips this group while the mark lasts.
         self.peers.begin_transfer(to);
+        // The heartbeat clock skips this group while this node hands over.
+        self.peers.begin_handover();
         // However this ends — also when the caller drops it half-way —
         // heartbeats come back and the transfer mark goes: a leader left
         // without heartbeats would neither keep its followers nor hear
@@ -412,6 +413,7 @@ struct TransferGuard<'a> {
 impl Drop for TransferGuard<'_> {
     fn drop(&mut self) {
         self.peers.end_transfer();
+        self.peers.end_handover();
     }
 }
 

@@ -149,7 +149,9 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         }
         let recently = now.checked_sub(timing.election_max / 4).unwrap_or(now);
         if peers.granted_pre_vote_since(recently) {
-            // Another node is about to campaign with our pre-vote.
+            // Another node is about to campaign with our pre-vote: look
+            // again soon, in case it does not.
+            pause = POLL.max(timing.heartbeat / 2);
             continue;
         }
         let next_index = metrics.borrow().last_log_index.map_or(0, |i| i + 1);

@@ -26,7 +26,7 @@ pub async fn drive(groups: ServedGroups, every: Duration) {
         tick.tick().await;
         for (raft, peers) in groups.all() {
             let leads = raft.metrics().borrow().state == ServerState::Leader;
-            if leads && !peers.transferring() {
+            if leads && !peers.handing_over() {
                 // A command to the group's core; it answers at once.
                 let _ = raft.trigger().heartbeat().await;
             }

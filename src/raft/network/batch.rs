@@ -6,7 +6,8 @@
 //! heartbeat driver, [`crate::raft::heartbeat`], triggers them all at once),
 //! so a peer's queue holds one heartbeat of each group a moment later; its
 //! batcher waits [`GATHER`] after the first, then sends what it holds in
-//! one call and hands each group its own answer. Nothing else changes for
+//! one call, whose answers stream back each as soon as its group answered
+//! (one slow group holds no other back), and hands each its own. Nothing else changes for
 //! a group: its send time is taken before its heartbeat is queued (so it
 //! is never later than the real send, which is all the lease needs, S4),
 //! its reply must name its group, and the peer admits and answers each
@@ -21,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::proto::raft::RaftBatch;
+use crate::proto::raft::{RaftBatch, RaftBatchItem};
 
 /// How long a batcher waits after the first heartbeat of a round for the
 /// others: the driver triggers every group at once, and each group's
@@ -152,19 +153,7 @@ async fn send_round(book: &PeerBook, peer: NodeId, round: Vec<Queued>, one_by_on
             .map(GrpcResponse::into_inner)
     };
     match sent.await {
-        Ok(reply) => {
-            let mut items = reply.items.into_iter();
-            for queued in round {
-                let answer = match items.next() {
-                    Some(item) if item.code == 0 => item
-                        .reply
-                        .ok_or_else(|| Status::internal("a batch answer without its reply")),
-                    Some(item) => Err(Status::new(tonic::Code::from(item.code), item.error)),
-                    None => Err(Status::internal("a batch answered short")),
-                };
-                let _ = queued.answer.send(answer);
-            }
-        }
+        Ok(answers) => answer_as_they_come(round, answers).await,
         Err(status) if status.code() == tonic::Code::Unimplemented => {
             tracing::info!(%peer, "the peer takes no heartbeat batches (an earlier build); one by one");
             one_by_one.store(true, Ordering::Relaxed);
@@ -175,6 +164,38 @@ async fn send_round(book: &PeerBook, peer: NodeId, round: Vec<Queued>, one_by_on
                 let _ = queued.answer.send(Err(status.clone()));
             }
         }
+    }
+}
+
+/// Hands each answer of a batch's stream to its heartbeat as it comes;
+/// those the stream ends (or fails) without get that error.
+async fn answer_as_they_come(round: Vec<Queued>, mut answers: tonic::Streaming<RaftBatchItem>) {
+    let mut waiting: Vec<Option<oneshot::Sender<Result<RaftMessage, Status>>>> = round
+        .into_iter()
+        .map(|queued| Some(queued.answer))
+        .collect();
+    let ended = loop {
+        match answers.message().await {
+            Ok(Some(item)) => {
+                let slot = usize::try_from(item.index)
+                    .ok()
+                    .and_then(|index| waiting.get_mut(index))
+                    .and_then(Option::take);
+                if let Some(answer) = slot {
+                    let _ = answer.send(match item.code {
+                        0 => item
+                            .reply
+                            .ok_or_else(|| Status::internal("a batch answer without its reply")),
+                        code => Err(Status::new(tonic::Code::from(code), item.error)),
+                    });
+                }
+            }
+            Ok(None) => break Status::internal("the batch ended without this answer"),
+            Err(status) => break status,
+        }
+    };
+    for answer in waiting.into_iter().flatten() {
+        let _ = answer.send(Err(ended.clone()));
     }
 }
 

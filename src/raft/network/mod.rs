@@ -153,6 +153,9 @@ pub struct Peers {
     granted_pre_vote_at: Mutex<Option<Instant>>,
     /// While a transfer to this node runs, votes from others are refused.
     transfer: Mutex<Option<(NodeId, Instant)>>,
+    /// Until when this node, as leader, hands its leadership over (it
+    /// sends no heartbeats meanwhile).
+    handing_over: Mutex<Option<Instant>>,
     election_timeout_max: Duration,
 }
 
@@ -211,6 +214,7 @@ impl Peers {
             pre_voting_since: Mutex::new(None),
             granted_pre_vote_at: Mutex::new(None),
             transfer: Mutex::default(),
+            handing_over: Mutex::default(),
             election_timeout_max,
         })
     }

@@ -5,7 +5,7 @@
 use super::client::accepts_leader;
 use super::votes::campaign_for_transfer;
 use super::*;
-use crate::proto::raft::{RaftBatch, RaftBatchItem, RaftBatchReply};
+use crate::proto::raft::{RaftBatch, RaftBatchItem};
 
 fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
     serde_json::from_slice(payload)
@@ -210,6 +210,25 @@ impl<'a> From<&'a TransferRequest> for Envelope<'a> {
     }
 }
 
+/// The answer to the message at `index` of a batch.
+fn batch_item(index: usize, answer: Result<RaftMessage, Status>) -> RaftBatchItem {
+    let index = u32::try_from(index).unwrap_or(u32::MAX);
+    match answer {
+        Ok(reply) => RaftBatchItem {
+            reply: Some(reply),
+            code: 0,
+            error: String::new(),
+            index,
+        },
+        Err(status) => RaftBatchItem {
+            reply: None,
+            code: status.code() as i32,
+            error: status.message().to_string(),
+            index,
+        },
+    }
+}
+
 /// Hands one AppendEntries to its group's Raft; a follower that takes the
 /// sender as its leader has heard one (see the module docs of the parent).
 async fn append(
@@ -245,10 +264,13 @@ impl raft_server::Raft for RaftService {
             .await
     }
 
+    type AppendBatchStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<RaftBatchItem, Status>> + Send>>;
+
     async fn append_batch(
         &self,
         request: GrpcRequest<RaftBatch>,
-    ) -> Result<GrpcResponse<RaftBatchReply>, Status> {
+    ) -> Result<GrpcResponse<Self::AppendBatchStream>, Status> {
         let caller = Caller::of(&request);
         let batch = request.into_inner();
         if batch.messages.len() > super::batch::MAX_BATCH {
@@ -261,37 +283,31 @@ impl raft_server::Raft for RaftService {
         // Each message is admitted as if it came alone (S8, S9): the
         // cluster, the sender its certificate names, this member, and a
         // group this node runs; one that is not gets its own refusal.
-        let admitted: Vec<_> = batch
-            .messages
-            .into_iter()
-            .map(|message| {
-                self.admit(&caller, Envelope::from(&message))
-                    .map(|(raft, peers, _)| (raft, peers, message))
-            })
-            .collect();
-        self.on_raft(async move {
-            let answers = admitted.into_iter().map(|admitted| async move {
+        // Each answer goes back as soon as it is ready: one slow group
+        // holds no other group's acknowledgement back (S4 counts each by
+        // its own send time).
+        let (answers, answered) = tokio::sync::mpsc::unbounded_channel();
+        for (index, message) in batch.messages.into_iter().enumerate() {
+            let admitted = self
+                .admit(&caller, Envelope::from(&message))
+                .map(|(raft, peers, _)| (raft, peers, message));
+            let answers = answers.clone();
+            let answer = async move {
                 let answer = match admitted {
                     Ok((raft, peers, message)) => append(raft, peers, message).await,
                     Err(status) => Err(status),
                 };
-                match answer {
-                    Ok(reply) => RaftBatchItem {
-                        reply: Some(reply),
-                        code: 0,
-                        error: String::new(),
-                    },
-                    Err(status) => RaftBatchItem {
-                        reply: None,
-                        code: status.code() as i32,
-                        error: status.message().to_string(),
-                    },
-                }
-            });
-            let items = futures::future::join_all(answers).await;
-            Ok(GrpcResponse::new(RaftBatchReply { items }))
-        })
-        .await
+                let _ = answers.send(Ok(batch_item(index, answer)));
+            };
+            match self.node.runtime.get() {
+                Some(runtime) => drop(runtime.spawn(answer)),
+                None => drop(tokio::spawn(answer)),
+            }
+        }
+        let stream = futures::stream::unfold(answered, |mut answered| async move {
+            answered.recv().await.map(|item| (item, answered))
+        });
+        Ok(GrpcResponse::new(Box::pin(stream)))
     }
 
     async fn vote(

@@ -78,10 +78,23 @@ impl Peers {
         *lock(&self.transfer) = Some((target, until));
     }
 
-    /// Whether a transfer of this node's runs now (its leader sends no
-    /// heartbeats meanwhile; see [`crate::raft::heartbeat`]).
-    pub fn transferring(&self) -> bool {
-        lock(&self.transfer).is_some_and(|(_, until)| Instant::now() < until)
+    /// Marks that this node, as leader, hands its leadership over (for a
+    /// few election timeouts at most): it sends no heartbeats meanwhile
+    /// (see [`crate::raft::heartbeat`]).
+    pub fn begin_handover(&self) {
+        *lock(&self.handing_over) = Some(Instant::now() + self.election_timeout_max * 4);
+    }
+
+    /// Ends this node's handover.
+    pub fn end_handover(&self) {
+        *lock(&self.handing_over) = None;
+    }
+
+    /// Whether this node hands its leadership over now. Only the handing
+    /// node: the target, and every other peer told of the transfer, send
+    /// heartbeats as soon as they lead.
+    pub fn handing_over(&self) -> bool {
+        lock(&self.handing_over).is_some_and(|until| Instant::now() < until)
     }
 
     /// Ends a transfer early.
