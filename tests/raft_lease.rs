@@ -101,6 +101,8 @@ impl RaftLogStorage<TypeConfig> for StallingLog {
 /// One node of the test cluster: its groups, its server and detectors.
 struct TestNode {
     groups: BTreeMap<GroupId, TestGroup>,
+    /// What the node's groups share.
+    book: Arc<PeerBook>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
@@ -201,6 +203,7 @@ async fn start_cluster_via(
         let mut service: Option<RaftService> = None;
         let mut node = TestNode {
             groups: BTreeMap::new(),
+            book: Arc::clone(&book),
             tasks: Vec::new(),
             _dir: dir,
         };
@@ -414,6 +417,55 @@ async fn two_groups_on_the_same_nodes_keep_their_own_leases() {
     assert!(failed_over, "the first group did not fail over");
     stuck.stalled.store(false, Ordering::SeqCst);
     let _ = tokio::time::timeout(Duration::from_secs(5), write).await;
+    for node in nodes.values() {
+        node.stop().await;
+    }
+}
+
+/// The heartbeats of the groups one node leads travel together: once node 1
+/// leads all three groups, its rounds to a peer hold about one heartbeat
+/// of each group, not one each.
+#[tokio::test]
+async fn the_groups_a_node_leads_send_their_heartbeats_together() {
+    use replica_ha::ha::Coordinator;
+    let timing = RaftTiming::default();
+    let (nodes, _) = start_cluster_via(timing, false, 3).await;
+    let groups = [GroupId::FIRST, GroupId(1), GroupId(2)];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let one = NodeId(1);
+    loop {
+        let holders: Vec<_> = groups.iter().map(|g| lease_holder_of(&nodes, *g)).collect();
+        if holders
+            .iter()
+            .all(|h| matches!(h, Some((id, _)) if *id == one))
+        {
+            break;
+        }
+        for (group, holder) in groups.iter().zip(&holders) {
+            if let Some((leader, _)) = holder.filter(|(id, _)| *id != one) {
+                let _ = nodes[&leader].groups[group]
+                    .coordinator
+                    .transfer_to(one)
+                    .await;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node 1 did not come to lead every group: {holders:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (rounds, heartbeats) = nodes[&one].book.heartbeat_rounds();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (rounds, heartbeats) = {
+        let (r, h) = nodes[&one].book.heartbeat_rounds();
+        (r - rounds, h - heartbeats)
+    };
+    assert!(rounds > 0, "no heartbeats sent");
+    assert!(
+        heartbeats >= rounds * 2,
+        "{heartbeats} heartbeats of three groups went in {rounds} rounds: not together"
+    );
     for node in nodes.values() {
         node.stop().await;
     }

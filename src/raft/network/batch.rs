@@ -40,6 +40,25 @@ pub(super) struct Queued {
     answer: oneshot::Sender<Result<RaftMessage, Status>>,
 }
 
+/// How many rounds of heartbeats a node sent, to all its peers, and how
+/// many heartbeats they held.
+#[derive(Default)]
+pub(super) struct Counts {
+    rounds: std::sync::atomic::AtomicU64,
+    heartbeats: std::sync::atomic::AtomicU64,
+}
+
+impl PeerBook {
+    /// The rounds of heartbeats this node sent so far, and how many
+    /// heartbeats they held (a round sent one by one counts each as one).
+    pub fn heartbeat_rounds(&self) -> (u64, u64) {
+        (
+            self.batched.rounds.load(Ordering::Relaxed),
+            self.batched.heartbeats.load(Ordering::Relaxed),
+        )
+    }
+}
+
 /// The queue of one peer's batcher.
 pub(super) type Batcher = mpsc::UnboundedSender<Queued>;
 
@@ -136,6 +155,14 @@ async fn run_batcher(
 
 /// Sends one round to `peer` and answers each heartbeat of it.
 async fn send_round(book: &PeerBook, peer: NodeId, round: Vec<Queued>, one_by_one: &AtomicBool) {
+    let rounds = match one_by_one.load(Ordering::Relaxed) {
+        true => round.len() as u64,
+        false => 1,
+    };
+    book.batched.rounds.fetch_add(rounds, Ordering::Relaxed);
+    book.batched
+        .heartbeats
+        .fetch_add(round.len() as u64, Ordering::Relaxed);
     if round.len() == 1 || one_by_one.load(Ordering::Relaxed) {
         return send_each(book, peer, round).await;
     }

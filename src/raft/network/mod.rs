@@ -177,6 +177,8 @@ pub struct PeerBook {
     heard: Mutex<HashMap<NodeId, Instant>>,
     /// Each peer's heartbeat batcher (see [`batch`]).
     batchers: Mutex<HashMap<NodeId, batch::Batcher>>,
+    /// Rounds of heartbeats sent, and the heartbeats they held.
+    batched: batch::Counts,
     /// The Raft runtime, when Raft has one (see [`super::runtime`]).
     runtime: std::sync::OnceLock<Handle>,
 }
@@ -333,6 +335,7 @@ impl PeerBook {
             channels: Mutex::default(),
             heard: Mutex::default(),
             batchers: Mutex::default(),
+            batched: batch::Counts::default(),
             runtime: std::sync::OnceLock::new(),
         })
     }
