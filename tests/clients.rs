@@ -37,31 +37,9 @@ async fn placement(cluster: &Cluster, id: u64, name: &str) -> Vec<u64> {
         .collect()
 }
 
-/// Volume `name`'s writer, once every node of `among` names the same one
-/// and it says it writes it now; polls until then.
+/// Volume `name`'s writer, once every node of `among` agrees on it.
 async fn wait_writer(cluster: &Cluster, among: &[u64], name: &str) -> u64 {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let mut seen = Vec::new();
-        for id in among {
-            let writer = row(cluster, *id, name)
-                .await
-                .and_then(|words| words.get(6).and_then(|w| w.parse::<u64>().ok()));
-            seen.push(writer);
-        }
-        if let Some(Some(writer)) = seen.first().copied() {
-            let (_, shown, _) = cluster.cli(writer, &["volume", "show", name]).await;
-            if seen.iter().all(|w| *w == Some(writer)) && shown.contains("this node writes it now")
-            {
-                return writer;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no agreed writer of {name}: {seen:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    cluster.wait_volume_writer(among, name, WAIT).await
 }
 
 /// Creates volume `name` of `size` through node 1, with `extra` arguments.
@@ -136,24 +114,6 @@ impl Drop for Attach {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// `text` without its terminal colour codes.
-fn plain(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Starts `attach` as client `user` serving each `(volume, socket)`.
@@ -233,7 +193,9 @@ async fn attach_serves_two_volumes_through_a_crash_of_one_writer_without_an_erro
     qemu_io(&uri_a, &["read -P 0xa1 0 4M".into()]).await;
     qemu_io(&uri_b, &["read -P 0xb1 0 4M".into()]).await;
     // Volume a's driver moved to the new writer; b's had no cause to.
-    let log = plain(&std::fs::read_to_string(cluster.dir.path().join("attach.log")).unwrap());
+    let log = common::tools::strip_ansi(
+        &std::fs::read_to_string(cluster.dir.path().join("attach.log")).unwrap(),
+    );
     let moved = |name: &str, to: u64| {
         log.lines().any(|line| {
             line.contains(&format!("volume{{name={name}}}"))

@@ -56,31 +56,13 @@ fn lease_losses(log: &str, term: u64) -> Vec<&str> {
 
 /// The `term=N` field of a log line, if it has one.
 fn logged_term(line: &str) -> Option<u64> {
-    let plain: String = strip_ansi(line);
+    let plain: String = common::tools::strip_ansi(line);
     let at = plain.find(" term=")? + " term=".len();
     let digits: String = plain[at..]
         .chars()
         .take_while(char::is_ascii_digit)
         .collect();
     digits.parse().ok()
-}
-
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // An escape sequence runs to its final letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Lines of `log` that show a client or a copy paying for the load: a

@@ -73,3 +73,22 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let body = response.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
     (code, body)
 }
+
+/// `line` without its terminal colour codes (an escape sequence runs to
+/// its final letter).
+pub fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
