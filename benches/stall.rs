@@ -78,7 +78,10 @@ async fn one(cluster: &mut Cluster, stack: &Stack, event: Event) -> Duration {
     match event {
         Event::Transfer => {
             let to = all.into_iter().find(|id| *id != w).unwrap();
-            let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest { to });
+            let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest {
+                to,
+                ..Default::default()
+            });
             request.set_timeout(Duration::from_secs(30));
             cluster
                 .admin(w)

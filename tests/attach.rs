@@ -615,7 +615,10 @@ async fn through_attach_a_crash_a_transfer_and_a_restart_cause_no_error() {
     cluster
         .wait_for_writes(writer, 200, Duration::from_secs(20))
         .await;
-    let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest { to: target });
+    let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest {
+        to: target,
+        ..Default::default()
+    });
     request.set_timeout(Duration::from_secs(10));
     cluster
         .admin(writer)

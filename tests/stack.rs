@@ -65,7 +65,10 @@ async fn every_event(via: impl FnOnce(&Cluster) -> Via) {
     // A transfer.
     let w = writer(&cluster, &all).await;
     let to = all.into_iter().find(|id| *id != w).unwrap();
-    let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest { to });
+    let mut request = tonic::Request::new(replica_ha::proto::admin::TransferRequest {
+        to,
+        ..Default::default()
+    });
     request.set_timeout(WAIT);
     cluster
         .admin(w)

@@ -155,7 +155,10 @@ async fn attack(
     outcomes.push((
         "admin transfer",
         admin
-            .transfer_leader(timed(TransferRequest { to: 2 }))
+            .transfer_leader(timed(TransferRequest {
+                to: 2,
+                ..Default::default()
+            }))
             .await
             .map(|_| ()),
     ));
@@ -411,7 +414,10 @@ async fn a_viewer_reads_status_and_only_an_admin_changes_things() {
         .into_inner();
     assert_eq!(status.security, "mutual TLS");
     let refused = as_viewer
-        .transfer_leader(timed(TransferRequest { to: target }))
+        .transfer_leader(timed(TransferRequest {
+            to: target,
+            ..Default::default()
+        }))
         .await
         .unwrap_err();
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::cluster::Cluster;
@@ -302,4 +303,96 @@ async fn a_lost_copy_is_never_served_empty_and_a_copy_deleted_while_down_is_remo
         !cluster.data_dir(writer).join("volumes/1-a").exists()
     })
     .await;
+}
+
+/// How many of the table's volumes (not the configured one) each node
+/// writes, as node `id`'s
+/// `volume list` shows them; `None` while a volume has no writer.
+async fn writers_per_node(cluster: &Cluster, id: u64) -> Option<BTreeMap<u64, usize>> {
+    let (ok, out, _) = cluster.cli(id, &["volume", "list"]).await;
+    if !ok {
+        return None;
+    }
+    let mut counts = BTreeMap::new();
+    // The configured volume (group 0) is the cluster group's, not balanced.
+    let table = out
+        .lines()
+        .skip(1)
+        .filter(|line| line.split_whitespace().nth(4) != Some("0"));
+    for line in table {
+        let writer = line.split_whitespace().nth(6)?.parse::<u64>().ok()?;
+        *counts.entry(writer).or_default() += 1;
+    }
+    Some(counts)
+}
+
+/// Polls until node `id` lists each of `nodes` writing `each` volumes.
+async fn wait_spread(cluster: &Cluster, id: u64, nodes: &[u64], each: usize) {
+    let want: BTreeMap<u64, usize> = nodes.iter().map(|n| (*n, each)).collect();
+    let mut last = None;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let now = writers_per_node(cluster, id).await;
+        if now.as_ref() == Some(&want) {
+            return;
+        }
+        last = now.or(last);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "writers per node {last:?}, not {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_spread_over_the_nodes_and_return_to_a_node_that_comes_back() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(3, &["--size", "16MiB", "--balance-interval", "1"]).await;
+    cluster.wait_for_leader(&[1, 2, 3], WAIT).await;
+    let names = ["v1", "v2", "v3", "v4", "v5", "v6"];
+    cluster.add_volumes(&names, WAIT).await;
+    // Six volumes on three nodes: whoever won the elections, the balancer
+    // leaves two writers on each.
+    wait_spread(&cluster, 1, &[1, 2, 3], 2).await;
+
+    // A writer moved by hand, asked through a node that does not write the
+    // volume (it names the writer, which the CLI asks next)...
+    let writer = wait_writer(&cluster, &[1, 2, 3], "v1").await;
+    let to = if writer == 3 { 2 } else { 3 };
+    let asked = 6 - writer - to;
+    let (ok, out, err) = cluster
+        .cli(
+            asked,
+            &["transfer", "--volume", "v1", "--to", &to.to_string()],
+        )
+        .await;
+    assert!(ok, "transfer --volume v1 --to {to}: {out} {err}");
+    assert!(
+        out.contains(&format!("node {to} now leads volume v1")),
+        "{out}"
+    );
+    // ... and a node that holds no copy, or a volume that does not exist,
+    // is refused.
+    let (ok, _, err) = cluster
+        .cli(asked, &["transfer", "--volume", "nope", "--to", "2"])
+        .await;
+    assert!(!ok && err.contains("no volume nope"), "{err}");
+    // The balancer moves it back once the interval has passed.
+    wait_spread(&cluster, 1, &[1, 2, 3], 2).await;
+
+    // Node 3 dies: its volumes fail over to nodes 1 and 2; when it comes
+    // back, and its copies are in sync, it gets its share back.
+    cluster.kill(3);
+    wait_until("every volume written by node 1 or 2", async || {
+        let counts = writers_per_node(&cluster, 1).await;
+        counts.is_some_and(|c| c.keys().all(|n| *n != 3) && c.values().sum::<usize>() == 6)
+    })
+    .await;
+    cluster.spawn(3);
+    wait_spread(&cluster, 1, &[1, 2, 3], 2).await;
+    for name in names {
+        let writer = wait_writer(&cluster, &[1, 2, 3], name).await;
+        write_pattern(&cluster, writer, name, 0x5a).await;
+    }
 }

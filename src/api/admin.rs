@@ -696,17 +696,47 @@ impl Admin for AdminService {
         request: Request<TransferRequest>,
     ) -> Result<Response<TransferReply>, Status> {
         Caller::of(&request).require_admin("transfer leadership")?;
-        let to = NodeId(request.into_inner().to);
-        if !self.view.members().iter().any(|m| m.id == to && m.voter) {
+        let TransferRequest { to, volume } = request.into_inner();
+        let to = NodeId(to);
+        let members = self.view.members();
+        if !members.iter().any(|m| m.id == to && m.voter) {
             return Err(Status::invalid_argument(format!(
                 "node {to} is not a member"
             )));
         }
-        self.view
-            .transfer_to(to)
-            .await
-            .map(|()| Response::new(TransferReply {}))
-            .map_err(status_of)
+        if volume.is_empty() || volume == self.view.facts().volume {
+            return self
+                .view
+                .transfer_to(to)
+                .await
+                .map(|()| Response::new(TransferReply::default()))
+                .map_err(status_of);
+        }
+        let (source, name) =
+            leader_source(&self.view, self.writers.as_deref(), &volume, LOOKUP_WAIT)
+                .await
+                .map_err(not_here_status)?;
+        if !source.holds_copy(to) {
+            return Err(Status::invalid_argument(format!(
+                "node {to} holds no copy of volume {name}"
+            )));
+        }
+        let writer = source.view().leader;
+        match writer {
+            Some(writer) if writer != self.view.facts().id => {
+                let addr = members
+                    .iter()
+                    .find(|m| m.id == writer)
+                    .map(|m| m.address.clone())
+                    .unwrap_or_default();
+                Ok(Response::new(TransferReply { redirect: addr }))
+            }
+            _ => source
+                .hand_over(to)
+                .await
+                .map(|()| Response::new(TransferReply::default()))
+                .map_err(status_of),
+        }
     }
 
     async fn list_volumes(

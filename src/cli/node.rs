@@ -70,6 +70,12 @@ pub struct NodeArgs {
     /// Seconds the old incarnation must have been silent first (default 60).
     #[arg(long, value_name = "SECONDS")]
     auto_replace_after: Option<u64>,
+    /// Spread the writers of the cluster's volumes over the nodes: a
+    /// writer that has kept a volume this many seconds hands it to the
+    /// node the volume table prefers (each node about as many), once every
+    /// copy is in sync. 0 turns it off. Default 30.
+    #[arg(long, value_name = "SECONDS")]
+    balance_interval: Option<u64>,
     /// The most bytes per second a resync copies to a returning replica
     /// (with KiB/MiB/GiB suffix; 0 for no limit). Default 128MiB.
     #[arg(long)]
@@ -132,6 +138,7 @@ pub async fn run(args: NodeArgs) -> ExitCode {
         suspend_timeout: args.suspend_timeout,
         auto_replace: args.auto_replace,
         auto_replace_after: args.auto_replace_after,
+        balance_interval: args.balance_interval,
         insecure: args.insecure,
         tls: TlsFile {
             dir: args.tls_dir,

@@ -210,15 +210,17 @@ const RETRY_AFTER: Duration = Duration::from_millis(500);
 
 /// What a change's reply says: done (with the line to print), or ask the
 /// leader at this address.
-enum Answer {
+pub(super) enum Answer {
     Done(String),
     AskAt(String),
     Failed(String),
 }
 
-/// Asks `addr`, then wherever it says the leader is; when a leader it
-/// named cannot be reached, asks `addr` again after [`RETRY_AFTER`].
-async fn change<R>(
+/// Asks `addr`, then wherever it says the leader is (the cluster group's
+/// for a table change, the volume's writer for `transfer --volume`); when
+/// a leader it named cannot be reached, asks `addr` again after
+/// [`RETRY_AFTER`].
+pub(super) async fn change<R>(
     addr: &str,
     tls: &ClientTls,
     what: &str,
@@ -257,9 +259,7 @@ where
             Err(err) => return failure(format!("{what}: {err}")),
         }
     }
-    failure(format!(
-        "{what}: the cluster group's leadership kept moving; try again"
-    ))
+    failure(format!("{what}: the leadership kept moving; try again"))
 }
 
 /// `volume create`.

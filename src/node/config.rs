@@ -42,7 +42,7 @@ fn fail<T>(message: impl Into<String>) -> Result<T, ConfigError> {
 }
 
 /// The configuration file, as written.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
     /// This node's id (a positive integer).
@@ -86,6 +86,9 @@ pub struct ConfigFile {
     pub auto_replace: Option<bool>,
     /// Seconds the old incarnation must have been silent first.
     pub auto_replace_after: Option<u64>,
+    /// Seconds a writer keeps a volume before the balancer may move it
+    /// towards its preferred node; 0 turns the balancer off.
+    pub balance_interval: Option<u64>,
     /// Run without TLS: no authentication on any connection.
     pub insecure: Option<bool>,
     /// The node's certificate files.
@@ -110,7 +113,7 @@ pub struct TlsFile {
 }
 
 /// Raft timing as written.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RaftFile {
     /// Heartbeat interval.
@@ -150,6 +153,8 @@ pub struct Overrides {
     pub auto_replace: bool,
     /// `--auto-replace-after SECONDS`.
     pub auto_replace_after: Option<u64>,
+    /// `--balance-interval SECONDS`.
+    pub balance_interval: Option<u64>,
     /// `--insecure`: no TLS.
     pub insecure: bool,
     /// `--tls-dir`, `--tls-ca`, `--tls-cert`, `--tls-key`.
@@ -210,6 +215,10 @@ pub struct NodeConfig {
     /// been silent before the writer replaces it by the new one that waits
     /// (see `node::membership`); `None`: only `members replace` does.
     pub auto_replace: Option<Duration>,
+    /// How long a writer keeps a table volume before the balancer may
+    /// hand it to the volume's preferred writer (`node::balance`); `None`:
+    /// the balancer is off.
+    pub balance_interval: Option<Duration>,
     /// The node's certificate files, when configured.
     pub tls: Option<TlsFiles>,
     /// No TLS between nodes and on the admin API (`insecure = true`).
@@ -233,6 +242,13 @@ pub const DEFAULT_SUSPEND_TIMEOUT: Duration = Duration::from_secs(120);
 /// network blip of the old one (a replacement costs a full rebuild), short
 /// against the hours a replaced disk would otherwise wait for an operator.
 pub const DEFAULT_AUTO_REPLACE_AFTER: Duration = Duration::from_secs(60);
+
+/// How long, by default, a writer keeps a volume before the balancer may
+/// move it: each move pauses the volume's clients for a drained hand-over
+/// (tens of milliseconds), so a writer that just moved, or just took over
+/// from a failed node, stays put for half a minute; a node that returns
+/// gets its share back about that long after it is in sync.
+pub const DEFAULT_BALANCE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// The default resync copy limit: 128 MiB/s, well under a disk's speed so
 /// client I/O keeps its share.
@@ -467,6 +483,11 @@ impl NodeConfig {
                     .or(file.auto_replace_after)
                     .map_or(DEFAULT_AUTO_REPLACE_AFTER, Duration::from_secs)
             }),
+            balance_interval: match flags.balance_interval.or(file.balance_interval) {
+                None => Some(DEFAULT_BALANCE_INTERVAL),
+                Some(0) => None,
+                Some(secs) => Some(Duration::from_secs(secs)),
+            },
             tls,
             insecure,
             nbd_tls,
@@ -659,6 +680,7 @@ mod tests {
         assert_eq!(config.volume, "vol0");
         assert_eq!(config.data_listen, "127.0.0.1:0".parse().unwrap());
         assert_eq!(config.suspend_timeout, DEFAULT_SUSPEND_TIMEOUT);
+        assert_eq!(config.balance_interval, Some(DEFAULT_BALANCE_INTERVAL));
         assert!(config.peer_data.is_empty());
         let tls = config.tls.expect("tls files");
         assert_eq!(tls.cert(), Path::new("certs/node-2.crt"));
@@ -799,16 +821,23 @@ mod tests {
             peers = ["1=127.0.0.1:7001", "2=127.0.0.1:7002"]
             size = 4096
             insecure = true
+            balance_interval = 5
             "#,
         )
         .unwrap();
+        let overrides = Overrides {
+            peers: vec!["2=127.0.0.1:9999".into(), "3=127.0.0.1:7003".into()],
+            size: Some("1M".into()),
+            min_in_sync: Some(3),
+            ..Default::default()
+        };
+        let from_file = NodeConfig::build(file.clone(), overrides.clone()).unwrap();
+        assert_eq!(from_file.balance_interval, Some(Duration::from_secs(5)));
         let config = NodeConfig::build(
             file,
             Overrides {
-                peers: vec!["2=127.0.0.1:9999".into(), "3=127.0.0.1:7003".into()],
-                size: Some("1M".into()),
-                min_in_sync: Some(3),
-                ..Default::default()
+                balance_interval: Some(0),
+                ..overrides
             },
         )
         .unwrap();
@@ -816,6 +845,8 @@ mod tests {
         assert_eq!(config.peers.len(), 3);
         assert_eq!(config.size, 1 << 20);
         assert_eq!(config.min_in_sync, 3);
+        // 0 turns the balancer off.
+        assert_eq!(config.balance_interval, None);
     }
 
     #[test]

@@ -28,7 +28,10 @@ use std::time::Duration;
 use tokio::sync::{Mutex, watch};
 
 use crate::api::status::LeaderSource;
+use crate::ha::Controller;
 use crate::ha::Coordinator;
+
+use super::balance::BalanceView;
 use crate::volume::Device;
 
 use super::config::{ConfigError, NodeConfig};
@@ -79,6 +82,38 @@ impl HostedVolumes {
                     writing: hosted.volume.controller.device().is_writable(),
                 };
                 (id.clone(), view)
+            })
+            .collect()
+    }
+
+    /// What the balancer (`node::balance`) needs of each table volume this
+    /// node runs, with the controller that hands its writer over.
+    pub async fn balance_views(&self) -> Vec<(VolumeId, BalanceView, Arc<Controller>)> {
+        let table = self.0.lock().await;
+        table
+            .iter()
+            .map(|(id, hosted)| {
+                let metrics = hosted.group.raft.metrics().borrow().clone();
+                let voters = metrics
+                    .membership_config
+                    .membership()
+                    .voter_ids()
+                    .map(MemberId::node)
+                    .collect();
+                let view = BalanceView {
+                    term: metrics.current_term,
+                    writing: hosted.volume.controller.device().is_writable(),
+                    voters,
+                    in_sync: hosted.volume.engine.in_sync(),
+                    live: hosted
+                        .group
+                        .coordinator
+                        .live_members()
+                        .into_iter()
+                        .collect(),
+                    rebuilding: hosted.volume.resync.progress().values().any(|p| p.running),
+                };
+                (id.clone(), view, Arc::clone(&hosted.volume.controller))
             })
             .collect()
     }

@@ -42,6 +42,7 @@
 //! runtime and wait for its threads, flush the Db, exit 0. The gRPC health
 //! service reports NOT_SERVING from the first step on.
 
+pub mod balance;
 pub mod config;
 pub mod formation;
 pub mod hello;
@@ -276,6 +277,17 @@ impl Node {
                 .http
                 .map(|listener| (listener, Arc::clone(&writers))),
         );
+        if let Some(interval) = config.balance_interval {
+            tasks.spawn(
+                "writer balancer",
+                balance::run(
+                    Arc::clone(&raft.cluster.coordinator),
+                    hosted.clone(),
+                    config.id,
+                    interval,
+                ),
+            );
+        }
         let mut host = VolumeHost::new(volume, hosted);
         host.start(&config, &raft, &transport);
         host.follow_table(host::HostParts {

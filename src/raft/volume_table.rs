@@ -32,6 +32,14 @@
 //!   also carries the cluster's first volume, the one the nodes' config
 //!   names, as it always has. Other volumes' groups count from
 //!   [`FIRST_NEW_GROUP`].
+//! - **Preferred writers** ([`VolumeTable::preferred_writers`]): each
+//!   volume has one node among its copies that should write it, so that
+//!   every node writes about as many volumes as any other. It is computed
+//!   from the table alone, in group order, each volume to the node of its
+//!   placement that prefers the fewest volumes so far (then the lowest
+//!   id); every node that applied the same table computes the same answer,
+//!   and no request records it. The node balancer (`node::balance`) moves
+//!   each writer towards it; nothing in the safety design depends on it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -303,6 +311,25 @@ impl VolumeTable {
             .collect()
     }
 
+    /// The node that should write each volume (see the module docs).
+    pub fn preferred_writers(&self) -> BTreeMap<VolumeId, NodeId> {
+        let mut volumes: Vec<&VolumeEntry> = self.volumes.values().collect();
+        volumes.sort_by_key(|entry| entry.group);
+        let mut load: BTreeMap<NodeId, usize> = BTreeMap::new();
+        let mut preferred = BTreeMap::new();
+        for entry in volumes {
+            let least = entry
+                .placement
+                .iter()
+                .min_by_key(|node| (load.get(*node).copied().unwrap_or(0), **node));
+            if let Some(node) = least {
+                *load.entry(*node).or_default() += 1;
+                preferred.insert(entry.id.clone(), *node);
+            }
+        }
+        preferred
+    }
+
     /// How many copies each node holds.
     pub fn copies_per_node(&self) -> BTreeMap<NodeId, usize> {
         let mut counts = BTreeMap::new();
@@ -487,5 +514,61 @@ mod tests {
         // 30 copies over 5 nodes: 6 each, at most ceil(3V/5) + 1.
         let counts = table.copies_per_node();
         assert!(counts.values().all(|&c| c == 6), "{counts:?}");
+    }
+
+    /// How many volumes each node should write.
+    fn writers_per_node(table: &VolumeTable) -> BTreeMap<NodeId, usize> {
+        let mut counts = BTreeMap::new();
+        for node in table.preferred_writers().values() {
+            *counts.entry(*node).or_default() += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn preferred_writers_spread_evenly_and_each_holds_a_copy() {
+        for (nodes, volumes) in [(3, 64), (5, 40), (5, 7), (4, 9)] {
+            let mut table = VolumeTable::default();
+            let room: Vec<(u64, u64)> = (1..=nodes).map(|id| (id, 1000)).collect();
+            let cluster = offers(&room);
+            for n in 0..volumes {
+                table
+                    .create(&request(&format!("v{n}"), GIB, 3), &cluster)
+                    .unwrap();
+            }
+            let preferred = table.preferred_writers();
+            assert_eq!(preferred.len(), volumes);
+            for (id, node) in &preferred {
+                assert!(table.get(id).unwrap().placement.contains(node), "{id}");
+            }
+            let counts = writers_per_node(&table);
+            let (least, most) = (counts.values().min(), counts.values().max());
+            assert_eq!(counts.len() as u64, nodes, "{counts:?}");
+            assert!(
+                most.unwrap() - least.unwrap() <= 1,
+                "{nodes}x{volumes}: {counts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn preferred_writers_stay_even_after_deletions() {
+        let mut table = VolumeTable::default();
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
+        for n in 0..12 {
+            table
+                .create(&request(&format!("v{n}"), GIB, 3), &cluster)
+                .unwrap();
+        }
+        for n in [0, 3, 6, 9] {
+            table.delete(&VolumeId(format!("v{n}"))).unwrap();
+        }
+        let counts = writers_per_node(&table);
+        assert!(
+            counts.values().all(|&c| c == 8 / 3 || c == 8 / 3 + 1),
+            "{counts:?}"
+        );
+        // Any node computes the same answer from the same table.
+        assert_eq!(table.clone().preferred_writers(), table.preferred_writers());
     }
 }

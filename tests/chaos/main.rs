@@ -801,7 +801,10 @@ async fn transfer(cluster: &Cluster, from: u64, to: u64) -> Result<(), String> {
     use replica_ha::proto::admin::TransferRequest;
     use replica_ha::proto::admin::admin_client::AdminClient;
     let channel = cluster.channel(from);
-    let mut request = tonic::Request::new(TransferRequest { to });
+    let mut request = tonic::Request::new(TransferRequest {
+        to,
+        ..Default::default()
+    });
     request.set_timeout(Duration::from_secs(2));
     AdminClient::new(channel)
         .transfer_leader(request)

@@ -187,6 +187,20 @@ impl LeaderSource {
         self.controller.device().is_writable()
     }
 
+    /// Hands the volume's writer to node `to`, drained, as `transfer`
+    /// does (see [`crate::ha::Controller::hand_over`]); only the volume's
+    /// writer can.
+    pub async fn hand_over(&self, to: NodeId) -> Result<(), HaError> {
+        self.controller.hand_over(to).await
+    }
+
+    /// Whether node `id` is a voter of the volume's group: holds a copy.
+    pub fn holds_copy(&self, id: NodeId) -> bool {
+        let metrics = self.coordinator.raft().metrics();
+        let voters = metrics.borrow().membership_config.membership().voter_ids();
+        voters.into_iter().any(|member| member.node() == id)
+    }
+
     /// Whether `other` reads the same running volume (not a later one of
     /// the same name).
     pub fn is_same(&self, other: &LeaderSource) -> bool {
