@@ -511,6 +511,25 @@ async fn a_hand_over_drains_the_writes_in_flight_before_it_transfers() {
     assert_eq!(a.engine.term(), None);
 }
 
+/// A hand-over to the writer itself (a `transfer` to the node that
+/// writes) is done at once: its gate stays open, no transfer is asked for,
+/// and it keeps its term.
+#[tokio::test(start_paused = true)]
+async fn a_hand_over_to_the_writer_itself_leaves_it_writing() {
+    let (cluster, _script, nodes) = setup(&[NodeId(1), NodeId(2)]);
+    let a = nodes.into_iter().next().unwrap();
+    let term = cluster.elect(NodeId(1)).unwrap();
+    until("a writes", || a.controller.status().active).await;
+    assert_eq!(a.controller.hand_over(NodeId(1)).await, Ok(()));
+    assert!(cluster.transfers().is_empty());
+    always("a keeps writing", Duration::from_millis(300), || {
+        a.controller.status().active && a.role() == Role::Leader
+    })
+    .await;
+    assert_eq!(a.write().await, Ok(()));
+    assert!(a.engine.writes().iter().all(|(t, _)| *t == term));
+}
+
 /// A hand-over on a node that does not lead changes nothing and says so.
 #[tokio::test(start_paused = true)]
 async fn a_hand_over_by_a_follower_is_refused() {

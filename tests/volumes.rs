@@ -152,8 +152,20 @@ async fn wait_writer(cluster: &Cluster, among: &[u64], name: &str) -> u64 {
 /// Writes `pattern` over the first MiB of volume `name` through node
 /// `id`'s NBD export of that name, and reads it back.
 async fn write_pattern(cluster: &Cluster, id: u64, name: &str, pattern: u8) {
+    if let Err(out) = try_write_pattern(cluster, id, name, pattern).await {
+        panic!("writing {name} through node {id}: {out}");
+    }
+}
+
+/// [`write_pattern`], or what qemu-io said when it failed.
+async fn try_write_pattern(
+    cluster: &Cluster,
+    id: u64,
+    name: &str,
+    pattern: u8,
+) -> Result<(), String> {
     let uri = format!("nbd://{}/{name}", cluster.nbd_addrs[&id]);
-    let out = common::tools::run_ok_within(
+    let out = common::tools::run_within(
         "qemu-io",
         &[
             "-f",
@@ -167,7 +179,45 @@ async fn write_pattern(cluster: &Cluster, id: u64, name: &str, pattern: u8) {
         WAIT,
     )
     .await;
-    assert!(!out.contains("failed"), "{out}");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match out.status.success() && !text.contains("failed") {
+        true => Ok(()),
+        false => Err(text),
+    }
+}
+
+/// Volume `name`'s term as node `id`'s `volume list` shows it.
+async fn term_of(cluster: &Cluster, id: u64, name: &str) -> Option<u64> {
+    let (_, out, _) = cluster.cli(id, &["volume", "list"]).await;
+    out.lines()
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .find(|words| words.first() == Some(&name))
+        .and_then(|words| words.get(7)?.parse().ok())
+}
+
+/// Writes `pattern` to volume `name` through its writer, as a client that
+/// follows the writer would: when the write fails because the writer
+/// moved meanwhile (a lease lost on a starved machine, then the balancer
+/// moving it back), it is written again through the new one; a failure
+/// with the writer in place fails the test.
+async fn write_through_writer(cluster: &Cluster, name: &str, pattern: u8) {
+    for _ in 0..3 {
+        let writer = wait_writer(cluster, &[1, 2, 3], name).await;
+        let term = term_of(cluster, writer, name).await;
+        match try_write_pattern(cluster, writer, name, pattern).await {
+            Ok(()) => return,
+            Err(out) => {
+                let now = wait_writer(cluster, &[1, 2, 3], name).await;
+                let moved = term_of(cluster, now, name).await != term;
+                assert!(moved, "writing {name} through its writer {writer}: {out}");
+            }
+        }
+    }
+    panic!("the writer of {name} kept moving");
 }
 
 /// Reads volume `name`'s first MiB through node `id` and checks it holds
@@ -345,6 +395,19 @@ async fn wait_spread(cluster: &Cluster, id: u64, nodes: &[u64], each: usize) {
     }
 }
 
+/// Whether node `id` sees volume `name` written by the node the table
+/// prefers for it (where the balancer leaves it).
+async fn on_preferred_writer(cluster: &Cluster, id: u64, name: &str) -> bool {
+    let (ok, out, _) = cluster.cli(id, &["volume", "show", name]).await;
+    let field = |key: &str| {
+        out.lines()
+            .find_map(|line| line.trim().strip_prefix(key))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|word| word.parse::<u64>().ok())
+    };
+    ok && field("writer").is_some() && field("writer") == field("preferred")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_spread_over_the_nodes_and_return_to_a_node_that_comes_back() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
@@ -391,8 +454,14 @@ async fn writers_spread_over_the_nodes_and_return_to_a_node_that_comes_back() {
     .await;
     cluster.spawn(3);
     wait_spread(&cluster, 1, &[1, 2, 3], 2).await;
+    // Settled: each on the node the table prefers, where it stays.
     for name in names {
-        let writer = wait_writer(&cluster, &[1, 2, 3], name).await;
-        write_pattern(&cluster, writer, name, 0x5a).await;
+        wait_until("the writer on its preferred node", async || {
+            on_preferred_writer(&cluster, 1, name).await
+        })
+        .await;
+    }
+    for name in names {
+        write_through_writer(&cluster, name, 0x5a).await;
     }
 }

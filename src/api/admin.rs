@@ -721,21 +721,27 @@ impl Admin for AdminService {
                 "node {to} holds no copy of volume {name}"
             )));
         }
-        let writer = source.view().leader;
-        match writer {
-            Some(writer) if writer != self.view.facts().id => {
-                let addr = members
-                    .iter()
-                    .find(|m| m.id == writer)
-                    .map(|m| m.address.clone())
-                    .unwrap_or_default();
-                Ok(Response::new(TransferReply { redirect: addr }))
-            }
-            _ => source
+        match source.view().leader {
+            Some(writer) if writer == self.view.facts().id => source
                 .hand_over(to)
                 .await
                 .map(|()| Response::new(TransferReply::default()))
                 .map_err(status_of),
+            Some(writer) => {
+                let addr = members
+                    .iter()
+                    .find(|m| m.id == writer && !m.address.is_empty())
+                    .map(|m| m.address.clone())
+                    .ok_or_else(|| {
+                        Status::unavailable(format!(
+                            "node {writer} writes volume {name}, but this node knows no address                              of it; ask it"
+                        ))
+                    })?;
+                Ok(Response::new(TransferReply { redirect: addr }))
+            }
+            None => Err(Status::unavailable(format!(
+                "volume {name} has no writer now (an election runs); ask again"
+            ))),
         }
     }
 
@@ -828,6 +834,7 @@ fn volume_info(entry: &VolumeEntry) -> VolumeInfo {
         leader: 0,
         term: 0,
         writing: false,
+        preferred: entry.preferred.map_or(0, |node| node.0),
     }
 }
 

@@ -165,7 +165,7 @@ pub fn line(volume: &VolumeInfo) -> String {
 /// One volume, a fact a line.
 pub fn details(volume: &VolumeInfo) -> String {
     format!(
-        "volume {}\n  size         {} bytes\n  copies       {}\n  min-in-sync  {}\n  nodes        {}\n  raft group   {}{}\n  writer       {} (term {}, as the node asked sees it){}",
+        "volume {}\n  size         {} bytes\n  copies       {}\n  min-in-sync  {}\n  nodes        {}\n  raft group   {}{}\n  writer       {} (term {}, as the node asked sees it){}{}",
         volume.name,
         volume.size,
         volume.copies,
@@ -183,6 +183,10 @@ pub fn details(volume: &VolumeInfo) -> String {
             "\n  this node writes it now"
         } else {
             ""
+        },
+        match volume.preferred {
+            0 => String::new(),
+            node => format!("\n  preferred    {node} (where the balancer moves its writer)"),
         }
     )
 }

@@ -59,6 +59,7 @@ use super::{
     WriterEngine,
 };
 use crate::ids::{NodeId, Term};
+use crate::volume::Device;
 
 /// The longest a hand-over waits for the requests in flight to finish. A
 /// write takes far less unless a replica stalls; then the hand-over goes on
@@ -288,6 +289,13 @@ impl Controller {
             let mut inner = self.lock();
             if inner.stopped {
                 return Err(HaError::Stopped);
+            }
+            // Handing over to itself while writing: nothing to do. Closing
+            // the gate first would make it give up its term for a fresh one
+            // and maybe the leadership with it.
+            let seen = self.coordinator.observe().borrow().clone();
+            if seen.is_self && seen.leader == Some(to) && self.device.is_writable() {
+                return Ok(());
             }
             inner.handing_over = true;
         }

@@ -11,14 +11,16 @@
 //! ([`Controller::hand_over`]), when all of these hold:
 //! - this node has written it for at least the balance interval (so a
 //!   writer moves at most once per interval, also just after a failover);
-//! - every copy of it is in sync and none is rebuilding;
+//! - every copy of it is in sync, none is rebuilding or degraded, and no
+//!   write is held below `min_in_sync`;
 //! - the preferred node holds a copy and was heard from within the lease.
 //!
-//! One hand-over at a time per node. A node that returns from a restart
-//! gets its share back once it is in sync and the interval has passed.
-//! A hand-over that fails (the target declines or does not take over)
-//! leaves the writer where it was, and it is tried again an interval
-//! later.
+//! One hand-over at a time per node, and the views are read again after
+//! each. A node that returns from a restart gets its share back once it is
+//! in sync and the interval has passed. A hand-over that fails (the target
+//! declines or does not take over) has closed the gate already: the
+//! writer resigns for a fresh term, and the volume's next writer may be
+//! another node; that writer waits an interval before it moves it again.
 //!
 //! Safety does not depend on any of this: a hand-over is a leadership
 //! transfer like any other, the new writer fences before it writes (S1,
@@ -40,6 +42,8 @@ const SCAN: Duration = Duration::from_secs(1);
 /// What the balancer sees of one volume this node runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BalanceView {
+    /// The volume's group (a volume deleted and made again has another).
+    pub group: u64,
     /// The volume group's current term.
     pub term: u64,
     /// Whether this node writes it now (its gate open).
@@ -50,8 +54,9 @@ pub struct BalanceView {
     pub in_sync: BTreeSet<NodeId>,
     /// The group's members heard from within the lease.
     pub live: BTreeSet<NodeId>,
-    /// Whether a copy is being rebuilt.
-    pub rebuilding: bool,
+    /// Whether a copy is being rebuilt, degraded or away, or writes are
+    /// held below `min_in_sync`: a hand-over waits for calm.
+    pub unsettled: bool,
 }
 
 /// Where volume `view` should go now, if anywhere: `preferred`, when this
@@ -67,7 +72,7 @@ pub fn hand_over_to(
     let ready = view.writing
         && preferred != me
         && held >= interval
-        && !view.rebuilding
+        && !view.unsettled
         && view.voters.contains(&preferred)
         && view.voters.is_subset(&view.in_sync)
         && view.live.contains(&preferred);
@@ -82,8 +87,9 @@ pub async fn run(
     me: NodeId,
     interval: Duration,
 ) {
-    // Since when this node writes each volume, in which term.
-    let mut since: BTreeMap<VolumeId, (u64, Instant)> = BTreeMap::new();
+    // Since when this node writes each volume (of its group), in which
+    // term.
+    let mut since: BTreeMap<(VolumeId, u64), (u64, Instant)> = BTreeMap::new();
     let mut tick = tokio::time::interval(SCAN);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -96,13 +102,17 @@ pub async fn run(
             .preferred_writers();
         let views = hosted.balance_views().await;
         let now = Instant::now();
-        since.retain(|id, _| views.iter().any(|(v, view, _)| v == id && view.writing));
+        since.retain(|(id, group), _| {
+            views
+                .iter()
+                .any(|(v, view, _)| v == id && view.group == *group && view.writing)
+        });
         for (id, view, controller) in views {
             if !view.writing {
                 continue;
             }
             let held = since
-                .entry(id.clone())
+                .entry((id.clone(), view.group))
                 .and_modify(|(term, at)| {
                     if *term != view.term {
                         (*term, *at) = (view.term, now);
@@ -119,8 +129,10 @@ pub async fn run(
             if let Err(err) = controller.hand_over(to).await {
                 tracing::warn!(volume = %id, %to, %err, "balancer: the hand-over failed");
             }
-            // Either way, wait another interval before moving it again.
+            // Either way, wait another interval before moving it again;
+            // and look again at every volume, as this took a while.
             held.1 = Instant::now();
+            break;
         }
     }
 }
@@ -136,12 +148,13 @@ mod tests {
     /// Node 1 writes a volume on nodes 1–3, all in sync and heard.
     fn settled() -> BalanceView {
         BalanceView {
+            group: 1,
             term: 4,
             writing: true,
             voters: nodes(&[1, 2, 3]),
             in_sync: nodes(&[1, 2, 3]),
             live: nodes(&[1, 2, 3]),
-            rebuilding: false,
+            unsettled: false,
         }
     }
 
@@ -176,7 +189,7 @@ mod tests {
     #[test]
     fn nothing_moves_while_a_copy_rebuilds_or_is_out_of_sync() {
         let rebuilding = BalanceView {
-            rebuilding: true,
+            unsettled: true,
             ..settled()
         };
         assert_eq!(verdict(&rebuilding, 2, 300), None);

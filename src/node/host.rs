@@ -29,7 +29,7 @@ use tokio::sync::{Mutex, watch};
 
 use crate::api::status::LeaderSource;
 use crate::ha::Controller;
-use crate::ha::Coordinator;
+use crate::ha::{Coordinator, ReplicaState, WriterEngine};
 
 use super::balance::BalanceView;
 use crate::volume::Device;
@@ -101,6 +101,7 @@ impl HostedVolumes {
                     .map(MemberId::node)
                     .collect();
                 let view = BalanceView {
+                    group: hosted.group.id.0,
                     term: metrics.current_term,
                     writing: hosted.volume.controller.device().is_writable(),
                     voters,
@@ -111,7 +112,7 @@ impl HostedVolumes {
                         .live_members()
                         .into_iter()
                         .collect(),
-                    rebuilding: hosted.volume.resync.progress().values().any(|p| p.running),
+                    unsettled: unsettled(&hosted.volume),
                 };
                 (id.clone(), view, Arc::clone(&hosted.volume.controller))
             })
@@ -130,6 +131,17 @@ impl HostedVolumes {
             )
         })
     }
+}
+
+/// Whether `volume`'s copies are anything but settled and in sync: one
+/// rebuilding (or its rebuild running), degraded or away, or writes held
+/// below `min_in_sync`.
+fn unsettled(volume: &Volume) -> bool {
+    let rebuilding = volume.resync.progress().values().any(|p| p.running);
+    let copies = volume.engine.replicas();
+    let away = copies.iter().any(|copy| copy.state != ReplicaState::InSync);
+    let held = volume.controller.device().suspension().waiting > 0;
+    rebuilding || away || held
 }
 
 /// See the module docs.

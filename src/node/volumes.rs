@@ -284,6 +284,7 @@ impl VolumeChanges for VolumeTableChanges {
                 placement: members.iter().map(|m| m.node()).collect(),
                 founders: Default::default(),
                 group: GroupId::FIRST,
+                preferred: None,
             }
         });
         let own = own.map(|entry| VolumeState {
@@ -292,12 +293,18 @@ impl VolumeChanges for VolumeTableChanges {
             term: status.term.0,
             writing: self.own_writing.as_ref().is_some_and(|writing| writing()),
         });
+        let preferred = applied.control.volumes.preferred_writers();
         let table = applied.control.volumes.volumes().map(|entry| {
             let seen = hosted
                 .get(&entry.id)
                 .filter(|view| view.group == entry.group);
             VolumeState {
-                entry: entry.clone(),
+                // A volume the build before made has its preference
+                // computed (see `raft::volume_table`).
+                entry: VolumeEntry {
+                    preferred: preferred.get(&entry.id).copied(),
+                    ..entry.clone()
+                },
                 leader: seen.and_then(|view| view.leader),
                 term: seen.map_or(0, |view| view.term),
                 writing: seen.is_some_and(|view| view.writing),

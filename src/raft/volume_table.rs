@@ -34,12 +34,14 @@
 //!   [`FIRST_NEW_GROUP`].
 //! - **Preferred writers** ([`VolumeTable::preferred_writers`]): each
 //!   volume has one node among its copies that should write it, so that
-//!   every node writes about as many volumes as any other. It is computed
-//!   from the table alone, in group order, each volume to the node of its
-//!   placement that prefers the fewest volumes so far (then the lowest
-//!   id); every node that applied the same table computes the same answer,
-//!   and no request records it. The node balancer (`node::balance`) moves
-//!   each writer towards it; nothing in the safety design depends on it.
+//!   every node writes about as many volumes as any other. Creation
+//!   records it: the node of the placement preferred by the fewest
+//!   volumes (then the lowest id). It stays put when other volumes come
+//!   and go, so a deletion moves no writer (the counts may then differ by
+//!   more than one). A volume recorded without one (made by the build
+//!   before) gets the same rule's answer, in group order, after the
+//!   recorded ones. The node balancer (`node::balance`) moves each writer
+//!   towards it; nothing in the safety design depends on it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -87,6 +89,10 @@ pub struct VolumeEntry {
     pub founders: BTreeSet<MemberId>,
     /// Its Raft group, whose leader is its writer and whose term its token.
     pub group: GroupId,
+    /// The node that should write it (see the module docs); none in a
+    /// table written by the build before this was recorded.
+    #[serde(default)]
+    pub preferred: Option<NodeId>,
 }
 
 /// What a member of the cluster offers to a volume's placement: its free
@@ -195,6 +201,24 @@ pub fn place(
     Ok(fit.into_iter().take(copies).map(|(id, _)| id).collect())
 }
 
+/// The node of `placement` preferred by the fewest volumes so far, by
+/// `load`; then the lowest id.
+fn least_preferred(placement: &BTreeSet<NodeId>, load: &BTreeMap<NodeId, usize>) -> Option<NodeId> {
+    placement
+        .iter()
+        .min_by_key(|node| (load.get(*node).copied().unwrap_or(0), **node))
+        .copied()
+}
+
+/// How often each node appears in `nodes`.
+fn count<'a>(nodes: impl Iterator<Item = &'a NodeId>) -> BTreeMap<NodeId, usize> {
+    let mut counts = BTreeMap::new();
+    for node in nodes {
+        *counts.entry(*node).or_default() += 1;
+    }
+    counts
+}
+
 /// The volume table (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeTable {
@@ -248,7 +272,9 @@ impl VolumeTable {
             .collect();
         let group = GroupId(self.next_group.max(FIRST_NEW_GROUP.0));
         self.next_group = group.0 + 1;
+        let preferred = least_preferred(&placement, &self.writers_per_node());
         let entry = VolumeEntry {
+            preferred,
             id: id.clone(),
             size,
             copies: request.copies,
@@ -313,30 +339,35 @@ impl VolumeTable {
 
     /// The node that should write each volume (see the module docs).
     pub fn preferred_writers(&self) -> BTreeMap<VolumeId, NodeId> {
-        let mut volumes: Vec<&VolumeEntry> = self.volumes.values().collect();
-        volumes.sort_by_key(|entry| entry.group);
-        let mut load: BTreeMap<NodeId, usize> = BTreeMap::new();
-        let mut preferred = BTreeMap::new();
-        for entry in volumes {
-            let least = entry
-                .placement
-                .iter()
-                .min_by_key(|node| (load.get(*node).copied().unwrap_or(0), **node));
-            if let Some(node) = least {
-                *load.entry(*node).or_default() += 1;
-                preferred.insert(entry.id.clone(), *node);
+        let mut preferred: BTreeMap<VolumeId, NodeId> = self
+            .volumes
+            .values()
+            .filter_map(|entry| Some((entry.id.clone(), entry.preferred?)))
+            .collect();
+        let mut load = count(preferred.values());
+        let mut unrecorded: Vec<&VolumeEntry> = self
+            .volumes
+            .values()
+            .filter(|entry| entry.preferred.is_none())
+            .collect();
+        unrecorded.sort_by_key(|entry| entry.group);
+        for entry in unrecorded {
+            if let Some(node) = least_preferred(&entry.placement, &load) {
+                *load.entry(node).or_default() += 1;
+                preferred.insert(entry.id.clone(), node);
             }
         }
         preferred
     }
 
+    /// How many volumes prefer each node as their writer.
+    pub fn writers_per_node(&self) -> BTreeMap<NodeId, usize> {
+        count(self.preferred_writers().values())
+    }
+
     /// How many copies each node holds.
     pub fn copies_per_node(&self) -> BTreeMap<NodeId, usize> {
-        let mut counts = BTreeMap::new();
-        for node in self.volumes.values().flat_map(|v| &v.placement) {
-            *counts.entry(*node).or_default() += 1;
-        }
-        counts
+        count(self.volumes.values().flat_map(|v| &v.placement))
     }
 }
 
@@ -516,15 +547,6 @@ mod tests {
         assert!(counts.values().all(|&c| c == 6), "{counts:?}");
     }
 
-    /// How many volumes each node should write.
-    fn writers_per_node(table: &VolumeTable) -> BTreeMap<NodeId, usize> {
-        let mut counts = BTreeMap::new();
-        for node in table.preferred_writers().values() {
-            *counts.entry(*node).or_default() += 1;
-        }
-        counts
-    }
-
     #[test]
     fn preferred_writers_spread_evenly_and_each_holds_a_copy() {
         for (nodes, volumes) in [(3, 64), (5, 40), (5, 7), (4, 9)] {
@@ -541,7 +563,7 @@ mod tests {
             for (id, node) in &preferred {
                 assert!(table.get(id).unwrap().placement.contains(node), "{id}");
             }
-            let counts = writers_per_node(&table);
+            let counts = table.writers_per_node();
             let (least, most) = (counts.values().min(), counts.values().max());
             assert_eq!(counts.len() as u64, nodes, "{counts:?}");
             assert!(
@@ -552,23 +574,47 @@ mod tests {
     }
 
     #[test]
-    fn preferred_writers_stay_even_after_deletions() {
+    fn a_deletion_moves_no_other_writer_and_new_volumes_fill_the_gap() {
         let mut table = VolumeTable::default();
         let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
+        let create = |table: &mut VolumeTable, n: usize| {
+            table
+                .create(&request(&format!("v{n}"), GIB, 3), &cluster)
+                .unwrap();
+        };
         for n in 0..12 {
+            create(&mut table, n);
+        }
+        let before = table.preferred_writers();
+        for n in [0, 3, 6, 9] {
+            table.delete(&VolumeId(format!("v{n}"))).unwrap();
+        }
+        let after = table.preferred_writers();
+        assert!(after.iter().all(|(id, node)| before[id] == *node));
+        // The four deleted all preferred node 1; the next volumes go there.
+        for n in 12..16 {
+            create(&mut table, n);
+        }
+        let counts = table.writers_per_node();
+        assert!(counts.values().all(|&c| c == 4), "{counts:?}");
+    }
+
+    #[test]
+    fn volumes_recorded_without_a_preference_get_one_after_the_recorded() {
+        let mut table = VolumeTable::default();
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
+        for n in 0..6 {
             table
                 .create(&request(&format!("v{n}"), GIB, 3), &cluster)
                 .unwrap();
         }
-        for n in [0, 3, 6, 9] {
-            table.delete(&VolumeId(format!("v{n}"))).unwrap();
+        // As the build before wrote them: no preference recorded.
+        let mut old = table.clone();
+        for entry in old.volumes.values_mut().filter(|e| e.group.0 % 2 == 0) {
+            entry.preferred = None;
         }
-        let counts = writers_per_node(&table);
-        assert!(
-            counts.values().all(|&c| c == 8 / 3 || c == 8 / 3 + 1),
-            "{counts:?}"
-        );
-        // Any node computes the same answer from the same table.
-        assert_eq!(table.clone().preferred_writers(), table.preferred_writers());
+        let counts = old.writers_per_node();
+        assert!(counts.values().all(|&c| c == 2), "{counts:?}");
+        assert_eq!(old.clone().preferred_writers(), old.preferred_writers());
     }
 }
