@@ -178,6 +178,8 @@ impl Device for MeteredDevice {
 pub enum Kind {
     Gauge,
     Counter,
+    /// Latency histograms ([`Text::observations`]).
+    Histogram,
 }
 
 /// A `/metrics` document being gathered: metric families of the
@@ -198,9 +200,23 @@ impl Text {
         family.set_field_type(match kind {
             Kind::Gauge => MetricType::GAUGE,
             Kind::Counter => MetricType::COUNTER,
+            Kind::Histogram => MetricType::HISTOGRAM,
         });
         self.families.push(family);
         self
+    }
+
+    /// The latest started family of that name; a family never started
+    /// starts as one of `kind` without help.
+    fn latest(&mut self, name: &str, kind: Kind) -> &mut MetricFamily {
+        let at = match self.families.iter().rposition(|f| f.name() == name) {
+            Some(at) => at,
+            None => {
+                self.family(name, kind, "");
+                self.families.len() - 1
+            }
+        };
+        &mut self.families[at]
     }
 
     /// One sample of the family `name` (the latest started of that name;
@@ -213,25 +229,8 @@ impl Text {
         value: impl Into<f64>,
     ) -> &mut Self {
         let value = value.into();
-        let at = match self.families.iter().rposition(|f| f.name() == name) {
-            Some(at) => at,
-            None => {
-                self.family(name, Kind::Gauge, "");
-                self.families.len() - 1
-            }
-        };
-        let family = &mut self.families[at];
-        let mut metric = Metric::from_label(
-            labels
-                .iter()
-                .map(|(key, val)| {
-                    let mut pair = LabelPair::default();
-                    pair.set_name(key.to_string());
-                    pair.set_value(val.to_string());
-                    pair
-                })
-                .collect(),
-        );
+        let family = self.latest(name, Kind::Gauge);
+        let mut metric = labelled(labels);
         if family.get_field_type() == MetricType::COUNTER {
             let mut counter = proto::Counter::default();
             counter.set_value(value);
@@ -256,8 +255,14 @@ impl Text {
         self.family(name, kind, help).sample(name, &[], value)
     }
 
-    /// A histogram family.
-    pub fn histogram(&mut self, name: &str, help: &str, histogram: &Histogram) -> &mut Self {
+    /// The observations of `histogram`, as one labelled series of the
+    /// histogram family `name` (started as [`Kind::Histogram`]).
+    pub fn observations(
+        &mut self,
+        name: &str,
+        labels: &[(&str, &str)],
+        histogram: &Histogram,
+    ) -> &mut Self {
         // The finite buckets; the encoder adds `+Inf` with the count (it
         // would write an infinite bound of ours as "inf").
         let mut cumulative = 0u64;
@@ -276,14 +281,9 @@ impl Text {
         // The count is the buckets' total, so the two always agree.
         summary.set_sample_count(cumulative);
         summary.set_sample_sum(histogram.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9);
-        let mut metric = Metric::default();
+        let mut metric = labelled(labels);
         metric.set_histogram(summary);
-        let mut family = MetricFamily::default();
-        family.set_name(name.to_string());
-        family.set_help(help.to_string());
-        family.set_field_type(MetricType::HISTOGRAM);
-        family.set_metric(vec![metric]);
-        self.families.push(family);
+        self.latest(name, Kind::Histogram).mut_metric().push(metric);
         self
     }
 
@@ -300,6 +300,21 @@ impl Text {
             .encode_to_string(&families)
             .unwrap_or_else(|err| format!("# the metrics could not be encoded: {err}\n"))
     }
+}
+
+/// A sample without a value yet, with `labels` (name/value pairs).
+fn labelled(labels: &[(&str, &str)]) -> Metric {
+    Metric::from_label(
+        labels
+            .iter()
+            .map(|(key, val)| {
+                let mut pair = LabelPair::default();
+                pair.set_name(key.to_string());
+                pair.set_value(val.to_string());
+                pair
+            })
+            .collect(),
+    )
 }
 
 /// A counter's value as a sample value.
@@ -321,7 +336,8 @@ mod tests {
         histogram.observe(Duration::from_millis(3));
         histogram.observe(Duration::from_secs(60));
         let mut text = Text::default();
-        text.histogram("lat_seconds", "latency", &histogram);
+        text.family("lat_seconds", Kind::Histogram, "latency")
+            .observations("lat_seconds", &[], &histogram);
         text.single("after", Kind::Gauge, "A gauge after it.", 1u8);
         let text = text.finish();
         assert!(
@@ -373,6 +389,29 @@ mod tests {
             text.contains("# TYPE undeclared gauge\nundeclared 2\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_histogram_family_has_one_series_for_each_label_set() {
+        let (fast, slow) = (Histogram::default(), Histogram::default());
+        fast.observe(Duration::from_micros(30));
+        slow.observe(Duration::from_secs(1));
+        slow.observe(Duration::from_secs(2));
+        let mut text = Text::default();
+        text.family("lat_seconds", Kind::Histogram, "latency")
+            .observations("lat_seconds", &[("volume", "a")], &fast)
+            .observations("lat_seconds", &[("volume", "b")], &slow);
+        let text = text.finish();
+        assert_eq!(text.matches("# TYPE lat_seconds histogram\n").count(), 1);
+        assert!(
+            text.contains("lat_seconds_count{volume=\"a\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lat_seconds_bucket{volume=\"b\",le=\"+Inf\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("lat_seconds_sum{volume=\"b\"} 3\n"), "{text}");
     }
 
     #[tokio::test]

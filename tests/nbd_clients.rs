@@ -297,21 +297,23 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     let (code, metrics) = http_get(cluster.http_addrs[&writer], "/metrics");
     assert_eq!(code, 200);
     for line in [
-        "replica_ha_gate_open 1",
-        "replica_ha_writes_total 1",
-        "replica_ha_write_bytes_total 8",
-        "replica_ha_role{node=\"",
-        "replica_ha_write_latency_seconds_count 1",
-        "replica_ha_replica_state{replica=\"1\",state=\"in_sync\"} 1",
+        "replica_ha_gate_open{volume=\"vol0\"} 1",
+        "replica_ha_writes_total{volume=\"vol0\"} 1",
+        "replica_ha_write_bytes_total{volume=\"vol0\"} 8",
+        "replica_ha_role{volume=\"vol0\",node=\"",
+        "replica_ha_write_latency_seconds_count{volume=\"vol0\"} 1",
+        "replica_ha_replica_state{volume=\"vol0\",replica=\"1\",state=\"in_sync\"} 1",
         "replica_ha_raft_replication_lag{peer=\"",
-        "replica_ha_replica_fence_floor{replica=\"",
-        "replica_ha_replica_stale_accepts{replica=\"1\"} 0",
+        "replica_ha_replica_fence_floor{volume=\"vol0\",replica=\"",
+        "replica_ha_replica_stale_accepts{volume=\"vol0\",replica=\"1\"} 0",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
     // The write was its extent's first in the term: every replica marked it.
     for id in &cluster.ids {
-        let name = format!("replica_ha_replica_first_touch_marks_total{{replica=\"{id}\"}} ");
+        let name = format!(
+            "replica_ha_replica_first_touch_marks_total{{volume=\"vol0\",replica=\"{id}\"}} "
+        );
         let marks: f64 = metrics
             .lines()
             .find_map(|l| l.strip_prefix(name.as_str()))
@@ -322,7 +324,10 @@ async fn status_health_metrics_and_grpc_health_agree_on_one_writer() {
     }
     let follower = *cluster.ids.iter().find(|id| **id != writer).unwrap();
     let (_, metrics) = http_get(cluster.http_addrs[&follower], "/metrics");
-    assert!(metrics.contains("replica_ha_gate_open 0"), "{metrics}");
+    assert!(
+        metrics.contains("replica_ha_gate_open{volume=\"vol0\"} 0"),
+        "{metrics}"
+    );
 
     // The standard gRPC health service: the writer service is SERVING on
     // the writer only; the node itself everywhere.
@@ -695,7 +700,7 @@ async fn block_status_shows_data_and_holes_to_nbdinfo_qemu_img_and_nbdcopy() {
         let (_, metrics) = http_get(cluster.http_addrs[&writer], "/metrics");
         metrics
             .lines()
-            .find_map(|l| l.strip_prefix("replica_ha_read_bytes_total "))
+            .find_map(|l| l.strip_prefix("replica_ha_read_bytes_total{volume=\"vol0\"} "))
             .map_or(0.0, |v| v.parse::<f64>().unwrap()) as u64
     };
     let before = read_bytes();

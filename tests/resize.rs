@@ -72,7 +72,9 @@ async fn the_volume_grows_online_and_a_follower_that_missed_it_is_rebuilt_to_the
         let (code, metrics) = http_get(cluster.http_addrs[&id], "/metrics");
         assert_eq!(code, 200);
         assert!(
-            metrics.contains(&format!("replica_ha_volume_size_bytes {GROWN}")),
+            metrics.contains(&format!(
+                "replica_ha_volume_size_bytes{{volume=\"vol0\"}} {GROWN}"
+            )),
             "{metrics}"
         );
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::cluster::{BIN, Cluster, one_cluster_at_a_time};
-use common::tools::http_get;
+use common::tools::{http_get, promtool_accepts};
 
 const WAIT: Duration = Duration::from_secs(20);
 const SIZE: u64 = 64 << 20;
@@ -28,32 +28,6 @@ fn rot(cluster: &Cluster, id: u64, offset: u64, len: usize) {
     let garbage: Vec<u8> = (0..len).map(|i| (i * 7 + 13) as u8).collect();
     file.write_all_at(&garbage, offset).unwrap();
     file.sync_all().unwrap();
-}
-
-/// `promtool check metrics` (Debian's `prometheus`) finds nothing wrong
-/// with the exposition: names, types, help and units.
-fn promtool_accepts(metrics: &str) {
-    use std::io::Write;
-    let mut child = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool runs (.ci/run installs prometheus)");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(metrics.as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(
-        output.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
 }
 
 /// `replica-ha scrub --now` against node `id`: its exit code and output.
@@ -140,10 +114,10 @@ async fn a_scrub_finds_and_repairs_bit_rot_on_one_replica() {
     let (code, metrics) = http_get(cluster.http_addrs[&writer], "/metrics");
     assert_eq!(code, 200);
     for line in [
-        "replica_ha_scrub_differences_found_total 1",
-        "replica_ha_scrub_differences_repaired_total 1",
-        "replica_ha_scrub_passes_total 2",
-        "replica_ha_scrub_running 0",
+        "replica_ha_scrub_differences_found_total{volume=\"vol0\"} 1",
+        "replica_ha_scrub_differences_repaired_total{volume=\"vol0\"} 1",
+        "replica_ha_scrub_passes_total{volume=\"vol0\"} 2",
+        "replica_ha_scrub_running{volume=\"vol0\"} 0",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }

@@ -243,8 +243,73 @@ async fn read_pattern(cluster: &Cluster, id: u64, name: &str, pattern: u8) {
     );
 }
 
+/// Every node's `status --json` and `status` list the configured volume
+/// and each volume of `written` (name, writer) with its writer and term,
+/// the same on every node, each of its three copies in sync, and say
+/// whether that node writes it; every node's `/metrics` has each volume's
+/// own series (term, gate), which promtool accepts.
+async fn status_and_metrics_show(cluster: &Cluster, written: &[(&str, u64)]) {
+    let mut terms = std::collections::BTreeMap::new();
+    for id in [1, 2, 3] {
+        let copies_in_sync = |s: &replica_ha::proto::admin::StatusReply| {
+            written.iter().all(|(name, _)| {
+                s.volumes.iter().any(|v| {
+                    v.name == *name
+                        && v.replicas.iter().filter(|r| r.state == "in_sync").count() == 3
+                })
+            })
+        };
+        cluster
+            .wait_status(id, WAIT, "every copy in sync", copies_in_sync)
+            .await;
+        let (ok, out, err) = cluster.cli(id, &["status", "--json"]).await;
+        assert!(ok, "status --json on {id}: {err}");
+        let json: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+        let volumes = json["volumes"].as_array().expect("volumes");
+        let names: Vec<&str> = volumes.iter().filter_map(|v| v["name"].as_str()).collect();
+        assert_eq!(names, ["vol0", "a", "b"], "{out}");
+        let (_, table, _) = cluster.cli(id, &["status"]).await;
+        let (code, metrics) = common::tools::http_get(cluster.http_addrs[&id], "/metrics");
+        assert_eq!(code, 200);
+        for (name, writer) in written {
+            let volume = volumes.iter().find(|v| v["name"] == *name).unwrap();
+            assert_eq!(volume["here"], "running", "{volume}");
+            assert_eq!(volume["leader"], *writer, "{volume}");
+            assert_eq!(volume["writing"], id == *writer, "{volume}");
+            let term = volume["term"].as_u64().expect("a term");
+            assert_eq!(
+                *terms.entry(*name).or_insert(term),
+                term,
+                "{name}'s term on node {id}"
+            );
+            // volume  group  writer  term  this node  copies
+            let row: Vec<&str> = table
+                .lines()
+                .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                .find(|words| words.first() == Some(name) && words.len() > 5)
+                .unwrap_or_else(|| panic!("no row of {name} in\n{table}"));
+            let writes = if id == *writer { "writes" } else { "copy" };
+            assert_eq!(
+                row[2..5],
+                [writer.to_string().as_str(), &term.to_string(), writes],
+                "{table}"
+            );
+            for series in [
+                format!("replica_ha_term{{volume=\"{name}\"}} {term}\n"),
+                format!(
+                    "replica_ha_gate_open{{volume=\"{name}\"}} {}\n",
+                    u8::from(id == *writer)
+                ),
+            ] {
+                assert!(metrics.contains(&series), "no {series:?} in\n{metrics}");
+            }
+        }
+        common::tools::promtool_accepts(&metrics);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_volume_has_a_group_and_a_writer_of_its_own_and_keeps_its_own_data() {
+async fn each_volume_has_its_own_group_writer_and_data_and_status_and_metrics_show_it() {
     let _serial = common::cluster::one_cluster_at_a_time().await;
     let cluster = Cluster::start(3).await;
     cluster.wait_for_leader(&[1, 2, 3], WAIT).await;
@@ -278,6 +343,7 @@ async fn each_volume_has_a_group_and_a_writer_of_its_own_and_keeps_its_own_data(
     for name in ["\"vol0\"", "\"a\"", "\"b\""] {
         assert!(listed.contains(name), "{listed}");
     }
+    status_and_metrics_show(&cluster, &[("a", writer_a), ("b", writer_b)]).await;
 }
 
 /// Polls until `check` holds, or fails saying `what`.

@@ -41,7 +41,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response, Status};
 
-use crate::api::status::{LeaderSource, LeaderView, NodeView, ReplicaReport};
+use crate::api::status::{
+    LeaderSource, LeaderView, NodeView, ReplicaReport, SuspendedIo, VolumeReport,
+};
 use crate::ha::HaError;
 use crate::ids::{NodeId, VolumeId};
 use crate::net::Caller;
@@ -51,7 +53,7 @@ use crate::proto::admin::{
     ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ResyncReply, ResyncRequest,
     ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
     VolumeCreateReply, VolumeCreateRequest, VolumeDeleteReply, VolumeDeleteRequest, VolumeInfo,
-    VolumeListReply, VolumeListRequest, WatchLeaderRequest, WriteReply, WriteRequest,
+    VolumeListReply, VolumeListRequest, VolumeStatus, WatchLeaderRequest, WriteReply, WriteRequest,
 };
 use crate::raft::volume_table::{TableError, VolumeEntry, VolumeRequest};
 use crate::replica::ReplicaError;
@@ -443,74 +445,71 @@ impl Admin for AdminService {
     async fn status(&self, _: Request<StatusRequest>) -> Result<Response<StatusReply>, Status> {
         let status = self.view.status().await;
         let facts = &status.facts;
-        let replicas: Vec<ReplicaStatus> = status
-            .replicas
-            .iter()
-            .cloned()
-            .map(replica_status)
-            .collect();
+        let own = &status.own;
+        let replicas: Vec<ReplicaStatus> =
+            own.replicas.iter().cloned().map(replica_status).collect();
         let fence_floor = replicas
             .iter()
             .find(|r| r.local)
             .map(|r| r.fence_floor)
             .unwrap_or(0);
+        let (io_suspended_requests, io_suspended_seconds, io_suspended_why) =
+            held(own.suspended.as_ref());
+        let volumes = std::iter::once(status.own_report())
+            .chain(status.table.iter().cloned())
+            .map(|report| volume_section(&report, facts.id))
+            .collect();
         Ok(Response::new(StatusReply {
             node_id: facts.id.0,
             cluster_id: facts.cluster_id.clone(),
             raft_state: status.raft_state.clone(),
-            term: status.term.0,
-            leader: status.leader.map_or(0, |id| id.0),
-            is_self: status.lease_remaining.is_some(),
-            lease_remaining_ms: status.lease_remaining.map_or(0, |d| d.as_millis() as u64),
+            term: own.term.0,
+            leader: own.leader.map_or(0, |id| id.0),
+            is_self: own.lease_remaining.is_some(),
+            lease_remaining_ms: own.lease_remaining.map_or(0, |d| d.as_millis() as u64),
             members: status.live.iter().map(|id| id.0).collect(),
-            prev_writer: status.prev_writer.map_or(0, |w| w.node.0),
-            prev_writer_term: status.prev_writer.map(|w| w.term.0).unwrap_or(0),
-            in_sync: status.in_sync.iter().map(|id| id.to_string()).collect(),
-            volume_size: status.size,
-            min_in_sync: status.min_in_sync as u64,
+            prev_writer: own.prev_writer.map_or(0, |w| w.node.0),
+            prev_writer_term: own.prev_writer.map(|w| w.term.0).unwrap_or(0),
+            in_sync: own.in_sync.iter().map(|id| id.to_string()).collect(),
+            volume_size: own.size,
+            min_in_sync: own.min_in_sync as u64,
             last_applied: status.applied_index,
-            role: status.role.as_str().to_string(),
-            gate_open: status.gate_open,
+            role: own.role.as_str().to_string(),
+            gate_open: own.gate_open,
             fence_floor,
-            fence_failures: status.fence_failures,
-            promotions: status.promotions,
+            fence_failures: own.fence_failures,
+            promotions: own.promotions,
             replicas,
             volume: facts.volume.clone(),
             nbd_address: facts.nbd.map(|a| a.to_string()).unwrap_or_default(),
-            reads_served: status.reads_refused.is_none(),
-            reads_refused: status.reads_refused.clone().unwrap_or_default(),
+            reads_served: own.reads_refused.is_none(),
+            reads_refused: own.reads_refused.clone().unwrap_or_default(),
             security: facts.security().to_string(),
             data_address: facts.data.to_string(),
-            io_suspended_requests: status.suspended.as_ref().map_or(0, |s| s.waiting as u64),
-            io_suspended_seconds: status
-                .suspended
-                .as_ref()
-                .map_or(0.0, |s| s.for_how_long.as_secs_f64()),
-            io_suspended_why: status
-                .suspended
-                .as_ref()
-                .map(|s| s.why.clone())
-                .unwrap_or_default(),
-            scrub_running: status.scrub.running,
-            scrub_done_bytes: status.scrub.done,
-            scrub_total_bytes: status.scrub.total,
-            scrub_last_finished_unix: status.scrub.last_finished.map_or(0, unix_seconds),
-            scrub_last_checked_extents: status.scrub.last_checked,
-            scrub_last_found: status.scrub.last_found,
-            scrub_last_repaired: status.scrub.last_repaired,
-            scrub_found: status.scrub.found,
-            scrub_repaired: status.scrub.repaired,
-            scrub_passes: status.scrub.passes,
-            scrub_rate_bytes_per_second: status.scrub_rate,
-            incarnation: status.facts.member.incarnation().0,
-            member: status.facts.member.0,
+            io_suspended_requests,
+            io_suspended_seconds,
+            io_suspended_why,
+            scrub_running: own.scrub.running,
+            scrub_done_bytes: own.scrub.done,
+            scrub_total_bytes: own.scrub.total,
+            scrub_last_finished_unix: own.scrub.last_finished.map_or(0, unix_seconds),
+            scrub_last_checked_extents: own.scrub.last_checked,
+            scrub_last_found: own.scrub.last_found,
+            scrub_last_repaired: own.scrub.last_repaired,
+            scrub_found: own.scrub.found,
+            scrub_repaired: own.scrub.repaired,
+            scrub_passes: own.scrub.passes,
+            scrub_rate_bytes_per_second: own.scrub_rate,
+            incarnation: facts.member.incarnation().0,
+            member: facts.member.0,
             not_member: status.not_member.clone().unwrap_or_default(),
             cluster_uuid: status.cluster_uuid.clone().unwrap_or_default(),
-            writes_total: status.io.writes.load(std::sync::atomic::Ordering::Relaxed),
-            write_bytes_total: status
+            writes_total: own.io.writes.load(std::sync::atomic::Ordering::Relaxed),
+            write_bytes_total: own
                 .io
                 .write_bytes
                 .load(std::sync::atomic::Ordering::Relaxed),
+            volumes,
         }))
     }
 
@@ -872,6 +871,56 @@ fn membership_status(err: MembershipError) -> Status {
 fn unix_seconds(at: std::time::SystemTime) -> u64 {
     at.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// Held writes as a reply gives them: how many, for how long, why (0,
+/// 0.0 and "" while I/O flows).
+fn held(suspended: Option<&SuspendedIo>) -> (u64, f64, String) {
+    suspended.map_or((0, 0.0, String::new()), |s| {
+        (
+            s.waiting as u64,
+            s.for_how_long.as_secs_f64(),
+            s.why.clone(),
+        )
+    })
+}
+
+/// One volume's section of a status reply, as node `local` sees it.
+fn volume_section(report: &VolumeReport, local: NodeId) -> VolumeStatus {
+    let mut section = VolumeStatus {
+        name: report.name.clone(),
+        group: report.group.0,
+        size: report.size,
+        min_in_sync: report.min_in_sync as u64,
+        placement: report.placement.iter().map(|id| id.0).collect(),
+        here: report.here(local).as_str().to_string(),
+        ..Default::default()
+    };
+    let Some(figures) = &report.figures else {
+        return section;
+    };
+    let missing = report.missing().into_iter().map(|id| ReplicaStatus {
+        id: id.to_string(),
+        state: "missing".into(),
+        ..Default::default()
+    });
+    let (requests, seconds, why) = held(figures.suspended.as_ref());
+    VolumeStatus {
+        size: figures.size,
+        min_in_sync: figures.min_in_sync as u64,
+        term: figures.term.0,
+        leader: figures.leader.map_or(0, |id| id.0),
+        writing: figures.gate_open,
+        role: figures.role.as_str().to_string(),
+        in_sync: figures.in_sync.iter().map(|id| id.to_string()).collect(),
+        replicas: (figures.replicas.iter().cloned().map(replica_status))
+            .chain(missing)
+            .collect(),
+        io_suspended_requests: requests,
+        io_suspended_seconds: seconds,
+        io_suspended_why: why,
+        ..std::mem::take(&mut section)
+    }
 }
 
 fn replica_status(report: ReplicaReport) -> ReplicaStatus {

@@ -1,5 +1,6 @@
-//! `replica-ha status`: one node's view, as a table, as JSON (`--json`) or
-//! as a live view (`--watch`). The renderings are
+//! `replica-ha status`: one node's view of its configured volume and of
+//! every volume, as a table, as JSON (`--json`) or as a live view
+//! (`--watch`). The renderings are
 //! [`crate::api::status`]'s; this fetches the reply and prints it. Any
 //! node answers, and a node that cannot be reached is exit 1 (the watch
 //! keeps trying instead).
@@ -21,12 +22,13 @@ pub struct StatusArgs {
     #[arg(long, default_value = "127.0.0.1:7001")]
     addr: String,
     /// Print one JSON object instead of a table (for scripts; the keys
-    /// are those of the table, plus `replicas` as a list).
+    /// are those of the table, plus `replicas` and `volumes` as lists).
     #[arg(long, conflicts_with = "watch")]
     json: bool,
     /// Keep a live view on the terminal, refreshed once a second: role,
     /// term, gate, lease, I/O, write rate, scrub, and every replica with
-    /// its state and resync progress. It keeps trying while the node
+    /// its state and resync progress, then every volume with its writer,
+    /// term and copies. It keeps trying while the node
     /// cannot be reached (during its restart, say). Ctrl-C ends it.
     #[arg(long)]
     watch: bool,

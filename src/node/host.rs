@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, watch};
 
-use crate::api::status::LeaderSource;
+use crate::api::status::{LeaderSource, VolumeProbe};
 use crate::ha::Controller;
 use crate::ha::{Coordinator, ReplicaState, WriterEngine};
 
@@ -115,6 +115,20 @@ impl HostedVolumes {
                     unsettled: unsettled(&hosted.volume),
                 };
                 (id.clone(), view, Arc::clone(&hosted.volume.controller))
+            })
+            .collect()
+    }
+
+    /// What status reads of each table volume this node runs, with its
+    /// group. The parts are taken under the table's lock; reading them
+    /// happens after, without it.
+    pub async fn probes(&self) -> BTreeMap<VolumeId, (GroupId, VolumeProbe)> {
+        let table = self.0.lock().await;
+        table
+            .iter()
+            .map(|(id, hosted)| {
+                let probe = hosted.volume.probe(&hosted.group.coordinator);
+                (id.clone(), (hosted.group.id, probe))
             })
             .collect()
     }

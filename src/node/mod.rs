@@ -65,7 +65,7 @@ use tokio::task::JoinHandle;
 pub use config::{ConfigError, NbdTls, NodeConfig, Overrides, TlsFile};
 
 use crate::api::admin::{AdminService, VolumeWriters};
-use crate::api::status::{NodeFacts, NodeParts, NodeView};
+use crate::api::status::{NodeFacts, NodeParts, NodeView, TableVolumes};
 use crate::ha::Coordinator;
 use crate::ids::{GroupId, Incarnation, MemberId, NodeId, VolumeId};
 use crate::members::MemberBook;
@@ -200,30 +200,26 @@ impl Node {
             &raft.cluster.coordinator,
         )
         .await?;
+        let facts = facts(&config, data_addr, member);
+        let hosted = host::HostedVolumes::default();
+        let table_writers = Arc::new(writers::TableWriters::new(
+            Arc::clone(&raft.cluster.coordinator),
+            hosted.clone(),
+            facts.peers.clone(),
+        ));
         let view = Arc::new(NodeView::new(NodeParts {
-            facts: facts(&config, data_addr, member),
+            facts,
             waiting: Arc::clone(&waiting),
-            coordinator: Arc::clone(&raft.cluster.coordinator),
-            controller: Arc::clone(&volume.controller),
-            replicas: Arc::clone(&volume.replicas),
-            resync: Arc::clone(&volume.resync),
-            scrub: Arc::clone(&volume.scrub),
+            volume: volume.probe(&raft.cluster.coordinator),
             engine: Arc::clone(&volume.engine),
-            device: Arc::clone(&volume.device),
-            io: Arc::clone(&volume.io),
             nbd: Arc::default(),
+            table: Some(Arc::clone(&table_writers) as Arc<dyn TableVolumes>),
         }));
         let members = Arc::new(membership::Membership::new(
             Arc::clone(&raft.cluster.coordinator),
             Arc::clone(&volume.controller),
             Arc::clone(&volume.engine),
             transport.clone(),
-            view.facts().peers.clone(),
-        ));
-        let hosted = host::HostedVolumes::default();
-        let table_writers = Arc::new(writers::TableWriters::new(
-            Arc::clone(&raft.cluster.coordinator),
-            hosted.clone(),
             view.facts().peers.clone(),
         ));
         let nbd = listeners.nbd.map(|listener| {

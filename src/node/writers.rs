@@ -8,13 +8,18 @@
 //! the membership's record), so a client such as `attach` can ask them;
 //! placed here, the copy is starting (or its start failed and is tried
 //! again); absent, there is no such volume. Nothing here changes state.
+//!
+//! The same holds for what status reports of the table's volumes
+//! ([`TableVolumes`]): each volume of the applied table, with the figures
+//! of this node's copy where it runs one (read from the volume's own
+//! parts, as for the configured volume), else only what the table says.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::host::HostedVolumes;
 use crate::api::admin::{NotHere, VolumeWriters};
-use crate::api::status::LeaderSource;
+use crate::api::status::{LeaderSource, TableVolumes, VolumeReport};
 use crate::ids::{NodeId, VolumeId};
 use crate::raft::RaftCoordinator;
 
@@ -89,5 +94,36 @@ impl VolumeWriters for TableWriters {
             Some(source) => Ok(source),
             None => Err(self.not_here(name)),
         }
+    }
+}
+
+#[async_trait::async_trait]
+impl TableVolumes for TableWriters {
+    async fn reports(&self) -> Vec<VolumeReport> {
+        let probes = self.hosted.probes().await;
+        let applied = self.cluster.state_machine().current();
+        let me = self.cluster.member().node();
+        let reports = applied.control.volumes.volumes().map(|entry| {
+            // A copy of an earlier volume of the name is not this one's.
+            let probe = probes
+                .get(&entry.id)
+                .filter(|(group, _)| *group == entry.group)
+                .map(|(_, probe)| probe);
+            async move {
+                let figures = match probe {
+                    Some(probe) => Some(probe.figures(me).await),
+                    None => None,
+                };
+                VolumeReport {
+                    name: entry.id.to_string(),
+                    group: entry.group,
+                    size: entry.size,
+                    min_in_sync: entry.min_in_sync,
+                    placement: entry.placement.iter().copied().collect(),
+                    figures,
+                }
+            }
+        });
+        futures::future::join_all(reports).await
     }
 }

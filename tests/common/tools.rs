@@ -74,6 +74,32 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (code, body)
 }
 
+/// `promtool check metrics` (Debian's `prometheus`) finds nothing wrong
+/// with the exposition: names, types, help and units.
+pub fn promtool_accepts(metrics: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool runs (.ci/run installs prometheus)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(metrics.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// `line` without its terminal colour codes (an escape sequence runs to
 /// its final letter).
 pub fn strip_ansi(line: &str) -> String {

@@ -3,7 +3,9 @@
 //! `role`, `active`, `reads`, `replicas`, ...).
 //!
 //! The object is a contract: keys, nesting and value types stay as they
-//! are, and a new fact is a new key. An id or time that a reply gives as 0
+//! are, and a new fact is a new key. `volumes` lists every volume, the
+//! configured one first (empty from a node of an earlier build), each
+//! with its `replicas` as the top level has them. An id or time that a reply gives as 0
 //! for "none" (the leader, the previous writer, the last scrub) is `null`;
 //! a part that means something only in some states (held I/O, an
 //! unreachable replica's figures, a rebuild) is `null` in the others,
@@ -12,7 +14,7 @@
 
 use serde::Serialize;
 
-use crate::proto::admin::{ReplicaStatus, StatusReply};
+use crate::proto::admin::{ReplicaStatus, StatusReply, VolumeStatus};
 
 /// The JSON view of one status reply; [`StatusJson::new`] maps the reply
 /// onto it, and its `Display` is the line `status --json` prints.
@@ -54,6 +56,31 @@ pub struct StatusJson<'a> {
     reads: &'static str,
     reads_refused: Option<&'a str>,
     replicas: Vec<ReplicaJson<'a>>,
+    /// Every volume, the configured one first (empty from a node of an
+    /// earlier build).
+    volumes: Vec<VolumeJson<'a>>,
+}
+
+/// One volume as the node sees it; what only a node that runs a copy
+/// knows (term, writer, role, copies' states) is `null` or empty on one
+/// that does not.
+#[derive(Debug, Serialize)]
+struct VolumeJson<'a> {
+    name: &'a str,
+    group: u64,
+    size: u64,
+    min_in_sync: u64,
+    placement: &'a [u64],
+    /// "running", "starting" or "elsewhere".
+    here: &'a str,
+    term: Option<u64>,
+    leader: Option<u64>,
+    /// Whether this node writes it now.
+    writing: bool,
+    role: Option<&'a str>,
+    in_sync: &'a [String],
+    replicas: Vec<ReplicaJson<'a>>,
+    io_suspended: Option<SuspendedJson<'a>>,
 }
 
 /// I/O held below `min_in_sync`.
@@ -111,6 +138,15 @@ fn unless_zero(value: u64) -> Option<u64> {
     (value != 0).then_some(value)
 }
 
+/// Held I/O, where a reply says `requests` wait.
+fn suspended<'a>(requests: u64, seconds: f64, why: &'a str) -> Option<SuspendedJson<'a>> {
+    (requests > 0).then_some(SuspendedJson {
+        requests,
+        seconds,
+        why,
+    })
+}
+
 /// `Some(text)` where a reply's "" means "none".
 fn unless_empty(text: &str) -> Option<&str> {
     (!text.is_empty()).then_some(text)
@@ -147,11 +183,11 @@ impl<'a> StatusJson<'a> {
             nbd_address: &reply.nbd_address,
             security: &reply.security,
             io: if suspended { "suspended" } else { "flowing" },
-            io_suspended: suspended.then_some(SuspendedJson {
-                requests: reply.io_suspended_requests,
-                seconds: reply.io_suspended_seconds,
-                why: &reply.io_suspended_why,
-            }),
+            io_suspended: self::suspended(
+                reply.io_suspended_requests,
+                reply.io_suspended_seconds,
+                &reply.io_suspended_why,
+            ),
             data_address: &reply.data_address,
             scrub: ScrubJson {
                 running: reply.scrub_running,
@@ -173,6 +209,31 @@ impl<'a> StatusJson<'a> {
             },
             reads_refused: (!reply.reads_served).then_some(reply.reads_refused.as_str()),
             replicas: reply.replicas.iter().map(ReplicaJson::new).collect(),
+            volumes: reply.volumes.iter().map(VolumeJson::new).collect(),
+        }
+    }
+}
+
+impl<'a> VolumeJson<'a> {
+    fn new(v: &'a VolumeStatus) -> Self {
+        Self {
+            name: &v.name,
+            group: v.group,
+            size: v.size,
+            min_in_sync: v.min_in_sync,
+            placement: &v.placement,
+            here: &v.here,
+            term: unless_zero(v.term),
+            leader: unless_zero(v.leader),
+            writing: v.writing,
+            role: unless_empty(&v.role),
+            in_sync: &v.in_sync,
+            replicas: v.replicas.iter().map(ReplicaJson::new).collect(),
+            io_suspended: suspended(
+                v.io_suspended_requests,
+                v.io_suspended_seconds,
+                &v.io_suspended_why,
+            ),
         }
     }
 }
@@ -221,7 +282,7 @@ mod tests {
     fn a_busy_writer_keeps_every_key_nesting_and_type_of_the_json() {
         assert_eq!(
             StatusJson::new(&busy_writer()).to_string(),
-            r#"{"active":true,"cluster_id":"c1","cluster_uuid":"5f0c9a1e-0000-4000-8000-000000000001","data_address":"127.0.0.1:7101","fence_failures":1,"fence_floor":7,"in_sync":["1","2"],"incarnation":"0000abc123","io":"suspended","io_suspended":{"requests":3,"seconds":1.25,"why":"1 in-sync replica of the 2 needed; waiting for node 2's rebuild, 41%"},"is_self":true,"last_applied":42,"leader":1,"lease_remaining_ms":812,"members":[1,2,3],"min_in_sync":2,"nbd_address":"127.0.0.1:10809","node_id":1,"not_member":null,"prev_writer":1,"prev_writer_term":7,"promotions":3,"raft_state":"leader","reads":"served","reads_refused":null,"replicas":[{"dirty_extents":4,"error":null,"fence_floor":7,"first_touch_marks":9,"id":"1","local":true,"reachable":true,"resync":null,"stale_accepts":0,"state":"in_sync"},{"dirty_extents":0,"error":null,"fence_floor":7,"first_touch_marks":0,"id":"2","local":false,"reachable":true,"resync":{"copied_bytes":4194304,"done_bytes":104857600,"eta_seconds":1.5,"rate_bytes_per_second":134217728.0,"running":true,"total_bytes":251658240},"stale_accepts":2,"state":"rebuilding"},{"dirty_extents":null,"error":"no answer within 300ms","fence_floor":null,"first_touch_marks":null,"id":"3","local":false,"reachable":false,"resync":{"copied_bytes":3145728,"done_bytes":16777216,"eta_seconds":0.0,"rate_bytes_per_second":0.0,"running":false,"total_bytes":16777216},"stale_accepts":null,"state":"offline"}],"role":"leader","scrub":{"done_bytes":6291456,"found":2,"last_checked_extents":64,"last_finished_unix":1796000000,"last_found":1,"last_repaired":1,"passes":5,"rate_bytes_per_second":4194304,"repaired":2,"running":true,"total_bytes":16777216},"security":"mutual TLS","term":7,"volume":"vol0","volume_size":16777216}"#
+            r#"{"active":true,"cluster_id":"c1","cluster_uuid":"5f0c9a1e-0000-4000-8000-000000000001","data_address":"127.0.0.1:7101","fence_failures":1,"fence_floor":7,"in_sync":["1","2"],"incarnation":"0000abc123","io":"suspended","io_suspended":{"requests":3,"seconds":1.25,"why":"1 in-sync replica of the 2 needed; waiting for node 2's rebuild, 41%"},"is_self":true,"last_applied":42,"leader":1,"lease_remaining_ms":812,"members":[1,2,3],"min_in_sync":2,"nbd_address":"127.0.0.1:10809","node_id":1,"not_member":null,"prev_writer":1,"prev_writer_term":7,"promotions":3,"raft_state":"leader","reads":"served","reads_refused":null,"replicas":[{"dirty_extents":4,"error":null,"fence_floor":7,"first_touch_marks":9,"id":"1","local":true,"reachable":true,"resync":null,"stale_accepts":0,"state":"in_sync"},{"dirty_extents":0,"error":null,"fence_floor":7,"first_touch_marks":0,"id":"2","local":false,"reachable":true,"resync":{"copied_bytes":4194304,"done_bytes":104857600,"eta_seconds":1.5,"rate_bytes_per_second":134217728.0,"running":true,"total_bytes":251658240},"stale_accepts":2,"state":"rebuilding"},{"dirty_extents":null,"error":"no answer within 300ms","fence_floor":null,"first_touch_marks":null,"id":"3","local":false,"reachable":false,"resync":{"copied_bytes":3145728,"done_bytes":16777216,"eta_seconds":0.0,"rate_bytes_per_second":0.0,"running":false,"total_bytes":16777216},"stale_accepts":null,"state":"offline"}],"role":"leader","scrub":{"done_bytes":6291456,"found":2,"last_checked_extents":64,"last_finished_unix":1796000000,"last_found":1,"last_repaired":1,"passes":5,"rate_bytes_per_second":4194304,"repaired":2,"running":true,"total_bytes":16777216},"security":"mutual TLS","term":7,"volume":"vol0","volume_size":16777216,"volumes":[{"group":0,"here":"running","in_sync":["1","2"],"io_suspended":{"requests":3,"seconds":1.25,"why":"1 in-sync replica of the 2 needed; waiting for node 2's rebuild, 41%"},"leader":1,"min_in_sync":2,"name":"vol0","placement":[1,2,3],"replicas":[{"dirty_extents":4,"error":null,"fence_floor":7,"first_touch_marks":9,"id":"1","local":true,"reachable":true,"resync":null,"stale_accepts":0,"state":"in_sync"},{"dirty_extents":0,"error":null,"fence_floor":7,"first_touch_marks":0,"id":"2","local":false,"reachable":true,"resync":{"copied_bytes":4194304,"done_bytes":104857600,"eta_seconds":1.5,"rate_bytes_per_second":134217728.0,"running":true,"total_bytes":251658240},"stale_accepts":2,"state":"rebuilding"},{"dirty_extents":null,"error":"no answer within 300ms","fence_floor":null,"first_touch_marks":null,"id":"3","local":false,"reachable":false,"resync":{"copied_bytes":3145728,"done_bytes":16777216,"eta_seconds":0.0,"rate_bytes_per_second":0.0,"running":false,"total_bytes":16777216},"stale_accepts":null,"state":"offline"}],"role":"leader","size":16777216,"term":7,"writing":true},{"group":1,"here":"running","in_sync":["1","2"],"io_suspended":null,"leader":2,"min_in_sync":2,"name":"db","placement":[1,2,4],"replicas":[{"dirty_extents":0,"error":null,"fence_floor":3,"first_touch_marks":0,"id":"1","local":true,"reachable":true,"resync":null,"stale_accepts":0,"state":"in_sync"},{"dirty_extents":0,"error":null,"fence_floor":3,"first_touch_marks":0,"id":"2","local":false,"reachable":true,"resync":null,"stale_accepts":0,"state":"in_sync"},{"dirty_extents":null,"error":null,"fence_floor":null,"first_touch_marks":null,"id":"4","local":false,"reachable":false,"resync":null,"stale_accepts":null,"state":"missing"}],"role":"follower","size":4194304,"term":3,"writing":false},{"group":2,"here":"elsewhere","in_sync":[],"io_suspended":null,"leader":null,"min_in_sync":2,"name":"logs","placement":[2,3,4],"replicas":[],"role":null,"size":8388608,"term":null,"writing":false},{"group":3,"here":"starting","in_sync":[],"io_suspended":null,"leader":null,"min_in_sync":2,"name":"new","placement":[1,3,4],"replicas":[],"role":null,"size":4194304,"term":null,"writing":false}]}"#
         );
     }
 
@@ -229,7 +290,7 @@ mod tests {
     fn a_waiting_node_has_the_same_keys_with_nulls_for_what_it_lacks() {
         assert_eq!(
             StatusJson::new(&waiting_node()).to_string(),
-            r#"{"active":false,"cluster_id":"c1","cluster_uuid":null,"data_address":"127.0.0.1:7103","fence_failures":0,"fence_floor":0,"in_sync":[],"incarnation":"000000001f","io":"flowing","io_suspended":null,"is_self":false,"last_applied":0,"leader":null,"lease_remaining_ms":0,"members":[],"min_in_sync":0,"nbd_address":"","node_id":3,"not_member":"replaced disk: waiting to be re-added (`replica-ha members replace --id 3`)","prev_writer":null,"prev_writer_term":0,"promotions":0,"raft_state":"learner","reads":"refused","reads_refused":"replica not in sync","replicas":[],"role":"follower","scrub":{"done_bytes":0,"found":0,"last_checked_extents":0,"last_finished_unix":null,"last_found":0,"last_repaired":0,"passes":0,"rate_bytes_per_second":0,"repaired":0,"running":false,"total_bytes":0},"security":"insecure","term":0,"volume":"vol0","volume_size":0}"#
+            r#"{"active":false,"cluster_id":"c1","cluster_uuid":null,"data_address":"127.0.0.1:7103","fence_failures":0,"fence_floor":0,"in_sync":[],"incarnation":"000000001f","io":"flowing","io_suspended":null,"is_self":false,"last_applied":0,"leader":null,"lease_remaining_ms":0,"members":[],"min_in_sync":0,"nbd_address":"","node_id":3,"not_member":"replaced disk: waiting to be re-added (`replica-ha members replace --id 3`)","prev_writer":null,"prev_writer_term":0,"promotions":0,"raft_state":"learner","reads":"refused","reads_refused":"replica not in sync","replicas":[],"role":"follower","scrub":{"done_bytes":0,"found":0,"last_checked_extents":0,"last_finished_unix":null,"last_found":0,"last_repaired":0,"passes":0,"rate_bytes_per_second":0,"repaired":0,"running":false,"total_bytes":0},"security":"insecure","term":0,"volume":"vol0","volume_size":0,"volumes":[]}"#
         );
     }
 }

@@ -1,8 +1,9 @@
 //! The one-line summaries of a status reply that the table and the live
-//! view share: I/O, scrub, reads, membership, a rebuild's progress, and
-//! times in UTC. Each says what the node reported and nothing more.
+//! view share: I/O, scrub, reads, membership, a rebuild's progress, times
+//! in UTC, and the volumes, a line each. Each says what the node reported
+//! and nothing more.
 
-use crate::proto::admin::{ReplicaStatus, StatusReply};
+use crate::proto::admin::{ReplicaStatus, StatusReply, VolumeStatus};
 
 /// A node id that is 0 for "none" (no leader, no writer yet) as "-".
 pub(super) fn or_none(id: u64) -> String {
@@ -110,4 +111,64 @@ pub(super) fn resync_progress(r: &ReplicaStatus) -> String {
         r.resync_rate_bytes_per_second / 1048576.0,
         r.resync_eta_seconds
     )
+}
+
+/// The volumes section the table and the live view end with: a line a
+/// volume (its group, writer and term as this node knows them, what this
+/// node is to it, and its copies with their states), then a line for each
+/// rebuild of one of its copies that runs. Empty for a reply without
+/// volumes (from a node of an earlier build).
+pub(super) fn volumes_block(reply: &StatusReply) -> String {
+    if reply.volumes.is_empty() {
+        return String::new();
+    }
+    let mut block = format!(
+        "{:<16} {:>5} {:>6} {:>6}  {:<9}  copies\n",
+        "volume", "group", "writer", "term", "this node"
+    );
+    for volume in &reply.volumes {
+        let term = match volume.term {
+            0 => "-".to_string(),
+            term => term.to_string(),
+        };
+        block.push_str(&format!(
+            "{:<16} {:>5} {:>6} {term:>6}  {:<9}  {}\n",
+            volume.name,
+            volume.group,
+            or_none(volume.leader),
+            this_node(volume),
+            copies(volume)
+        ));
+        for r in volume.replicas.iter().filter(|r| r.resync_running) {
+            let progress = resync_progress(r);
+            block.push_str(&format!("  copy {} of {}: {progress}\n", r.id, volume.name));
+        }
+    }
+    block
+}
+
+/// What this node is to a volume: "writes", "copy" (it holds one and
+/// does not write), "starting" (its copy does not run yet) or "no copy".
+fn this_node(volume: &VolumeStatus) -> &'static str {
+    match volume.here.as_str() {
+        "running" if volume.writing => "writes",
+        "running" => "copy",
+        "starting" => "starting",
+        _ => "no copy",
+    }
+}
+
+/// "1 in_sync, 2 rebuilding, 3 offline" where this node runs the volume;
+/// "on 2, 3, 4" (states unknown here) where it does not.
+fn copies(volume: &VolumeStatus) -> String {
+    if volume.here != "running" {
+        let on: Vec<String> = volume.placement.iter().map(u64::to_string).collect();
+        return format!("on {}", on.join(", "));
+    }
+    let states: Vec<String> = volume
+        .replicas
+        .iter()
+        .map(|r| format!("{} {}", r.id, r.state))
+        .collect();
+    states.join(", ")
 }

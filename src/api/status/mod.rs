@@ -2,8 +2,13 @@
 //! ([`NodeStatus`]) for the admin `Status` RPC, `/metrics` and the health
 //! checks, which only render it.
 //!
-//! Replica states come from the committed Raft control state, so every node
-//! reports the same in-sync set; the active writer adds what only its engine
+//! A node reports its configured volume and each volume of the cluster
+//! group's table, every one it runs read by the same code from its own
+//! parts ([`VolumeProbe`], in `probe.rs`); one it holds no copy of only as
+//! the table records it.
+//!
+//! Replica states come from the volume's group's committed control state,
+//! so every node that runs it reports the same in-sync set; the active writer adds what only its engine
 //! knows (a member that is failing but cannot be dropped is `degraded`).
 //! Fence floors are asked of each replica with a short deadline; an
 //! unreachable one is reported as such, never guessed.
@@ -15,6 +20,7 @@
 
 mod json;
 mod lines;
+mod probe;
 #[cfg(test)]
 mod samples;
 mod table;
@@ -22,28 +28,25 @@ mod watch;
 
 pub use json::StatusJson;
 pub use lines::member_line;
+pub use probe::{Here, TableVolumes, VolumeFigures, VolumeProbe, VolumeReport};
 pub use table::Table;
 pub use watch::Watch;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::Instant;
-
-use crate::ha::{Controller, HaError, ReplicaState, Role};
-use crate::ids::{NodeId, Term};
-use crate::metrics::DeviceMetrics;
+use crate::ha::{Controller, HaError, ReplicaState};
+use crate::ids::{GroupId, NodeId, Term};
 use crate::nbd::NbdStats;
+use crate::raft::RaftCoordinator;
 use crate::raft::coordinator::LogProgress;
-use crate::raft::{RaftCoordinator, WriterRecord};
 use crate::replica::ReplicaInfo;
 use crate::replica::mirror::engine::{Engine, ResizeError};
 use crate::replica::mirror::resync::{Progress, Resyncer};
-use crate::replica::mirror::scrub::{ScrubStatus, Scrubber};
-use crate::replica::mirror::set::ReplicaSet;
-use crate::volume::{Access, Device, DeviceError};
+use crate::replica::mirror::scrub::Scrubber;
+use crate::volume::{Access, Device};
 
 /// How long a status request waits for one replica's fence floor.
 const INFO_TIMEOUT: Duration = Duration::from_millis(300);
@@ -83,15 +86,12 @@ impl NodeFacts {
 pub struct NodeView {
     facts: NodeFacts,
     waiting: Arc<crate::members::Waiting>,
-    coordinator: Arc<RaftCoordinator>,
-    controller: Arc<Controller>,
-    replicas: Arc<ReplicaSet>,
-    resync: Arc<Resyncer>,
-    scrub: Arc<Scrubber>,
+    /// The configured volume (the cluster group's own).
+    volume: VolumeProbe,
     engine: Arc<Engine>,
-    device: Arc<dyn Device>,
-    io: Arc<DeviceMetrics>,
     nbd: Arc<NbdStats>,
+    /// The table's volumes, once the node keeps a table.
+    table: Option<Arc<dyn TableVolumes>>,
 }
 
 /// The parts a [`NodeView`] is made of.
@@ -99,23 +99,15 @@ pub struct NodeParts {
     pub facts: NodeFacts,
     /// Why this node is not a member yet, while it is not (S8).
     pub waiting: Arc<crate::members::Waiting>,
-    pub coordinator: Arc<RaftCoordinator>,
-    pub controller: Arc<Controller>,
-    /// The volume's replicas, this node's own first.
-    pub replicas: Arc<ReplicaSet>,
-    /// The resync of out-of-sync replicas (progress).
-    pub resync: Arc<Resyncer>,
-    /// The writer's scrub of the in-sync copies.
-    pub scrub: Arc<Scrubber>,
+    /// The configured volume's parts, over the cluster group.
+    pub volume: VolumeProbe,
     /// The writer's mirror over the in-sync replicas (for a resize).
     pub engine: Arc<Engine>,
-    /// The data path: the read gate in front of the write gate, counted.
-    /// NBD and admin reads and writes use it.
-    pub device: Arc<dyn Device>,
-    /// The data path's counters.
-    pub io: Arc<DeviceMetrics>,
     /// The NBD server's counters.
     pub nbd: Arc<NbdStats>,
+    /// The table's volumes as this node sees them (none: it reports only
+    /// the configured volume).
+    pub table: Option<Arc<dyn TableVolumes>>,
 }
 
 /// One replica's line in a report.
@@ -247,47 +239,55 @@ pub struct MemberReport {
 #[derive(Debug, Clone)]
 pub struct NodeStatus {
     pub facts: NodeFacts,
-    /// openraft's server state, lower case (`leader`, `follower`, …).
+    /// openraft's server state in the cluster group, lower case
+    /// (`leader`, `follower`, …).
     pub raft_state: String,
-    pub term: Term,
-    pub leader: Option<NodeId>,
-    /// Where the Raft log stands (openraft's figures, for metrics).
+    /// Where the cluster group's Raft log stands (openraft's figures, for
+    /// metrics).
     pub log: LogProgress,
-    /// The index of the last entry the state machine applied: the state
-    /// that `in_sync`, `prev_writer`, `size` and `min_in_sync` are read
-    /// from.
+    /// The index of the last entry the cluster group's state machine
+    /// applied: the state that the configured volume's `in_sync`,
+    /// `prev_writer`, `size` and `min_in_sync` are read from.
     pub applied_index: u64,
-    /// The time left on this node's lease, if it holds one now.
-    pub lease_remaining: Option<Duration>,
     /// The nodes heard from within one lease, this one included.
     pub live: Vec<NodeId>,
-    pub prev_writer: Option<WriterRecord>,
-    pub in_sync: BTreeSet<NodeId>,
-    /// The volume's size and `min_in_sync`: the cluster's recorded ones, or
-    /// this node's configured ones before any were recorded.
-    pub size: u64,
-    pub min_in_sync: usize,
-    pub role: Role,
-    /// Whether a write through this node's gate would pass now.
-    pub gate_open: bool,
-    pub fence_failures: u64,
-    pub promotions: u64,
-    pub replicas: Vec<ReplicaReport>,
-    /// Why this node refuses reads now; `None` while it serves them.
-    pub reads_refused: Option<String>,
     /// Why this node is not a member of the cluster, while it is not (S8).
     pub not_member: Option<String>,
     /// The cluster's uuid, once the first leader drew it.
     pub cluster_uuid: Option<String>,
-    /// Writes held below `min_in_sync` (design C2), and what will end it.
-    pub suspended: Option<SuspendedIo>,
-    /// What this node's scrub has done (all zero unless it has written).
-    pub scrub: ScrubStatus,
-    /// The configured background scrub rate (bytes per second, 0: off).
-    pub scrub_rate: u64,
-    /// The data path's and the NBD server's counters (live).
-    pub io: Arc<DeviceMetrics>,
+    /// The NBD server's counters (live).
     pub nbd: Arc<NbdStats>,
+    /// The configured volume (the cluster group's own).
+    pub own: VolumeFigures,
+    /// Each volume of the table as this node sees it.
+    pub table: Vec<VolumeReport>,
+}
+
+impl NodeStatus {
+    /// The configured volume as a [`VolumeReport`]: group 0, its copies on
+    /// the nodes of its replica set.
+    pub fn own_report(&self) -> VolumeReport {
+        VolumeReport {
+            name: self.facts.volume.clone(),
+            group: GroupId::FIRST,
+            size: self.own.size,
+            min_in_sync: self.own.min_in_sync,
+            placement: self.own.replicas.iter().map(|r| r.id).collect(),
+            figures: Some(self.own.clone()),
+        }
+    }
+
+    /// Every volume this node runs a copy of, by name: the configured one
+    /// first, then the table's.
+    pub fn running(&self) -> Vec<(&str, &VolumeFigures)> {
+        let table = self
+            .table
+            .iter()
+            .filter_map(|v| v.figures.as_ref().map(|f| (v.name.as_str(), f)));
+        std::iter::once((self.facts.volume.as_str(), &self.own))
+            .chain(table)
+            .collect()
+    }
 }
 
 impl NodeView {
@@ -296,15 +296,10 @@ impl NodeView {
         Self {
             facts: parts.facts,
             waiting: parts.waiting,
-            coordinator: parts.coordinator,
-            controller: parts.controller,
-            replicas: parts.replicas,
-            resync: parts.resync,
-            scrub: parts.scrub,
+            volume: parts.volume,
             engine: parts.engine,
-            device: parts.device,
-            io: parts.io,
             nbd: parts.nbd,
+            table: parts.table,
         }
     }
 
@@ -315,7 +310,7 @@ impl NodeView {
 
     /// The data path (read gate, write gate, counters).
     pub fn device(&self) -> &Arc<dyn Device> {
-        &self.device
+        &self.volume.device
     }
 
     /// The NBD server's counters, for the server to update.
@@ -326,7 +321,7 @@ impl NodeView {
     /// Whether a write through this node's gate would pass now: it is the
     /// active writer, fenced and within its lease.
     pub fn is_active_writer(&self) -> bool {
-        self.controller.device().is_writable()
+        self.volume.is_active_writer()
     }
 
     /// Who this node sees writing, in brief: what `WatchLeader` streams.
@@ -337,20 +332,20 @@ impl NodeView {
     /// Where the configured volume's [`LeaderView`] is read.
     pub fn leader_source(&self) -> LeaderSource {
         LeaderSource::new(
-            Arc::clone(&self.coordinator),
-            Arc::clone(&self.controller),
+            Arc::clone(&self.volume.coordinator),
+            Arc::clone(&self.volume.controller),
             self.facts.size,
         )
     }
 
     /// The writer's scrub, for the admin API to ask for a pass.
     pub fn scrubber(&self) -> &Arc<Scrubber> {
-        &self.scrub
+        &self.volume.scrub
     }
 
     /// The writer's resync, for the admin API to ask for a full rebuild.
     pub fn resyncer(&self) -> &Arc<Resyncer> {
-        &self.resync
+        &self.volume.resync
     }
 
     /// Grows the volume to `size` bytes (see [`Engine::resize`]).
@@ -360,78 +355,31 @@ impl NodeView {
 
     /// Hands leadership to node `to` and waits until it leads.
     pub async fn transfer_to(&self, to: NodeId) -> Result<(), HaError> {
-        self.controller.hand_over(to).await
+        self.volume.controller.hand_over(to).await
     }
 
-    /// Everything this node reports now.
+    /// Everything this node reports now: the node, its configured
+    /// volume and the table's volumes, read at once.
     pub async fn status(&self) -> NodeStatus {
-        let mut status = self.snapshot().await;
-        status.suspended = self.suspended(&status.replicas);
-        status
-    }
-
-    /// The writes held below `min_in_sync`, with what will end the wait:
-    /// a rebuild's progress, or a replica coming back.
-    fn suspended(&self, replicas: &[ReplicaReport]) -> Option<SuspendedIo> {
-        let held = self.controller.device().suspension();
-        let since = held.since.filter(|_| held.waiting > 0)?;
-        let rebuilds: Vec<String> = replicas
-            .iter()
-            .filter_map(|r| {
-                let progress = r.resync.filter(|p| p.running)?;
-                let percent = 100 * progress.done / progress.total.max(1);
-                Some(format!("node {}'s rebuild, {percent}%", r.id))
-            })
-            .collect();
-        let until = if rebuilds.is_empty() {
-            "waiting for a replica to answer or come back".to_string()
-        } else {
-            format!("waiting for {}", rebuilds.join(" and "))
+        let raft = self.volume.coordinator.status();
+        let table = async {
+            match &self.table {
+                Some(table) => table.reports().await,
+                None => Vec::new(),
+            }
         };
-        Some(SuspendedIo {
-            waiting: held.waiting,
-            for_how_long: since.elapsed(),
-            why: format!("{}; {until}", held.why),
-        })
-    }
-
-    async fn snapshot(&self) -> NodeStatus {
-        let raft = self.coordinator.status();
-        let controller = self.controller.status();
-        let control = raft.applied.control.clone();
-        let (size, min_in_sync) = match &control.volume {
-            Some(volume) => (
-                control.volume_size().unwrap_or(volume.size),
-                volume.min_in_sync,
-            ),
-            None => (self.facts.size, self.facts.min_in_sync),
-        };
+        let (own, table) = tokio::join!(self.volume.figures(self.facts.id), table);
         NodeStatus {
             facts: self.facts.clone(),
             raft_state: format!("{:?}", raft.state).to_lowercase(),
-            term: raft.term,
-            leader: raft.leader,
-            log: self.coordinator.log_progress(),
+            log: self.volume.coordinator.log_progress(),
             applied_index: raft.applied.last_applied.map_or(0, |id| id.index),
-            lease_remaining: self.lease_remaining(),
-            live: self.coordinator.live_members(),
-            prev_writer: control.writer,
-            in_sync: control.in_sync,
-            size,
-            min_in_sync,
-            role: controller.role,
-            gate_open: self.is_active_writer(),
-            fence_failures: controller.fence_failures,
-            promotions: controller.promotions,
-            replicas: self.replica_reports().await,
-            reads_refused: self.reads_refused(),
+            live: self.volume.coordinator.live_members(),
             not_member: self.not_member(),
-            cluster_uuid: control.uuid.clone(),
-            suspended: None,
-            scrub: self.scrub.status(),
-            scrub_rate: self.scrub.rate(),
-            io: Arc::clone(&self.io),
+            cluster_uuid: raft.applied.control.uuid.clone(),
             nbd: Arc::clone(&self.nbd),
+            own,
+            table,
         }
     }
 
@@ -442,7 +390,7 @@ impl NodeView {
         if let Some(why) = self.waiting.reason() {
             return Some(why);
         }
-        let book = self.coordinator.book();
+        let book = self.volume.coordinator.book();
         let entries = book.entries();
         let named = entries.get(&self.facts.id).map(|e| e.member);
         match named {
@@ -464,10 +412,11 @@ impl NodeView {
     /// Every member of the cluster as this node's membership names it
     /// (empty while this node holds no membership).
     pub fn members(&self) -> Vec<MemberReport> {
-        let live = self.coordinator.live_members();
-        let raft = self.coordinator.status();
+        let coordinator = &self.volume.coordinator;
+        let live = coordinator.live_members();
+        let raft = coordinator.status();
         let in_sync = raft.applied.control.in_sync;
-        self.coordinator
+        coordinator
             .book()
             .entries()
             .into_iter()
@@ -484,72 +433,5 @@ impl NodeView {
                 in_sync: in_sync.contains(&id),
             })
             .collect()
-    }
-
-    /// Why this node refuses reads now, or `None` while it serves them: the
-    /// active writer reads its in-sync replicas; a passive node serves its
-    /// own copy only while that copy is in the committed in-sync set (see
-    /// [`crate::ha::ReadGate`]).
-    fn reads_refused(&self) -> Option<String> {
-        match self.device.access() {
-            Access::Refused(DeviceError::NotInSync) => Some("replica not in sync".into()),
-            Access::Refused(why) => Some(why.to_string()),
-            Access::ReadWrite { .. } | Access::ReadOnly => None,
-        }
-    }
-
-    /// Every replica's state and fence floor, this node's own first.
-    async fn replica_reports(&self) -> Vec<ReplicaReport> {
-        let committed = self.coordinator.state_machine().current().control.in_sync;
-        let engine: Vec<_> = self.controller.status().replicas;
-        let active = self.is_active_writer();
-        let progress = self.resync.progress();
-        let members = self.replicas.members();
-        let infos = futures::future::join_all(members.iter().map(|replica| async move {
-            match tokio::time::timeout(INFO_TIMEOUT, replica.info()).await {
-                Ok(Ok(info)) => Ok(info),
-                Ok(Err(err)) => Err(err.to_string()),
-                Err(_) => Err(format!("no answer within {INFO_TIMEOUT:?}")),
-            }
-        }))
-        .await;
-        let local = self.facts.id;
-        members
-            .iter()
-            .zip(infos)
-            .map(|(replica, info)| {
-                let id = replica.id();
-                let in_sync = committed.contains(&id);
-                let degraded = active
-                    && engine
-                        .iter()
-                        .any(|r| r.id == id && r.state == ReplicaState::Degraded);
-                let resync = progress.get(&id).copied();
-                let rebuilding = active && resync.is_some_and(|p| p.running);
-                let state = match (in_sync, degraded, rebuilding) {
-                    (true, true, _) => ReplicaState::Degraded,
-                    (true, false, _) => ReplicaState::InSync,
-                    (false, _, true) => ReplicaState::Rebuilding,
-                    (false, _, false) => ReplicaState::Offline,
-                };
-                ReplicaReport {
-                    local: id == local,
-                    id,
-                    state,
-                    info,
-                    resync,
-                }
-            })
-            .collect()
-    }
-
-    /// The time left on this node's lease, if it holds one now.
-    fn lease_remaining(&self) -> Option<Duration> {
-        let status = self.coordinator.status();
-        let now = Instant::now();
-        status
-            .lease
-            .filter(|lease| lease.covers(status.term, now))
-            .map(|lease| lease.deadline - now)
     }
 }

@@ -2,11 +2,87 @@
 //! (every optional part present) and one of a node with next to nothing
 //! to say (every optional part absent).
 
-use crate::proto::admin::{ReplicaStatus, StatusReply};
+use crate::proto::admin::{ReplicaStatus, StatusReply, VolumeStatus};
 
 /// A writer with everything to show: a running scrub, held I/O, a replica
-/// rebuilding, one unreachable and one rebuilt earlier.
+/// rebuilding, one unreachable and one rebuilt earlier; and besides the
+/// configured volume, a table volume it holds a copy of (one of whose
+/// copies its replica set lacks), one it holds none of, and one whose
+/// copy here is starting.
 pub(super) fn busy_writer() -> StatusReply {
+    let mut reply = configured_writer();
+    let configured = VolumeStatus {
+        name: reply.volume.clone(),
+        group: 0,
+        size: reply.volume_size,
+        min_in_sync: reply.min_in_sync,
+        placement: vec![1, 2, 3],
+        here: "running".into(),
+        term: reply.term,
+        leader: reply.leader,
+        writing: true,
+        role: reply.role.clone(),
+        in_sync: reply.in_sync.clone(),
+        replicas: reply.replicas.clone(),
+        io_suspended_requests: reply.io_suspended_requests,
+        io_suspended_seconds: reply.io_suspended_seconds,
+        io_suspended_why: reply.io_suspended_why.clone(),
+    };
+    let in_sync = |id: &str, local: bool| ReplicaStatus {
+        id: id.into(),
+        state: "in_sync".into(),
+        local,
+        reachable: true,
+        fence_floor: 3,
+        ..Default::default()
+    };
+    let held_here = VolumeStatus {
+        name: "db".into(),
+        group: 1,
+        size: 4 << 20,
+        min_in_sync: 2,
+        placement: vec![1, 2, 4],
+        here: "running".into(),
+        term: 3,
+        leader: 2,
+        role: "follower".into(),
+        in_sync: vec!["1".into(), "2".into()],
+        replicas: vec![
+            in_sync("1", true),
+            in_sync("2", false),
+            ReplicaStatus {
+                id: "4".into(),
+                state: "missing".into(),
+                ..Default::default()
+            },
+        ],
+        ..Default::default()
+    };
+    let elsewhere = VolumeStatus {
+        name: "logs".into(),
+        group: 2,
+        size: 8 << 20,
+        min_in_sync: 2,
+        placement: vec![2, 3, 4],
+        here: "elsewhere".into(),
+        ..Default::default()
+    };
+    let starting = VolumeStatus {
+        name: "new".into(),
+        group: 3,
+        size: 4 << 20,
+        min_in_sync: 2,
+        placement: vec![1, 3, 4],
+        here: "starting".into(),
+        ..Default::default()
+    };
+    reply.volumes = vec![configured, held_here, elsewhere, starting];
+    reply
+}
+
+/// The busy writer's reply as a node of an earlier build sends it: the
+/// configured volume only, no volumes section.
+pub(super) fn configured_writer() -> StatusReply {
     StatusReply {
         node_id: 1,
         cluster_id: "c1".into(),
@@ -91,6 +167,7 @@ pub(super) fn busy_writer() -> StatusReply {
         member: 77,
         not_member: String::new(),
         cluster_uuid: "5f0c9a1e-0000-4000-8000-000000000001".into(),
+        volumes: Vec::new(),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `replica-ha status`: a status reply as the operator's table, one fact a
-//! row, then one row a replica.
+//! row, then one row a replica of the configured volume, then one row a
+//! volume (the configured one and the table's).
 //!
 //! Tests and scripts read some rows by their names (`role`, `nbd export`,
 //! `membership`, ...), so a row's name and the form of its value stay as
@@ -7,7 +8,9 @@
 
 use std::fmt;
 
-use super::lines::{io_line, member_line, or_none, reads_line, resync_progress, scrub_line};
+use super::lines::{
+    io_line, member_line, or_none, reads_line, resync_progress, scrub_line, volumes_block,
+};
 use crate::proto::admin::StatusReply;
 
 /// The table of one status reply; print it as it is (it ends in a newline).
@@ -105,6 +108,10 @@ impl fmt::Display for Table<'_> {
                 r.id, r.state
             )?;
         }
+        let volumes = volumes_block(reply);
+        if !volumes.is_empty() {
+            write!(f, "\n{volumes}")?;
+        }
         Ok(())
     }
 }
@@ -112,10 +119,10 @@ impl fmt::Display for Table<'_> {
 #[cfg(test)]
 mod tests {
     use super::Table;
-    use crate::api::status::samples::{busy_writer, waiting_node};
+    use crate::api::status::samples::{busy_writer, configured_writer, waiting_node};
 
     #[test]
-    fn the_table_of_a_busy_writer_shows_every_fact_and_replica() {
+    fn the_table_of_a_busy_writer_shows_every_fact_replica_and_volume() {
         assert_eq!(
             Table(&busy_writer()).to_string(),
             r#"node           1
@@ -145,8 +152,24 @@ replica  state       fence floor  dirty  note
 1        in_sync               7      4  this node
 2        rebuilding            7      0   resync 42% (full: 100 of 240 MiB compared, 4 MiB copied, 128 MiB/s, 2 s left)
 3        offline               ?      ?  unreachable: no answer within 300ms last resync copied 3 MiB
+
+volume           group writer   term  this node  copies
+vol0                 0      1      7  writes     1 in_sync, 2 rebuilding, 3 offline
+  copy 2 of vol0: resync 42% (full: 100 of 240 MiB compared, 4 MiB copied, 128 MiB/s, 2 s left)
+db                   1      2      3  copy       1 in_sync, 2 in_sync, 4 missing
+logs                 2      -      -  no copy    on 2, 3, 4
+new                  3      -      -  starting   on 1, 3, 4
 "#
         );
+    }
+
+    #[test]
+    fn a_reply_without_volumes_shows_the_configured_volume_as_before_and_no_volume_rows() {
+        let old = Table(&configured_writer()).to_string();
+        let new = Table(&busy_writer()).to_string();
+        assert!(new.starts_with(&old), "{old}\n---\n{new}");
+        assert!(old.ends_with("last resync copied 3 MiB\n"), "{old}");
+        assert!(!old.contains("this node  copies"), "{old}");
     }
 
     #[test]

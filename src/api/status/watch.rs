@@ -1,5 +1,6 @@
 //! `replica-ha status --watch`: the live view of a node, redrawn from one
-//! status reply a second.
+//! status reply a second: the configured volume and its replicas, then
+//! every volume with its writer, term and copies.
 //!
 //! The write rate is not in a reply: [`Watch`] derives it from the node's
 //! write counters in two successive replies, and forgets the earlier one
@@ -8,7 +9,7 @@
 
 use std::time::Instant;
 
-use super::lines::{io_line, or_none, reads_line, resync_progress, scrub_line, utc};
+use super::lines::{io_line, or_none, reads_line, resync_progress, scrub_line, utc, volumes_block};
 use crate::proto::admin::StatusReply;
 
 /// The state of a live view between two frames: the previous sample of
@@ -100,6 +101,11 @@ fn view(reply: &StatusReply, rate: Option<(f64, f64)>, at_unix: u64) -> String {
             r.state
         ));
     }
+    let volumes = volumes_block(reply);
+    if !volumes.is_empty() {
+        view.push('\n');
+        view.push_str(&volumes);
+    }
     view.push_str("\n(* this node; Ctrl-C to stop)\n");
     view
 }
@@ -115,7 +121,7 @@ mod tests {
     const AT: u64 = 1_796_000_000;
 
     #[test]
-    fn the_first_frame_measures_and_the_next_shows_the_write_rate() {
+    fn the_first_frame_measures_and_the_next_shows_the_write_rate_and_the_volumes() {
         let mut watch = Watch::new();
         let start = Instant::now();
         let mut reply = busy_writer();
@@ -139,6 +145,14 @@ mod tests {
              2        rebuilding            7      0  resync 42% (full: 100 of 240 MiB \
              compared, 4 MiB copied, 128 MiB/s, 2 s left)\n\
              3        offline               ?      ?  unreachable: no answer within 300ms\n\
+             \n\
+             volume           group writer   term  this node  copies\n\
+             vol0                 0      1      7  writes     1 in_sync, 2 rebuilding, 3 offline\n\
+             \x20 copy 2 of vol0: resync 42% (full: 100 of 240 MiB compared, 4 MiB copied, \
+             128 MiB/s, 2 s left)\n\
+             db                   1      2      3  copy       1 in_sync, 2 in_sync, 4 missing\n\
+             logs                 2      -      -  no copy    on 2, 3, 4\n\
+             new                  3      -      -  starting   on 1, 3, 4\n\
              \n\
              (* this node; Ctrl-C to stop)\n"
         );

@@ -27,10 +27,12 @@ use std::path::PathBuf;
 use super::config::{ConfigError, NodeConfig};
 use super::membership;
 use super::tasks::Tasks;
+use crate::api::status::VolumeProbe;
 use crate::ha::Controller;
 use crate::ids::{NodeId, VolumeId};
 use crate::metrics::DeviceMetrics;
 use crate::net::Transport;
+use crate::raft::RaftCoordinator;
 use crate::raft::group::RaftGroup;
 use crate::raft::volume_table::VolumeEntry;
 use crate::replica::disk::store::ReplicaStore;
@@ -157,6 +159,21 @@ impl Volume {
     /// What and where the volume is.
     pub fn site(&self) -> &Site {
         &self.site
+    }
+
+    /// What status reads of the volume, run over `coordinator`'s group.
+    pub fn probe(&self, coordinator: &Arc<RaftCoordinator>) -> VolumeProbe {
+        VolumeProbe {
+            coordinator: Arc::clone(coordinator),
+            controller: Arc::clone(&self.controller),
+            replicas: Arc::clone(&self.replicas),
+            resync: Arc::clone(&self.resync),
+            scrub: Arc::clone(&self.scrub),
+            device: Arc::clone(&self.device),
+            io: Arc::clone(&self.io),
+            size: self.site.spec.size,
+            min_in_sync: self.site.spec.min_in_sync,
+        }
     }
 
     /// Spawns the volume's tasks (see the module docs) over its Raft group
