@@ -34,6 +34,10 @@
 //! applied it; `CreateVolume` and `DeleteVolume` (admin) change it through
 //! the node's [`VolumeChanges`] (see `node::volumes`), on the node that
 //! leads the cluster group: another node answers with its address.
+//! `Resize` (admin) grows the configured volume on its writer (unnamed,
+//! another node refuses; named, it answers with the writer's address), or
+//! a volume of the table through [`VolumeChanges::resize`] on that
+//! volume's writer, which another node names in `redirect`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -190,6 +194,19 @@ pub enum VolumeError {
     /// A step failed; try again.
     #[error("{0}")]
     Failed(String),
+    /// Only the volume's writer resizes it; the node to ask (its writer,
+    /// or one that holds a copy), when one is known.
+    #[error("only volume {name}'s writer resizes it; {}", match .at {
+        Some((node, addr)) => format!("ask node {node} at {addr}"),
+        None => "no writer is known now; ask again".to_string(),
+    })]
+    NotWriter {
+        name: VolumeId,
+        at: Option<(NodeId, String)>,
+    },
+    /// The writer could not grow the volume.
+    #[error(transparent)]
+    Resize(#[from] ResizeError),
 }
 
 /// A volume of the table, and what this node sees of its group.
@@ -216,6 +233,9 @@ pub trait VolumeChanges: Send + Sync {
     async fn create(&self, request: VolumeRequest) -> Result<(VolumeEntry, bool), VolumeError>;
     /// Deletes the volume `name`; `force` even while a client uses it.
     async fn delete(&self, name: VolumeId, force: bool) -> Result<VolumeEntry, VolumeError>;
+    /// Grows the volume `name` to `size` bytes, on its writer, and records
+    /// the size in the table; returns the size served before and after.
+    async fn resize(&self, name: VolumeId, size: u64) -> Result<(u64, u64), VolumeError>;
 }
 
 /// Why a membership change was not made.
@@ -276,6 +296,18 @@ impl AdminService {
     pub fn with_volumes(mut self, volumes: Arc<dyn VolumeChanges>) -> Self {
         self.volumes = Some(volumes);
         self
+    }
+
+    /// The gRPC address of the configured volume's writer, when it is
+    /// another node that this node knows.
+    fn own_writer(&self) -> Option<String> {
+        if self.view.is_active_writer() {
+            return None;
+        }
+        let leader = self.view.leader_source().view().leader?;
+        let members = self.view.members();
+        let writer = members.into_iter().find(|m| m.id == leader)?;
+        (!writer.address.is_empty() && leader != self.view.facts().id).then_some(writer.address)
     }
 
     /// The volume changes, or why this node makes none.
@@ -619,28 +651,49 @@ impl Admin for AdminService {
         Ok(Response::new(ResyncReply {}))
     }
 
-    #[tracing::instrument(skip_all, fields(size = request.get_ref().size))]
+    #[tracing::instrument(skip_all, fields(size = request.get_ref().size, volume = %request.get_ref().volume))]
     async fn resize(
         &self,
         request: Request<ResizeRequest>,
     ) -> Result<Response<ResizeReply>, Status> {
         Caller::of(&request).require_admin("resize the volume")?;
-        let size = request.into_inner().size;
-        let previous = self.view.device().size();
-        let size = self.view.resize(size).await.map_err(|err| match err {
-            ResizeError::Invalid(_) => Status::invalid_argument(err.to_string()),
-            ResizeError::Shrink { .. }
-            | ResizeError::Inactive
-            | ResizeError::Refused { .. }
-            | ResizeError::Replica {
-                cause: ReplicaError::StaleTerm { .. },
+        let ResizeRequest { size, volume } = request.into_inner();
+        let redirect = |redirect| ResizeReply {
+            redirect,
+            ..Default::default()
+        };
+        if volume.is_empty() || volume == self.view.facts().volume {
+            // Named, the configured volume is asked of its writer too.
+            if let Some(writer) = (!volume.is_empty()).then(|| self.own_writer()).flatten() {
+                return Ok(Response::new(redirect(writer)));
+            }
+            let previous = self.view.device().size();
+            let size = self.view.resize(size).await.map_err(resize_status)?;
+            return Ok(Response::new(ResizeReply {
+                previous,
+                size,
+                redirect: String::new(),
+            }));
+        }
+        let changes = self.volume_changes()?;
+        let name = VolumeId(volume);
+        // On a task of its own: a client that goes away does not cut the
+        // commits off between the volume's group and the table.
+        let outcome = tokio::spawn(async move { changes.resize(name, size).await })
+            .await
+            .map_err(|err| Status::internal(format!("resizing the volume failed: {err}")))?;
+        match outcome {
+            Ok((previous, size)) => Ok(Response::new(ResizeReply {
+                previous,
+                size,
+                redirect: String::new(),
+            })),
+            Err(VolumeError::NotWriter {
+                at: Some((_, addr)),
                 ..
-            } => Status::failed_precondition(err.to_string()),
-            ResizeError::Replica { .. }
-            | ResizeError::Missing { .. }
-            | ResizeError::Uncommitted { .. } => Status::unavailable(err.to_string()),
-        })?;
-        Ok(Response::new(ResizeReply { previous, size }))
+            }) => Ok(Response::new(redirect(addr))),
+            Err(err) => Err(volume_status(err)),
+        }
     }
 
     #[tracing::instrument(skip_all, fields(op, id))]
@@ -837,18 +890,40 @@ fn volume_info(entry: &VolumeEntry) -> VolumeInfo {
     }
 }
 
-/// A volume error as a gRPC status (see the proto for the codes).
-fn volume_status(err: VolumeError) -> Status {
+/// A resize error as a gRPC status (see the proto for the codes).
+fn resize_status(err: ResizeError) -> Status {
     let message = err.to_string();
     match err {
-        VolumeError::NotLeader(_) | VolumeError::Failed(_) => Status::unavailable(message),
+        ResizeError::Invalid(_) => Status::invalid_argument(message),
+        ResizeError::Shrink { .. }
+        | ResizeError::Inactive
+        | ResizeError::Refused { .. }
+        | ResizeError::Replica {
+            cause: ReplicaError::StaleTerm { .. },
+            ..
+        } => Status::failed_precondition(message),
+        ResizeError::Replica { .. }
+        | ResizeError::Missing { .. }
+        | ResizeError::Uncommitted { .. } => Status::unavailable(message),
+    }
+}
+
+/// A volume error as a gRPC status (see the proto for the codes).
+pub fn volume_status(err: VolumeError) -> Status {
+    let message = err.to_string();
+    match err {
+        VolumeError::Resize(err) => resize_status(err),
+        VolumeError::NotLeader(_) | VolumeError::Failed(_) | VolumeError::NotWriter { .. } => {
+            Status::unavailable(message)
+        }
         VolumeError::Table(TableError::Exists(_)) | VolumeError::ClusterVolume(_) => {
             Status::already_exists(message)
         }
         VolumeError::Table(TableError::Unknown(_)) => Status::not_found(message),
-        VolumeError::Table(TableError::NoRoom { .. }) | VolumeError::Refused(_) => {
-            Status::failed_precondition(message)
-        }
+        VolumeError::Table(
+            TableError::NoRoom { .. } | TableError::Shrink { .. } | TableError::OtherGroup { .. },
+        )
+        | VolumeError::Refused(_) => Status::failed_precondition(message),
         VolumeError::Table(_) => Status::invalid_argument(message),
     }
 }

@@ -1,11 +1,12 @@
 //! `replica-ha volume`: the cluster's volumes. `list` and `show` read the
 //! volume table as the node asked has applied it; `create` and `delete`
-//! change it on the node that leads the cluster group (the node asked
-//! says where that is, and the command asks there).
+//! change it on the node that leads the cluster group, and `resize` grows
+//! a volume on its writer (the node asked says where that is, and the
+//! command asks there).
 //!
 //! The volume the nodes' config names is the cluster group's own: it is
 //! listed with group 0, cannot be created again or deleted, and grows with
-//! `replica-ha resize`.
+//! `replica-ha resize`, or `volume resize` with its name.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use clap::{Args, Subcommand};
 
 use super::{Admin, ClientTls, failure, usage_error};
 use crate::proto::admin::{
-    VolumeCreateRequest, VolumeDeleteRequest, VolumeInfo, VolumeListRequest,
+    ResizeRequest, VolumeCreateRequest, VolumeDeleteRequest, VolumeInfo, VolumeListRequest,
 };
 
 /// The flags of `replica-ha volume`.
@@ -65,6 +66,18 @@ pub enum VolumeCommand {
         #[arg(value_name = "NAME")]
         volume: String,
     },
+    /// Grow a volume online: its writer grows every in-sync copy, commits
+    /// the new size, and offers it to new NBD connections (connected ones
+    /// keep theirs). A volume never shrinks.
+    Resize {
+        /// The volume's name.
+        #[arg(value_name = "NAME")]
+        volume: String,
+        /// The new size: bytes, or with a unit (KiB, MiB, GiB, TiB); a
+        /// multiple of 512, at least the current size.
+        #[arg(long, value_parser = parse_volume_size)]
+        size: u64,
+    },
     /// Delete a volume: it leaves the table, and every node that held a
     /// copy stops serving it and removes its data.
     Delete {
@@ -78,7 +91,7 @@ pub enum VolumeCommand {
 }
 
 /// A size as the node's config reads one (`32MiB`, `1GiB`, bytes).
-fn parse_volume_size(text: &str) -> Result<u64, String> {
+pub(super) fn parse_volume_size(text: &str) -> Result<u64, String> {
     crate::node::config::parse_size(text).map_err(|e| e.to_string())
 }
 
@@ -112,6 +125,9 @@ pub async fn run(args: VolumeArgs) -> ExitCode {
             volume: name,
             force,
         } => delete(&addr, &tls, VolumeDeleteRequest { name, force }).await,
+        VolumeCommand::Resize { volume, size } => {
+            resize(&addr, &tls, ResizeRequest { size, volume }).await
+        }
     }
 }
 
@@ -204,8 +220,9 @@ fn nodes(placement: &[u64]) -> String {
     ids.join(",")
 }
 
-/// How long a change keeps asking while the cluster group's leader moves
-/// or a leader named went away (an election takes about a second).
+/// How long a change keeps asking while the node to ask (the cluster
+/// group's leader, a volume's writer) moves or one named went away (an
+/// election takes about a second).
 const FOLLOW_LEADER_FOR: Duration = Duration::from_secs(10);
 
 /// How long to wait before asking again after a redirect failed (the
@@ -263,7 +280,9 @@ where
             Err(err) => return failure(format!("{what}: {err}")),
         }
     }
-    failure(format!("{what}: the leadership kept moving; try again"))
+    failure(format!(
+        "{what}: the node to ask kept moving (an election?); try again"
+    ))
 }
 
 /// `volume create`.
@@ -299,6 +318,19 @@ async fn delete(addr: &str, tls: &ClientTls, request: VolumeDeleteRequest) -> Ex
     change(addr, tls, &what, request, |reply| {
         match reply.redirect.is_empty() {
             true => Answer::Done(format!("volume {name} deleted")),
+            false => Answer::AskAt(reply.redirect),
+        }
+    })
+    .await
+}
+
+/// `volume resize`: asks the node, then the writer it names.
+async fn resize(addr: &str, tls: &ClientTls, request: ResizeRequest) -> ExitCode {
+    let what = format!("volume resize {}", request.volume);
+    let volume = format!("volume {}", request.volume);
+    change(addr, tls, &what, request, |reply| {
+        match reply.redirect.is_empty() {
+            true => Answer::Done(super::resize::grown(&volume, &reply)),
             false => Answer::AskAt(reply.redirect),
         }
     })

@@ -6,6 +6,9 @@
 //! asks these before it forms a cluster or waits; see
 //! [`super::formation`]), what its build knows ([`FEATURE_GROUPS`]), and
 //! the free space of its data dir (what placement offers a new volume).
+//! `RecordSize` takes a volume's size from its writer for the volume
+//! table, on the cluster group's leader (see `node::volumes::sizes`); the
+//! sender must be a member and hold a copy of that volume.
 //!
 //! Any node certificate of the cluster (the transport's guard, audience
 //! `Nodes`): a node that waits to be added is no member yet, and must be
@@ -22,15 +25,24 @@ use crate::ids::{MemberId, NodeId};
 use crate::members::MemberBook;
 use crate::net::Caller;
 use crate::proto::node::node_server::{Node, NodeServer};
-use crate::proto::node::{HelloReply, HelloRequest};
+use crate::proto::node::{HelloReply, HelloRequest, RecordSizeReply, RecordSizeRequest};
+
+use super::volumes::VolumeTableChanges;
+use crate::api::admin::{VolumeError, volume_status};
+use crate::ids::{GroupId, VolumeId};
 
 /// The feature bit of a build that runs Raft groups besides group 0 and
 /// applies the cluster group's volume table (see `docs/design.md`): no
 /// volume is created before every member has said it knows them.
 pub const FEATURE_GROUPS: u64 = 1;
 
+/// The feature bit of a build that records a volume's growth in the
+/// volume table (`ResizeVolume`, `Node.RecordSize`): no size is recorded
+/// while a member answers without it.
+pub const FEATURE_SIZES: u64 = 2;
+
 /// The features this build knows.
-pub const FEATURES: u64 = FEATURE_GROUPS;
+pub const FEATURES: u64 = FEATURE_GROUPS | FEATURE_SIZES;
 
 /// Free bytes in the file system that holds `dir`; none when it cannot
 /// tell.
@@ -53,6 +65,8 @@ pub struct HelloService {
     data_dir: Option<std::path::PathBuf>,
     /// The NBD listener's exports, whose clients the reply counts.
     exports: Option<crate::nbd::Exports>,
+    /// The volume table's changes, which record sizes.
+    volumes: Option<Arc<VolumeTableChanges>>,
 }
 
 impl HelloService {
@@ -72,6 +86,24 @@ impl HelloService {
             data,
             data_dir: None,
             exports: None,
+            volumes: None,
+        }
+    }
+
+    /// Records volume sizes through `volumes` when asked.
+    pub fn with_volumes(mut self, volumes: Arc<VolumeTableChanges>) -> Self {
+        self.volumes = Some(volumes);
+        self
+    }
+
+    /// Refuses a request of another cluster.
+    fn check_cluster(&self, cluster_id: &str, what: &str) -> Result<(), Status> {
+        match cluster_id == self.cluster_id {
+            true => Ok(()),
+            false => Err(Status::failed_precondition(format!(
+                "{what} of cluster {cluster_id:?}, this node belongs to {:?}",
+                self.cluster_id
+            ))),
         }
     }
 
@@ -105,12 +137,7 @@ impl Node for HelloService {
     async fn hello(&self, request: Request<HelloRequest>) -> Result<Response<HelloReply>, Status> {
         let caller = Caller::of(&request);
         let request = request.into_inner();
-        if request.cluster_id != self.cluster_id {
-            return Err(Status::failed_precondition(format!(
-                "hello of cluster {:?}, this node belongs to {:?}",
-                request.cluster_id, self.cluster_id
-            )));
-        }
+        self.check_cluster(&request.cluster_id, "hello")?;
         let asker = NodeId(request.from);
         caller.check_claim(asker)?;
         let waiting = crate::ids::MemberId(request.waiting_member);
@@ -131,5 +158,41 @@ impl Node for HelloService {
                 false => self.sessions_of(&request.sessions_of),
             },
         }))
+    }
+
+    #[tracing::instrument(name = "record_size", skip_all, fields(node = %self.id))]
+    async fn record_size(
+        &self,
+        request: Request<RecordSizeRequest>,
+    ) -> Result<Response<RecordSizeReply>, Status> {
+        let caller = Caller::of(&request);
+        let request = request.into_inner();
+        self.check_cluster(&request.cluster_id, "a size")?;
+        let from = NodeId(request.from);
+        caller.check_claim(from)?;
+        if !self.book.entries().contains_key(&from) {
+            return Err(Status::permission_denied(format!(
+                "node {from} is not a member"
+            )));
+        }
+        let Some(volumes) = self.volumes.clone() else {
+            return Err(Status::unimplemented("this node keeps no volume table"));
+        };
+        let (name, group) = (VolumeId(request.volume), GroupId(request.group));
+        // On a task of its own: the commit is not cut off half-way.
+        let recorded =
+            tokio::spawn(async move { volumes.accept(from, name, group, request.size).await })
+                .await
+                .map_err(|err| Status::internal(format!("recording the size failed: {err}")))?;
+        match recorded {
+            Ok(size) => Ok(Response::new(RecordSizeReply {
+                size,
+                redirect: String::new(),
+            })),
+            Err(VolumeError::NotLeader(Some((_, redirect)))) => {
+                Ok(Response::new(RecordSizeReply { size: 0, redirect }))
+            }
+            Err(err) => Err(volume_status(err)),
+        }
     }
 }

@@ -44,6 +44,7 @@ use crate::raft::group::RaftGroup;
 use crate::raft::network::{PeerBook, ServedGroups};
 use crate::raft::volume_table::VolumeEntry;
 use crate::raft::{MemberNode, RaftCoordinator, RaftDb};
+use crate::replica::mirror::engine::Engine;
 use crate::replica::serve::stores::{OnFenced, Stores};
 
 /// How often the table's volumes are checked even without a change.
@@ -65,6 +66,9 @@ pub struct HostedView {
     pub term: u64,
     /// Whether this node is the volume's active writer now (its gate open).
     pub writing: bool,
+    /// The size its group committed, as this node applied it (none before
+    /// its config is fixed): what its writer serves.
+    pub size: Option<u64>,
 }
 
 impl HostedVolumes {
@@ -80,6 +84,7 @@ impl HostedVolumes {
                     leader: metrics.current_leader.map(MemberId::node),
                     term: metrics.current_term,
                     writing: hosted.volume.controller.device().is_writable(),
+                    size: committed_size(&hosted.group),
                 };
                 (id.clone(), view)
             })
@@ -131,6 +136,14 @@ impl HostedVolumes {
                 (id.clone(), (hosted.group.id, probe))
             })
             .collect()
+    }
+
+    /// Volume `id`'s engine, while this node runs it as of group `group`
+    /// (what grows it: see `node::volumes::sizes`).
+    pub async fn engine(&self, id: &VolumeId, group: GroupId) -> Option<Arc<Engine>> {
+        let table = self.0.lock().await;
+        let hosted = table.get(id).filter(|hosted| hosted.group.id == group)?;
+        Some(Arc::clone(&hosted.volume.engine))
     }
 
     /// Where volume `id`'s writer is read, while this node runs it: its
@@ -433,7 +446,11 @@ async fn start_volume(
     addresses: &BTreeMap<NodeId, String>,
     group: &RaftGroup,
 ) -> Result<Volume, NodeError> {
-    let site = Site::of_table(&parts.config, entry, addresses);
+    let mut site = Site::of_table(&parts.config, entry, addresses);
+    // The table records a size only after the group committed it, so the
+    // group's may be larger (a resize whose recording in the table did
+    // not finish yet): the volume starts at that one.
+    site.spec.size = site.spec.size.max(committed_size(group).unwrap_or(0));
     let formed = group.raft.is_initialized().await.map_err(failed)?;
     if formed && !site.dir.exists() {
         return Err(ConfigError(format!(
@@ -474,6 +491,16 @@ async fn start_volume(
         exports.insert(Arc::new(Export::new(&entry.id.0, description, device)));
     }
     Ok(volume)
+}
+
+/// The volume size `group` committed, as this node applied it.
+fn committed_size(group: &RaftGroup) -> Option<u64> {
+    group
+        .coordinator
+        .state_machine()
+        .current()
+        .control
+        .volume_size()
 }
 
 /// Forms `entry`'s group with its founders (forming it on several founders

@@ -263,6 +263,7 @@ impl Node {
             "gRPC health",
             report_health(grpc.health.clone(), Arc::clone(&view)),
         );
+        tasks.spawn("volume sizes", Arc::clone(&grpc.volumes).record_sizes());
         spawn_background(
             &mut tasks,
             &config,
@@ -565,6 +566,8 @@ struct GrpcServer {
     /// The stores the data listener serves, by volume: the node adds and
     /// removes volumes here as it opens and drops their copies.
     stores: Stores,
+    /// The volume table's changes (the admin API's and `Node`'s).
+    volumes: Arc<volumes::VolumeTableChanges>,
 }
 
 /// The servers: on the gRPC listener, Raft and `Node` for members, admin
@@ -585,21 +588,23 @@ fn serve_grpc(
 ) -> Result<GrpcServer, NodeError> {
     let (stop_server, stopped) = watch::channel(false);
     let facts = view.facts();
-    let volumes = volumes::VolumeTableChanges::new(
-        Arc::clone(&raft.cluster.coordinator),
-        transport.clone(),
-        facts.cluster_id.clone(),
-        facts.data_dir.clone(),
-        facts.peers.clone(),
-        hosted.clone(),
-    )
-    .with_own_writer({
-        let view = Arc::clone(view);
-        move || view.is_active_writer()
-    });
+    let volumes = Arc::new(
+        volumes::VolumeTableChanges::new(
+            Arc::clone(&raft.cluster.coordinator),
+            transport.clone(),
+            facts.cluster_id.clone(),
+            facts.data_dir.clone(),
+            facts.peers.clone(),
+            hosted.clone(),
+        )
+        .with_own_writer({
+            let view = Arc::clone(view);
+            move || view.is_active_writer()
+        }),
+    );
     let admin = AdminService::new(Arc::clone(view))
         .with_membership(Arc::clone(members) as Arc<dyn crate::api::admin::MembersChanges>)
-        .with_volumes(Arc::new(volumes))
+        .with_volumes(Arc::clone(&volumes) as Arc<dyn crate::api::admin::VolumeChanges>)
         .with_writers(Arc::clone(writers));
     let (health, health_service) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
@@ -613,7 +618,8 @@ fn serve_grpc(
         Arc::clone(raft.cluster.peers.book()),
     )
     .with_data_dir(&facts.data_dir)
-    .with_exports(exports.cloned());
+    .with_exports(exports.cloned())
+    .with_volumes(Arc::clone(&volumes));
     // The data listener serves every volume of `stores`; today the one
     // this node holds, whose fence tells its own controller to step down.
     let stores = Stores::new(facts.cluster_id.clone());
@@ -669,6 +675,7 @@ fn serve_grpc(
         tasks: [control, data],
         health,
         stores,
+        volumes,
     })
 }
 

@@ -18,6 +18,11 @@
 //!    applying it places the copies and records the founders
 //!    ([`crate::raft::volume_table`]), the same on every node. A client
 //!    that asks again gets the same volume (idempotent by name).
+//!
+//! Growth (`volume resize`) runs on the volume's writer and is recorded in
+//! the table by the cluster group's leader: see [`sizes`].
+
+mod sizes;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -26,7 +31,7 @@ use std::time::Duration;
 
 use openraft::ServerState;
 
-use super::hello::{FEATURE_GROUPS, free_bytes};
+use super::hello::{FEATURE_GROUPS, FEATURES, free_bytes};
 use super::host::HostedVolumes;
 use crate::api::admin::{VolumeChanges, VolumeError, VolumeState};
 use crate::ha::HaError;
@@ -115,6 +120,14 @@ impl VolumeTableChanges {
             .collect()
     }
 
+    /// Every voter's gRPC address, by node (see [`Self::members`]).
+    fn addresses(&self) -> BTreeMap<NodeId, String> {
+        let members = self.members().into_iter();
+        members
+            .map(|(member, addr)| (member.node(), addr))
+            .collect()
+    }
+
     /// The term this node leads the cluster group in, or who leads it.
     /// While no leader is known (an election), waits up to
     /// [`ELECTION_WAIT`] for one.
@@ -151,33 +164,8 @@ impl VolumeTableChanges {
             .control
             .volumes
             .is_empty();
-        let me = self.cluster.member();
-        let asks = members.iter().map(|(member, addr)| async move {
-            if *member == me {
-                return (*member, Ok((FEATURE_GROUPS, free_bytes(&self.data_dir))));
-            }
-            let reply = hello(
-                &self.transport,
-                &self.cluster_id,
-                me.node(),
-                member.node(),
-                addr,
-                OFFER_TIMEOUT,
-            )
-            .await;
-            let answer = reply.map_err(|err| err.to_string()).and_then(|reply| {
-                match MemberId(reply.member) == *member {
-                    true => Ok((reply.features, Some(reply.free_bytes))),
-                    false => Err(format!(
-                        "it runs as {}, not as the member {member} the cluster names",
-                        MemberId(reply.member)
-                    )),
-                }
-            });
-            (*member, answer)
-        });
         let mut offers = Vec::new();
-        for (member, answer) in futures::future::join_all(asks).await {
+        for (member, answer) in self.answers(members).await {
             let free = match answer {
                 Ok((features, _)) if features & FEATURE_GROUPS == 0 => {
                     return Err(VolumeError::Refused(format!(
@@ -202,6 +190,40 @@ impl VolumeTableChanges {
             offers.push(Offer { member, free });
         }
         Ok(offers)
+    }
+
+    /// What each of `members` says of itself (`Node.Hello`): the features
+    /// its build knows and its free bytes, or why it did not answer.
+    async fn answers(
+        &self,
+        members: &BTreeMap<MemberId, String>,
+    ) -> Vec<(MemberId, Result<(u64, Option<u64>), String>)> {
+        let me = self.cluster.member();
+        let asks = members.iter().map(|(member, addr)| async move {
+            if *member == me {
+                return (*member, Ok((FEATURES, free_bytes(&self.data_dir))));
+            }
+            let reply = hello(
+                &self.transport,
+                &self.cluster_id,
+                me.node(),
+                member.node(),
+                addr,
+                OFFER_TIMEOUT,
+            )
+            .await;
+            let answer = reply.map_err(|err| err.to_string()).and_then(|reply| {
+                match MemberId(reply.member) == *member {
+                    true => Ok((reply.features, Some(reply.free_bytes))),
+                    false => Err(format!(
+                        "it runs as {}, not as the member {member} the cluster names",
+                        MemberId(reply.member)
+                    )),
+                }
+            });
+            (*member, answer)
+        });
+        futures::future::join_all(asks).await
     }
 
     /// Refuses to delete `entry` while a node that holds a copy serves it
@@ -387,6 +409,10 @@ impl VolumeChanges for VolumeTableChanges {
         response
             .volume
             .ok_or_else(|| VolumeError::Failed("the table returned no volume".into()))
+    }
+
+    async fn resize(&self, name: VolumeId, size: u64) -> Result<(u64, u64), VolumeError> {
+        self.grow(name, size).await
     }
 }
 

@@ -86,7 +86,7 @@ use std::io::Cursor;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::VolumeId;
+use crate::ids::{GroupId, VolumeId};
 use crate::volume::VolumeSpec;
 use volume_table::{Offer, VolumeEntry, VolumeRequest, VolumeTable};
 
@@ -199,6 +199,18 @@ pub enum Request {
     DeleteVolume {
         /// Its name.
         name: VolumeId,
+    },
+    /// Records in the cluster group's table that volume `name` of group
+    /// `group` grew to `size` bytes, once its own group committed that
+    /// size ([`Request::Resize`] there). Refused for another group's
+    /// volume of that name, and below the recorded size.
+    ResizeVolume {
+        /// Its name.
+        name: VolumeId,
+        /// Its group.
+        group: GroupId,
+        /// The size its group committed.
+        size: u64,
     },
 }
 
@@ -356,6 +368,15 @@ impl ControlState {
                     Err(err) => Some(err.to_string()),
                 },
             },
+            Request::ResizeVolume { name, group, size } => {
+                match self.volumes.grow(name, *group, *size) {
+                    Ok(entry) => {
+                        volume = Some(entry.clone());
+                        None
+                    }
+                    Err(err) => Some(err.to_string()),
+                }
+            }
         };
         Response {
             applied: refused.is_none(),
@@ -375,7 +396,6 @@ impl ControlState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::GroupId;
 
     fn volume(size: u64) -> VolumeSpec {
         VolumeSpec::new("c", "v", size, 2)
@@ -592,7 +612,23 @@ mod tests {
         assert_eq!(entry.founders.len(), 3);
         let again = state.apply(&create("db"));
         assert!(again.applied && !again.created, "idempotent by name");
-        assert_eq!(again.volume, Some(entry));
+        assert_eq!(again.volume, Some(entry.clone()));
+        // A size its group committed is recorded; the group's own volume
+        // is no entry of the table.
+        let grow = |name: &str, size| Request::ResizeVolume {
+            name: VolumeId(name.into()),
+            group: entry.group,
+            size,
+        };
+        let grown = state.apply(&grow("db", 2 << 30));
+        assert_eq!(grown.volume.map(|v| v.size), Some(2 << 30));
+        assert!(!state.apply(&grow("db", 1 << 30)).applied, "never shrinks");
+        assert!(!state.apply(&grow("v", 1 << 30)).applied);
+        let text = r#"{"ResizeVolume":{"name":"db","group":1,"size":4096}}"#;
+        assert!(matches!(
+            serde_json::from_str::<Request>(text).unwrap(),
+            Request::ResizeVolume { size: 4096, .. }
+        ));
         let own = state.apply(&Request::DeleteVolume {
             name: VolumeId("v".into()),
         });

@@ -8,7 +8,11 @@
 //!   letters, digits, `-`, `_` and `.`, beginning with a letter or digit.
 //!   `@` is never allowed: `VOL@SNAP` names a snapshot's export.
 //! - **Sizes** are positive multiples of 512 bytes, at most
-//!   [`MAX_VOLUME_SIZE`].
+//!   [`MAX_VOLUME_SIZE`]. A volume only grows ([`VolumeTable::check_growth`],
+//!   [`VolumeTable::grow`]), and the table records a size only after the
+//!   volume's own group committed it (see `node::volumes::sizes`): the
+//!   group's committed size is what is served; the table's follows it and
+//!   is never larger.
 //! - **Copies**: from 1 to the number of nodes; `min_in_sync` from 1 to
 //!   the copy count.
 //! - **Creation is idempotent by name**: creating a volume that exists
@@ -145,6 +149,32 @@ pub enum TableError {
     /// No volume of that name.
     #[error("no volume {0}")]
     Unknown(VolumeId),
+    /// A volume only grows.
+    #[error(
+        "volume {name} is {now} bytes; it cannot shrink to {asked} bytes (a volume only grows: \
+         copy the data to a smaller volume instead)"
+    )]
+    Shrink {
+        name: VolumeId,
+        now: u64,
+        asked: u64,
+    },
+    /// The volume of that name has another group now (deleted and created
+    /// again): what was asked of the old one does not apply to it.
+    #[error("volume {name} is of group {now} now, not of group {asked}")]
+    OtherGroup {
+        name: VolumeId,
+        now: GroupId,
+        asked: GroupId,
+    },
+}
+
+/// Checks that `size` is a size a volume may have (see the module docs).
+pub fn check_size(size: u64) -> Result<u64, TableError> {
+    match size == 0 || size % 512 != 0 || size > MAX_VOLUME_SIZE {
+        true => Err(TableError::BadSize(size)),
+        false => Ok(size),
+    }
 }
 
 /// Checks `name` against the naming rules (see the module docs).
@@ -248,10 +278,7 @@ impl VolumeTable {
                 false => Err(TableError::Exists(id)),
             };
         }
-        let size = request.size;
-        if size == 0 || size % 512 != 0 || size > MAX_VOLUME_SIZE {
-            return Err(TableError::BadSize(size));
-        }
+        let size = check_size(request.size)?;
         if request.copies == 0 || request.copies > offers.len() {
             return Err(TableError::BadCopies {
                 copies: request.copies,
@@ -291,6 +318,51 @@ impl VolumeTable {
         self.volumes
             .remove(id)
             .ok_or_else(|| TableError::Unknown(id.clone()))
+    }
+
+    /// The volume `id`, if a growth to `size` bytes is one it may make:
+    /// a size a volume may have, at least the one the table records (the
+    /// same size again is no change, and allowed).
+    pub fn check_growth(&self, id: &VolumeId, size: u64) -> Result<&VolumeEntry, TableError> {
+        let entry = self
+            .volumes
+            .get(id)
+            .ok_or_else(|| TableError::Unknown(id.clone()))?;
+        check_size(size)?;
+        match size < entry.size {
+            true => Err(TableError::Shrink {
+                name: id.clone(),
+                now: entry.size,
+                asked: size,
+            }),
+            false => Ok(entry),
+        }
+    }
+
+    /// Records that volume `id` of group `group` grew to `size` bytes (its
+    /// group committed it). Refused for another group's volume of that
+    /// name, and below the recorded size; the same size again changes
+    /// nothing. Returns the entry afterwards.
+    pub fn grow(
+        &mut self,
+        id: &VolumeId,
+        group: GroupId,
+        size: u64,
+    ) -> Result<&VolumeEntry, TableError> {
+        let now = self.check_growth(id, size)?.group;
+        if now != group {
+            return Err(TableError::OtherGroup {
+                name: id.clone(),
+                now,
+                asked: group,
+            });
+        }
+        let entry = self
+            .volumes
+            .get_mut(id)
+            .ok_or_else(|| TableError::Unknown(id.clone()))?;
+        entry.size = size;
+        Ok(entry)
     }
 
     /// The volume `id`, if the table has it.
@@ -465,6 +537,41 @@ mod tests {
         let refused = table.create(&request("v", 200 * GIB, 3), &cluster);
         assert!(matches!(refused, Err(TableError::NoRoom { fit: 0, .. })));
         assert_eq!(table, VolumeTable::default());
+    }
+
+    #[test]
+    fn a_volume_grows_only_in_its_own_group_and_never_shrinks() {
+        let mut table = VolumeTable::default();
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100)]);
+        table.create(&request("db", GIB, 3), &cluster).unwrap();
+        let db = VolumeId("db".into());
+        let group = FIRST_NEW_GROUP;
+        // Refusals, each with its own error, changing nothing.
+        let refused = |table: &mut VolumeTable, name: &str, group, size| {
+            table.grow(&VolumeId(name.into()), group, size).unwrap_err()
+        };
+        assert_eq!(
+            refused(&mut table, "zz", group, 2 * GIB),
+            TableError::Unknown(VolumeId("zz".into()))
+        );
+        for size in [0, 2 * GIB + 1000, MAX_VOLUME_SIZE + 512] {
+            assert_eq!(
+                refused(&mut table, "db", group, size),
+                TableError::BadSize(size)
+            );
+        }
+        let shrink = refused(&mut table, "db", group, GIB / 2);
+        assert!(shrink.to_string().contains("cannot shrink"), "{shrink}");
+        let other = refused(&mut table, "db", GroupId(9), 2 * GIB);
+        assert!(matches!(other, TableError::OtherGroup { .. }), "{other}");
+        assert_eq!(table.get(&db).unwrap().size, GIB);
+        // The same size is no change; a larger one is recorded, and up to
+        // the largest volume is allowed.
+        assert_eq!(table.grow(&db, group, GIB).unwrap().size, GIB);
+        assert_eq!(table.grow(&db, group, 2 * GIB).unwrap().size, 2 * GIB);
+        assert!(table.check_growth(&db, 2 * GIB).is_ok());
+        assert!(table.check_growth(&db, MAX_VOLUME_SIZE).is_ok());
+        assert_eq!(table.get(&db).unwrap().size, 2 * GIB);
     }
 
     #[test]
