@@ -231,12 +231,20 @@ impl Cluster {
     /// A raw client of node `id`'s block channel, with node `id`'s own
     /// credentials, naming the node's incarnation as it is now (S8).
     pub async fn block_client(&self, id: u64) -> super::blocks::BlockClient {
+        self.copy_client(id, "vol0", 0).await
+    }
+
+    /// [`Cluster::block_client`] for node `id`'s copy of volume `name` of
+    /// Raft group `group` (a table volume's; `"vol0"`, 0: the configured
+    /// one).
+    pub async fn copy_client(&self, id: u64, name: &str, group: u64) -> super::blocks::BlockClient {
         let incarnation = self.volume_ref(id).await.incarnation;
-        super::blocks::BlockClient::connect(
+        super::blocks::BlockClient::connect_to(
             &self.node_transport(id),
             &self.data_addrs[&id].to_string(),
             replica_ha::net::Expect::Node(replica_ha::ids::NodeId(id)),
             &self.cluster_id,
+            (name, replica_ha::ids::GroupId(group)),
             incarnation,
         )
         .await
@@ -540,15 +548,25 @@ impl Cluster {
     /// cluster's volume, in the incarnation of node `id`'s data dir (S8).
     /// Waits (up to 10 s) for the node to answer.
     pub async fn volume_ref(&self, id: u64) -> replica_ha::proto::replica::VolumeRef {
+        // The configured volume: the cluster group's.
+        self.volume_ref_of(id, "vol0", 0).await
+    }
+
+    /// [`Cluster::volume_ref`] for volume `name` of Raft group `group`.
+    pub async fn volume_ref_of(
+        &self,
+        id: u64,
+        name: &str,
+        group: u64,
+    ) -> replica_ha::proto::replica::VolumeRef {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(status) = self.status(id).await {
                 return replica_ha::proto::replica::VolumeRef {
                     cluster_id: self.cluster_id.clone(),
-                    volume: "vol0".into(),
+                    volume: name.into(),
                     incarnation: status.incarnation,
-                    // The configured volume: the cluster group's.
-                    group: 0,
+                    group,
                 };
             }
             assert!(
