@@ -8,7 +8,10 @@
 //! - a write to one volume lands only in that volume's copies, and a new
 //!   writer's fence of one volume raises only that volume's floors (S2,
 //!   S3 per volume: a floor is checked against the terms of its own group
-//!   only).
+//!   only);
+//! - a copy moved to another node (`volume move`) is rebuilt there before
+//!   the old one leaves, also when the old one's node writes the volume;
+//!   and a replaced disk's new incarnation gets its copies back.
 
 mod common;
 
@@ -394,12 +397,15 @@ async fn a_volume_writes_on_without_error_or_new_term_while_another_volumes_writ
 /// (a busy machine can cost a writer its lease), it fills again through
 /// the next one, as a client that follows the writer would.
 async fn fill(cluster: &Cluster, name: &str, len: u64, byte: u8) {
+    fill_among(cluster, &[1, 2, 3], name, len, byte).await
+}
+
+/// [`fill`], with the writer agreed among the nodes `among`.
+async fn fill_among(cluster: &Cluster, among: &[u64], name: &str, len: u64, byte: u8) {
     let data = Bytes::from(vec![byte; CHUNK as usize]);
     let mut tries = 3;
     loop {
-        let writer = wait_writer(cluster, &[1, 2, 3], name, |_| true)
-            .await
-            .leader;
+        let writer = wait_writer(cluster, among, name, |_| true).await.leader;
         let mut conn = open(cluster, writer, name).await;
         let mut done = Ok(());
         for offset in (0..len).step_by(CHUNK as usize) {
@@ -513,5 +519,173 @@ async fn a_write_to_one_volume_never_lands_in_another_and_its_fence_leaves_the_o
             "node {id}'s copy of a holds {:?}",
             runs(&image)
         );
+    }
+}
+
+/// What node `id` sees of a move of volume `name`'s copy from node `from`
+/// to node `to`, in one status reply: whether `from`'s copy has left the
+/// volume's replica set (its member left the group), and whether `to`'s
+/// is in the in-sync set; `None` if the node does not answer.
+async fn move_seen(
+    cluster: &Cluster,
+    id: u64,
+    name: &str,
+    from: u64,
+    to: u64,
+) -> Option<(bool, bool)> {
+    let status = cluster.status(id).await?;
+    let volume = status.volumes.into_iter().find(|v| v.name == name)?;
+    let from_id = from.to_string();
+    let left = !volume
+        .replicas
+        .iter()
+        .any(|r| r.id == from_id && r.state != "missing");
+    let in_sync = volume.in_sync.contains(&to.to_string());
+    Some((left, in_sync))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_copy_is_rebuilt_before_the_old_one_leaves_even_from_the_writers_node() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let mut cluster = Cluster::start_with(4, &["--size", "16MiB", "--balance-interval", "0"]).await;
+    cluster.wait_for_leader(&[1, 2, 3, 4], WAIT).await;
+    let len = 4 * CHUNK;
+    create(&cluster, &["m"], "4MiB").await;
+    let deadline = Instant::now() + WAIT;
+    let info = loop {
+        if let Some(info) = listed(&cluster, 1, "m").await {
+            break info;
+        }
+        assert!(Instant::now() < deadline, "volume m not listed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (placement, group) = (info.placement.clone(), info.group);
+    let from = wait_writer(&cluster, &placement, "m", |_| true)
+        .await
+        .leader;
+    let to = (1..=4).find(|id| !placement.contains(id)).unwrap();
+    fill_among(&cluster, &placement, "m", len, 0x33).await;
+
+    // The writer's own copy moves, asked of the node that gets it.
+    let (ok, out, err) = cluster
+        .cli(
+            to,
+            &[
+                "volume",
+                "move",
+                "m",
+                "--from",
+                &from.to_string(),
+                "--to",
+                &to.to_string(),
+            ],
+        )
+        .await;
+    assert!(ok, "volume move: {out} {err}");
+    let mut moved: Vec<u64> = placement.iter().copied().filter(|id| *id != from).collect();
+    moved.push(to);
+    moved.sort();
+    assert!(
+        out.contains(&format!(
+            "nodes        {}",
+            moved
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )),
+        "{out}"
+    );
+
+    // The old copy goes only once the new one is in sync: on every node
+    // that stays, at every look, the old copy's member has not left the
+    // group unless the new copy is in sync; until the old node removed
+    // its copy.
+    let stay: Vec<u64> = placement.iter().copied().filter(|id| *id != from).collect();
+    let old = cluster
+        .data_dir(from)
+        .join("volumes")
+        .join(format!("{group}-m"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut left_seen = false;
+    loop {
+        for id in &stay {
+            if let Some((left, in_sync)) = move_seen(&cluster, *id, "m", from, to).await {
+                assert!(
+                    !left || in_sync,
+                    "node {id} sees node {from}'s copy gone and node {to}'s not in sync"
+                );
+                left_seen |= left;
+            }
+        }
+        if left_seen && !old.exists() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {from}'s copy of m is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let image = copy_image(&cluster, to, "m", group, len).await;
+    assert!(
+        image.iter().all(|b| *b == 0x33),
+        "node {to}'s copy: {:?}",
+        runs(&image)
+    );
+
+    // The volume writes on among its new copies, every one of them.
+    fill_among(&cluster, &moved, "m", len, 0x44).await;
+    for id in &moved {
+        let image = copy_image(&cluster, *id, "m", group, len).await;
+        assert!(
+            image.iter().all(|b| *b == 0x44),
+            "node {id}'s copy: {:?}",
+            runs(&image)
+        );
+    }
+    let writer = wait_writer(&cluster, &moved, "m", |_| true).await.leader;
+    assert_ne!(writer, from);
+
+    // A disk of the new placement is replaced: once the cluster names the
+    // node's new incarnation, the volume's group swaps it in too, and its
+    // empty copy is rebuilt in full.
+    let replaced = moved.iter().copied().find(|id| *id != writer).unwrap();
+    cluster.kill(replaced);
+    cluster.wipe(replaced);
+    cluster.spawn(replaced);
+    cluster
+        .wait_status(replaced, WAIT, "waiting to be re-added", |s| {
+            s.not_member.contains("replaced disk")
+        })
+        .await;
+    let others: Vec<u64> = (1..=4).filter(|id| *id != replaced).collect();
+    let (cluster_writer, _) = cluster.wait_for_writer(&others, WAIT).await;
+    let (ok, out, err) = cluster
+        .cli(
+            cluster_writer,
+            &["members", "replace", "--id", &replaced.to_string()],
+        )
+        .await;
+    assert!(ok, "members replace: {out} {err}");
+    cluster
+        .wait_status(replaced, WAIT, "running its copy of m", |s| {
+            s.volumes
+                .iter()
+                .any(|v| v.name == "m" && v.here == "running")
+        })
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let image = copy_image(&cluster, replaced, "m", group, len).await;
+        if image.iter().all(|b| *b == 0x44) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {replaced}'s new copy of m was not rebuilt: {:?}",
+            runs(&image)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -57,7 +57,8 @@ use crate::proto::admin::{
     ReadReply, ReadRequest, ReplicaStatus, ResizeReply, ResizeRequest, ResyncReply, ResyncRequest,
     ScrubReply, ScrubRequest, StatusReply, StatusRequest, TransferReply, TransferRequest,
     VolumeCreateReply, VolumeCreateRequest, VolumeDeleteReply, VolumeDeleteRequest, VolumeInfo,
-    VolumeListReply, VolumeListRequest, VolumeStatus, WatchLeaderRequest, WriteReply, WriteRequest,
+    VolumeListReply, VolumeListRequest, VolumeMoveReply, VolumeMoveRequest, VolumeStatus,
+    WatchLeaderRequest, WriteReply, WriteRequest,
 };
 use crate::raft::volume_table::{TableError, VolumeEntry, VolumeRequest};
 use crate::replica::ReplicaError;
@@ -236,6 +237,14 @@ pub trait VolumeChanges: Send + Sync {
     /// Grows the volume `name` to `size` bytes, on its writer, and records
     /// the size in the table; returns the size served before and after.
     async fn resize(&self, name: VolumeId, size: u64) -> Result<(u64, u64), VolumeError>;
+    /// Moves the volume `name`'s copy from node `from` to node `to` in the
+    /// table; returns the entry as it is then.
+    async fn move_copy(
+        &self,
+        name: VolumeId,
+        from: NodeId,
+        to: NodeId,
+    ) -> Result<VolumeEntry, VolumeError>;
 }
 
 /// Why a membership change was not made.
@@ -786,7 +795,7 @@ impl Admin for AdminService {
                     .map(|m| m.address.clone())
                     .ok_or_else(|| {
                         Status::unavailable(format!(
-                            "node {writer} writes volume {name}, but this node knows no address                              of it; ask it"
+                            "node {writer} writes volume {name}, but this node knows no address of it; ask it"
                         ))
                     })?;
                 Ok(Response::new(TransferReply { redirect: addr }))
@@ -866,6 +875,31 @@ impl Admin for AdminService {
                 redirect: String::new(),
             })),
             Err(VolumeError::NotLeader(Some((_, addr)))) => Ok(Response::new(VolumeDeleteReply {
+                redirect: addr,
+                ..Default::default()
+            })),
+            Err(err) => Err(volume_status(err)),
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn move_volume(
+        &self,
+        request: Request<VolumeMoveRequest>,
+    ) -> Result<Response<VolumeMoveReply>, Status> {
+        Caller::of(&request).require_admin("move a volume's copy")?;
+        let changes = self.volume_changes()?;
+        let VolumeMoveRequest { name, from, to } = request.into_inner();
+        let (name, from, to) = (VolumeId(name), NodeId(from), NodeId(to));
+        let outcome = tokio::spawn(async move { changes.move_copy(name, from, to).await })
+            .await
+            .map_err(|err| Status::internal(format!("moving the copy failed: {err}")))?;
+        match outcome {
+            Ok(volume) => Ok(Response::new(VolumeMoveReply {
+                volume: Some(volume_info(&volume)),
+                redirect: String::new(),
+            })),
+            Err(VolumeError::NotLeader(Some((_, addr)))) => Ok(Response::new(VolumeMoveReply {
                 redirect: addr,
                 ..Default::default()
             })),

@@ -41,7 +41,7 @@ use crate::proto::admin::{
     MembersChange, MembersChangeReply, MembersReply, MembersRequest, ResizeReply, ResizeRequest,
     ResyncReply, ResyncRequest, ScrubReply, ScrubRequest, StatusReply, StatusRequest,
     TransferReply, TransferRequest, VolumeCreateReply, VolumeCreateRequest, VolumeDeleteReply,
-    VolumeDeleteRequest, VolumeListReply, VolumeListRequest,
+    VolumeDeleteRequest, VolumeListReply, VolumeListRequest, VolumeMoveReply, VolumeMoveRequest,
 };
 use tonic::transport::Channel;
 
@@ -177,6 +177,7 @@ rpcs! {
     VolumeListRequest => list_volumes -> VolumeListReply,
     VolumeCreateRequest => create_volume -> VolumeCreateReply,
     VolumeDeleteRequest => delete_volume -> VolumeDeleteReply,
+    VolumeMoveRequest => move_volume -> VolumeMoveReply,
 }
 
 /// One line saying why a call failed: the server's reason, or the

@@ -16,6 +16,7 @@ use clap::{Args, Subcommand};
 use super::{Admin, ClientTls, failure, usage_error};
 use crate::proto::admin::{
     ResizeRequest, VolumeCreateRequest, VolumeDeleteRequest, VolumeInfo, VolumeListRequest,
+    VolumeMoveRequest,
 };
 
 /// The flags of `replica-ha volume`.
@@ -65,6 +66,22 @@ pub enum VolumeCommand {
         /// The volume's name.
         #[arg(value_name = "NAME")]
         volume: String,
+    },
+    /// Move a volume's copy from one node to another: the new copy is
+    /// added and rebuilt before the old one leaves, so the volume never
+    /// has fewer copies than it should (a writer on the old node hands over
+    /// first). Answers once the move is decided; `volume show` names the
+    /// nodes, and `status` the new copy's rebuild.
+    Move {
+        /// The volume's name.
+        #[arg(value_name = "NAME")]
+        volume: String,
+        /// The node whose copy leaves.
+        #[arg(long)]
+        from: u64,
+        /// The node that gets a copy.
+        #[arg(long)]
+        to: u64,
     },
     /// Grow a volume online: its writer grows every in-sync copy, commits
     /// the new size, and offers it to new NBD connections (connected ones
@@ -125,6 +142,14 @@ pub async fn run(args: VolumeArgs) -> ExitCode {
             volume: name,
             force,
         } => delete(&addr, &tls, VolumeDeleteRequest { name, force }).await,
+        VolumeCommand::Move { volume, from, to } => {
+            let request = VolumeMoveRequest {
+                name: volume,
+                from,
+                to,
+            };
+            move_copy(&addr, &tls, request).await
+        }
         VolumeCommand::Resize { volume, size } => {
             resize(&addr, &tls, ResizeRequest { size, volume }).await
         }
@@ -319,6 +344,29 @@ async fn delete(addr: &str, tls: &ClientTls, request: VolumeDeleteRequest) -> Ex
         match reply.redirect.is_empty() {
             true => Answer::Done(format!("volume {name} deleted")),
             false => Answer::AskAt(reply.redirect),
+        }
+    })
+    .await
+}
+
+/// `volume move`.
+async fn move_copy(addr: &str, tls: &ClientTls, request: VolumeMoveRequest) -> ExitCode {
+    let what = format!(
+        "volume move {} from node {} to node {}",
+        request.name, request.from, request.to
+    );
+    let (from, to) = (request.from, request.to);
+    change(addr, tls, &what, request, |reply| {
+        if !reply.redirect.is_empty() {
+            return Answer::AskAt(reply.redirect);
+        }
+        match reply.volume {
+            Some(volume) => Answer::Done(format!(
+                "volume {}: node {to}'s copy is added and rebuilt, then node {from}'s leaves\n{}",
+                volume.name,
+                details(&volume)
+            )),
+            None => Answer::Failed("the node answered without the volume".into()),
         }
     })
     .await

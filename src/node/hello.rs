@@ -41,8 +41,13 @@ pub const FEATURE_GROUPS: u64 = 1;
 /// while a member answers without it.
 pub const FEATURE_SIZES: u64 = 2;
 
+/// The feature bit of a build that moves a volume's copies (`MoveVolume`
+/// in the table, volume groups that follow their placement): no copy is
+/// moved while a member answers without it.
+pub const FEATURE_MOVES: u64 = 4;
+
 /// The features this build knows.
-pub const FEATURES: u64 = FEATURE_GROUPS | FEATURE_SIZES;
+pub const FEATURES: u64 = FEATURE_GROUPS | FEATURE_SIZES | FEATURE_MOVES;
 
 /// Free bytes in the file system that holds `dir`; none when it cannot
 /// tell.

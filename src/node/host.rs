@@ -11,7 +11,10 @@
 //!   detector, and the volume's parts over that group, its copy in a
 //!   directory named for group and name, its store in the data listener's
 //!   [`Stores`] and its export in the NBD listener's [`Exports`];
-//! - stops each volume it runs that the table no longer places here:
+//! - stops each volume it runs that the table no longer has, or no
+//!   longer places here once this node is out of the volume's group (a
+//!   moved copy stays until the new one is in sync: `node::placement`,
+//!   [`still_needed`]):
 //!   its export and store go first (no new client, no new peer request),
 //!   then its writer (the gate closes), its tasks, its group (no longer
 //!   served), and last its data: the copy's directory and the group's Raft
@@ -21,7 +24,7 @@
 //! to its own group and its own copies. Shutdown stops every volume at
 //! once within one deadline, as for the configured one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +35,7 @@ use crate::ha::Controller;
 use crate::ha::{Coordinator, ReplicaState, WriterEngine};
 
 use super::balance::BalanceView;
+use super::membership::Membership;
 use crate::volume::Device;
 
 use super::config::{ConfigError, NodeConfig};
@@ -187,6 +191,8 @@ struct Hosted {
     volume: Volume,
     group: RaftGroup,
     detector: tokio::task::JoinHandle<()>,
+    /// Keeps the group in step with the table (`node::placement`).
+    placement: tokio::task::JoinHandle<()>,
 }
 
 /// What starting and stopping the table's volumes needs of the node.
@@ -274,6 +280,7 @@ impl VolumeHost {
         let table = std::mem::take(&mut *self.table.0.lock().await);
         let stops = table.into_values().map(|hosted| async move {
             hosted.detector.abort();
+            hosted.placement.abort();
             hosted.volume.stop(deadline).await;
             if let Err(err) = hosted.group.raft.shutdown().await {
                 tracing::warn!(%err, "raft shutdown of a volume group");
@@ -308,10 +315,15 @@ async fn follow(
         let wanted = placed_here(&parts);
         let gone: Vec<Hosted> = {
             let mut running = table.lock().await;
+            let table = parts.cluster.state_machine().current().control.volumes;
             let ids: Vec<VolumeId> = running
                 .iter()
                 .filter(|(id, hosted)| {
-                    wanted.get(*id).map(|entry| entry.group) != Some(hosted.group.id)
+                    let group = Some(hosted.group.id);
+                    let placed = wanted.get(*id).map(|entry| entry.group) == group;
+                    let moving = table.get(id).map(|entry| entry.group) == group;
+                    let kept = placed || (moving && still_needed(hosted));
+                    !kept
                 })
                 .map(|(id, _)| id.clone())
                 .collect();
@@ -342,7 +354,13 @@ async fn follow(
                 }
             }
         }
-        sweep_leftovers(&parts, &wanted).await;
+        let running: BTreeSet<GroupId> = table
+            .lock()
+            .await
+            .values()
+            .map(|hosted| hosted.group.id)
+            .collect();
+        sweep_leftovers(&parts, &wanted, &running).await;
         tokio::select! {
             changed = applied.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(RECHECK) => {}
@@ -354,10 +372,15 @@ async fn follow(
 /// Removes the copies (and Raft state) of table volumes that were deleted
 /// while this node was not running them: a directory `GROUP-NAME` under
 /// `DATA/volumes` whose group the table gave out but no longer places
-/// here. A group the table has not given out yet is left alone (a table
+/// here, and that this node does not run (a copy moving away runs until
+/// it left its group). A group the table has not given out yet is left alone (a table
 /// that lags behind the directory cannot happen: a copy is made only after
 /// its volume was applied).
-async fn sweep_leftovers(parts: &HostParts, wanted: &BTreeMap<VolumeId, VolumeEntry>) {
+async fn sweep_leftovers(
+    parts: &HostParts,
+    wanted: &BTreeMap<VolumeId, VolumeEntry>,
+    running: &BTreeSet<GroupId>,
+) {
     let root = parts.config.data_dir.join("volumes");
     let Ok(mut dirs) = tokio::fs::read_dir(&root).await else {
         return;
@@ -372,7 +395,7 @@ async fn sweep_leftovers(parts: &HostParts, wanted: &BTreeMap<VolumeId, VolumeEn
         else {
             continue;
         };
-        let kept = wanted.values().any(|entry| entry.group == group);
+        let kept = running.contains(&group) || wanted.values().any(|entry| entry.group == group);
         if kept || !table.has_given(group) {
             continue;
         }
@@ -424,10 +447,12 @@ async fn host(parts: &HostParts, entry: &VolumeEntry) -> Result<Hosted, NodeErro
     match start_volume(parts, entry, &addresses, &group).await {
         Ok(volume) => {
             let detector = spawn_detector(parts, &group);
+            let placement = spawn_placement(parts, entry, &volume, &group);
             Ok(Hosted {
                 volume,
                 group,
                 detector,
+                placement,
             })
         }
         Err(err) => {
@@ -536,6 +561,59 @@ fn spawn_detector(parts: &HostParts, group: &RaftGroup) -> tokio::task::JoinHand
     })
 }
 
+/// The task that keeps `group`'s membership in step with the table's
+/// placement of `entry` (see `node::placement`).
+fn spawn_placement(
+    parts: &HostParts,
+    entry: &VolumeEntry,
+    volume: &Volume,
+    group: &RaftGroup,
+) -> tokio::task::JoinHandle<()> {
+    let membership = Membership::new(
+        Arc::clone(&group.coordinator),
+        Arc::clone(&volume.controller),
+        Arc::clone(&volume.engine),
+        parts.transport.clone(),
+        addresses(parts),
+    );
+    let addresses = {
+        let parts = parts.clone();
+        move || addresses(&parts)
+    };
+    tokio::spawn(super::placement::follow(
+        entry.id.clone(),
+        Arc::clone(&parts.cluster),
+        Arc::clone(&group.coordinator),
+        membership,
+        addresses,
+    ))
+}
+
+/// Whether this node, whose copy of `hosted` the table no longer places
+/// here, must keep it running: while it is a member of the volume's group
+/// and its copy may count (in the in-sync set, or the group's leader heard
+/// within [`LEAVING_GRACE`]), the group may still need it (a move adds the
+/// new copy before the old one leaves; see `node::placement`). A node
+/// removed from a group may never apply its own removal, hence the grace.
+fn still_needed(hosted: &Hosted) -> bool {
+    let coordinator = &hosted.group.coordinator;
+    let me = coordinator.member();
+    let applied = coordinator.state_machine().current();
+    let member = applied
+        .membership
+        .membership()
+        .nodes()
+        .any(|(m, _)| *m == me);
+    let counted = applied.control.in_sync.contains(&me.node());
+    let heard = coordinator.last_leader_contact().elapsed() < LEAVING_GRACE;
+    member && (counted || heard)
+}
+
+/// How long a node whose copy was moved away keeps it after it last heard
+/// the group's leader, while its copy no longer counts (see
+/// [`still_needed`]).
+const LEAVING_GRACE: Duration = Duration::from_secs(10);
+
 /// Stops serving and running `group`.
 async fn stop_group(parts: &HostParts, group: &RaftGroup) {
     parts.served.remove(&group.peers);
@@ -551,7 +629,9 @@ async fn remove(parts: &HostParts, hosted: Hosted) {
         volume,
         group,
         detector,
+        placement,
     } = hosted;
+    placement.abort();
     let id = volume.id().clone();
     if let Some(exports) = &parts.exports {
         exports.remove(&id.0);

@@ -330,7 +330,15 @@ impl Membership {
             )));
         };
         let addr = self.address(node);
-        tracing::info!(%node, %new, "replacing a node's incarnation");
+        self.swap_incarnation(node, new, addr).await
+    }
+
+    /// Makes `new` the incarnation of `node` (at `addr`) in this group:
+    /// the old one's replica leaves the in-sync set first, then `new`
+    /// joins as a learner and the voters are swapped; the resync rebuilds
+    /// its replica in full.
+    async fn swap_incarnation(&self, node: NodeId, new: MemberId, addr: String) -> Outcome {
+        tracing::info!(%node, %new, group = self.coordinator.group().0, "replacing a node's incarnation");
         self.leave_in_sync(node, Leaving::Replaced).await?;
         self.add_learner(new, addr).await?;
         self.swap_in(node, new).await?;
@@ -339,6 +347,20 @@ impl Membership {
             "node {node} is now incarnation {}; its replica is being rebuilt in full (see status)",
             new.incarnation()
         ))
+    }
+
+    /// Makes `new`, the incarnation the node list names for `node`, its
+    /// incarnation in this volume group too (a table volume's group
+    /// following `members replace`); see [`Membership::swap_incarnation`].
+    pub async fn follow_replacement(&self, node: NodeId, new: MemberId, addr: String) -> Outcome {
+        let _busy = self.one_at_a_time()?;
+        self.writer_term()?;
+        if node == self.coordinator.member().node() {
+            return Err(MembershipError::Refused(format!(
+                "node {node} is the writer; nothing to replace"
+            )));
+        }
+        self.swap_incarnation(node, new, addr).await
     }
 
     async fn add_node(&self, node: NodeId, addr: String) -> Outcome {
@@ -381,7 +403,14 @@ impl Membership {
                  {addr}, with this cluster's id, certificates and a peer list that names this node?"
             )));
         };
-        tracing::info!(%node, %member, %addr, "adding a node");
+        self.join(node, member, addr, term).await
+    }
+
+    /// Adds `member` (of `node`, at `addr`) as a learner, waits until the
+    /// resync has rebuilt its replica into the in-sync set, and makes it a
+    /// voter; while this node writes in `term` throughout.
+    async fn join(&self, node: NodeId, member: MemberId, addr: String, term: Term) -> Outcome {
+        tracing::info!(%node, %member, %addr, group = self.coordinator.group().0, "adding a member");
         self.add_learner(member, addr).await?;
         // The replica set follows the applied membership: the new replica
         // is there, out of sync, and the resync rebuilds it.
@@ -426,6 +455,34 @@ impl Membership {
                 }
             }
         }
+    }
+
+    /// Adds `member`, the incarnation the node list names for `node`, to
+    /// this volume group (a copy placed on it: `volume move`, or a node's
+    /// copies moving off a removed node); see [`Membership::join`]. A node
+    /// of the cluster is admitted already, so nothing is admitted here.
+    pub async fn follow_placement(&self, node: NodeId, member: MemberId, addr: String) -> Outcome {
+        let _busy = self.one_at_a_time()?;
+        let term = self.writer_term()?;
+        let resumed = match self.incarnations(node).as_slice() {
+            [] => false,
+            [(learner, false)] if *learner == member => true,
+            _ => {
+                return Err(MembershipError::Refused(format!(
+                    "node {node} is in the group already under another incarnation"
+                )));
+            }
+        };
+        if !resumed {
+            // A copy the group forgot must not count as this one (S8).
+            self.leave_in_sync(node, Leaving::Replaced).await?;
+        }
+        self.join(node, member, addr, term).await
+    }
+
+    /// Removes `node` from this group (see [`Membership::remove_node`]).
+    pub async fn leave_placement(&self, node: NodeId) -> Outcome {
+        self.remove_node(node).await
     }
 
     async fn remove_node(&self, node: NodeId) -> Outcome {

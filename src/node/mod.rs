@@ -49,6 +49,7 @@ pub mod hello;
 pub mod host;
 pub mod journal;
 pub mod membership;
+pub mod placement;
 pub mod reads;
 pub mod tasks;
 pub mod volume;

@@ -22,6 +22,7 @@
 //! Growth (`volume resize`) runs on the volume's writer and is recorded in
 //! the table by the cluster group's leader: see [`sizes`].
 
+mod moves;
 mod sizes;
 
 use std::collections::BTreeMap;
@@ -413,6 +414,15 @@ impl VolumeChanges for VolumeTableChanges {
 
     async fn resize(&self, name: VolumeId, size: u64) -> Result<(u64, u64), VolumeError> {
         self.grow(name, size).await
+    }
+
+    async fn move_copy(
+        &self,
+        name: VolumeId,
+        from: NodeId,
+        to: NodeId,
+    ) -> Result<VolumeEntry, VolumeError> {
+        self.move_copy_now(name, from, to).await
     }
 }
 

@@ -187,6 +187,16 @@ impl RaftCoordinator {
         self.peers.last_heard(peer)
     }
 
+    /// The Raft group this coordinator runs.
+    pub fn group(&self) -> crate::ids::GroupId {
+        self.peers.group()
+    }
+
+    /// When this node last heard its group's leader, or granted a vote.
+    pub fn last_leader_contact(&self) -> Instant {
+        self.peers.last_leader_contact()
+    }
+
     /// This node in Raft (node and incarnation).
     pub fn member(&self) -> MemberId {
         self.member

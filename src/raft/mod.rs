@@ -200,6 +200,20 @@ pub enum Request {
         /// Its name.
         name: VolumeId,
     },
+    /// Moves volume `name`'s copy from node `from` to node `to` in the
+    /// cluster group's table (`volume move`, or a removed node's copies);
+    /// `free` is `to`'s room as the leader asked it. The volume's group
+    /// follows the new placement (see `node::placement`).
+    MoveVolume {
+        /// Its name.
+        name: VolumeId,
+        /// The node whose copy leaves.
+        from: NodeId,
+        /// The node that gets a copy.
+        to: NodeId,
+        /// `to`'s free bytes; none when it did not say.
+        free: Option<u64>,
+    },
     /// Records in the cluster group's table that volume `name` of group
     /// `group` grew to `size` bytes, once its own group committed that
     /// size ([`Request::Resize`] there). Refused for another group's
@@ -367,6 +381,18 @@ impl ControlState {
                     }
                     Err(err) => Some(err.to_string()),
                 },
+            },
+            Request::MoveVolume {
+                name,
+                from,
+                to,
+                free,
+            } => match self.volumes.move_copy(name, *from, *to, *free) {
+                Ok(entry) => {
+                    volume = Some(entry.clone());
+                    None
+                }
+                Err(err) => Some(err.to_string()),
             },
             Request::ResizeVolume { name, group, size } => {
                 match self.volumes.grow(name, *group, *size) {

@@ -167,6 +167,12 @@ pub enum TableError {
         now: GroupId,
         asked: GroupId,
     },
+    /// A move from a node that holds no copy of the volume.
+    #[error("node {node} holds no copy of volume {name}")]
+    NotPlaced { name: VolumeId, node: NodeId },
+    /// A move to a node that holds a copy of the volume already.
+    #[error("node {node} holds a copy of volume {name} already")]
+    Placed { name: VolumeId, node: NodeId },
 }
 
 /// Checks that `size` is a size a volume may have (see the module docs).
@@ -362,6 +368,52 @@ impl VolumeTable {
             .get_mut(id)
             .ok_or_else(|| TableError::Unknown(id.clone()))?;
         entry.size = size;
+        Ok(entry)
+    }
+
+    /// Moves volume `id`'s copy from node `from` to node `to`, which
+    /// offered `free` bytes (none: it did not say): the placement names
+    /// `to` instead of `from`, and so does the preferred writer if it was
+    /// `from`. The volume's group then follows (`node::placement`): `to`'s
+    /// copy is added and rebuilt before `from`'s leaves. Asking again for
+    /// a move that was made is a success that changes nothing.
+    pub fn move_copy(
+        &mut self,
+        id: &VolumeId,
+        from: NodeId,
+        to: NodeId,
+        free: Option<u64>,
+    ) -> Result<&VolumeEntry, TableError> {
+        let entry = self
+            .volumes
+            .get_mut(id)
+            .ok_or_else(|| TableError::Unknown(id.clone()))?;
+        let (has_from, has_to) = (
+            entry.placement.contains(&from),
+            entry.placement.contains(&to),
+        );
+        if has_to && !has_from {
+            return Ok(entry);
+        }
+        let name = id.clone();
+        if has_to {
+            return Err(TableError::Placed { name, node: to });
+        }
+        if !has_from {
+            return Err(TableError::NotPlaced { name, node: from });
+        }
+        if free.is_none_or(|free| free < entry.size) {
+            return Err(TableError::NoRoom {
+                size: entry.size,
+                copies: 1,
+                fit: 0,
+            });
+        }
+        entry.placement.remove(&from);
+        entry.placement.insert(to);
+        if entry.preferred == Some(from) {
+            entry.preferred = Some(to);
+        }
         Ok(entry)
     }
 
@@ -678,6 +730,39 @@ mod tests {
                 "{nodes}x{volumes}: {counts:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_copy_moves_once_to_a_node_with_room_and_takes_the_preference_along() {
+        let mut table = VolumeTable::default();
+        let cluster = offers(&[(1, 100), (2, 100), (3, 100), (4, 100)]);
+        table.create(&request("db", GIB, 3), &cluster).unwrap();
+        let db = VolumeId("db".into());
+        let before = table.get(&db).unwrap().clone();
+        assert_eq!(before.placement, [NodeId(1), NodeId(2), NodeId(3)].into());
+        assert_eq!(before.preferred, Some(NodeId(1)));
+        let no_room = table.move_copy(&db, NodeId(1), NodeId(4), Some(GIB - 512));
+        assert!(matches!(no_room, Err(TableError::NoRoom { .. })));
+        let silent = table.move_copy(&db, NodeId(1), NodeId(4), None);
+        assert!(matches!(silent, Err(TableError::NoRoom { .. })));
+        let moved = table
+            .move_copy(&db, NodeId(1), NodeId(4), Some(GIB))
+            .unwrap();
+        assert_eq!(moved.placement, [NodeId(2), NodeId(3), NodeId(4)].into());
+        assert_eq!(moved.preferred, Some(NodeId(4)));
+        assert_eq!(
+            (moved.group, moved.founders.clone()),
+            (before.group, before.founders)
+        );
+        // Asked again: done already.
+        let again = table.move_copy(&db, NodeId(1), NodeId(4), None).unwrap();
+        assert_eq!(again.placement, [NodeId(2), NodeId(3), NodeId(4)].into());
+        let placed = table.move_copy(&db, NodeId(2), NodeId(3), Some(GIB));
+        assert!(matches!(placed, Err(TableError::Placed { .. })));
+        let absent = table.move_copy(&db, NodeId(1), NodeId(5), Some(GIB));
+        assert!(matches!(absent, Err(TableError::NotPlaced { .. })));
+        let unknown = table.move_copy(&VolumeId("x".into()), NodeId(2), NodeId(1), Some(GIB));
+        assert!(matches!(unknown, Err(TableError::Unknown(_))));
     }
 
     #[test]
