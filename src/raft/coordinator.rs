@@ -503,8 +503,11 @@ pub fn book_entries(
 /// changed, unlike the full metrics, which openraft sends again at every
 /// turn of its loop), an acknowledgement, or the lease deadline. The
 /// group's member book is set again only when the membership changed.
-/// It also keeps openraft's tick on exactly while it is needed (see
-/// [`RaftTiming::raft_config`]).
+/// The term is the stored vote's (a leader's vote is stored before it
+/// leads, so for the lease it is the term it leads; a follower reports a
+/// newer vote once it is flushed, a moment after openraft adopts it, and
+/// its `is_self` is false either way). It also keeps openraft's tick on
+/// exactly while it is needed (see [`RaftTiming::raft_config`]).
 async fn watch_leadership(
     raft: Raft,
     peers: Arc<Peers>,
