@@ -312,8 +312,8 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
     let (stalled_at, write) = old.stall_a_write(term);
 
     // No acknowledgement can be newer than the stall (give a heartbeat
-    // already on its way a little slack).
-    let bound = stalled_at + timing.lease() + timing.heartbeat;
+    // already on its way a little slack: 50 ms, whatever the interval).
+    let bound = stalled_at + timing.lease() + Duration::from_millis(50);
     let mut successor = None;
     let until = stalled_at + Duration::from_secs(2);
     while Instant::now() < until {
@@ -347,10 +347,15 @@ async fn a_leader_stuck_in_a_log_fsync_loses_its_lease_at_its_last_ack() {
 /// acknowledge the leader, so its lease holds without a break, at one
 /// term. Before, every such reply was dropped with its call, no
 /// acknowledgement counted, and the writer's lease lapsed under a client
-/// that saturated the machine (#36).
+/// that saturated the machine (#36). Heartbeats every 50 ms here (the
+/// default is 100 ms): the replies are later than openraft's wait and
+/// well within the lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_heartbeat_replies_still_keep_the_lease() {
-    let timing = RaftTiming::default();
+    let timing = RaftTiming {
+        heartbeat: Duration::from_millis(50),
+        ..RaftTiming::default()
+    };
     let (nodes, proxies) = start_cluster_via(timing, true, 1).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     let (leader, term) = loop {
@@ -455,8 +460,8 @@ async fn the_groups_a_node_leads_send_their_heartbeats_together() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Count over the next 40 rounds (about half a second of heartbeats to
-    // two peers), whatever time they take.
+    // Count over the next 40 rounds (about a second of heartbeats to two
+    // peers), whatever time they take.
     let since = nodes[&one].book.heartbeat_rounds();
     let deadline = Instant::now() + Duration::from_secs(20);
     let (rounds, heartbeats) = loop {

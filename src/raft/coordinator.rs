@@ -56,7 +56,7 @@ pub struct RaftTiming {
 impl Default for RaftTiming {
     fn default() -> Self {
         Self {
-            heartbeat: Duration::from_millis(50),
+            heartbeat: Duration::from_millis(100),
             election_min: Duration::from_millis(300),
             election_max: Duration::from_millis(450),
             lease_margin: Duration::from_millis(50),
@@ -68,6 +68,15 @@ impl RaftTiming {
     /// The openraft configuration for this timing. openraft's own election
     /// timer stays off ([`super::detector`] starts elections), and so does
     /// its heartbeat timer ([`super::heartbeat`] sends the heartbeats).
+    ///
+    /// Its tick starts off too. With both timers off, a tick (one every
+    /// 1.5 heartbeat intervals per group, each a turn of the group's
+    /// loop) does one thing only: it steps down a leader once a committed
+    /// membership leaves it out. The coordinator's watcher turns the tick
+    /// on while this node leads a membership in which it has no vote
+    /// (which covers every such case; see `watch_leadership`), so that
+    /// step-down comes as before, and idle groups do not turn their loops
+    /// for nothing.
     pub fn raft_config(&self, cluster_id: &str) -> Result<openraft::Config, String> {
         let config = openraft::Config {
             cluster_name: cluster_id.to_string(),
@@ -78,6 +87,7 @@ impl RaftTiming {
             // The node's heartbeat clock sends every group's heartbeats
             // at once (see `super::heartbeat`).
             enable_heartbeat: false,
+            enable_tick: false,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(500),
             max_in_snapshot_log_to_keep: 100,
             ..Default::default()
@@ -88,6 +98,21 @@ impl RaftTiming {
     /// How long a lease lasts past the last quorum acknowledgement.
     pub fn lease(&self) -> Duration {
         self.election_min.saturating_sub(self.lease_margin)
+    }
+
+    /// How soon a node whose campaign did not win (or that held back from
+    /// one) may try again, before jitter: a third of the shortest election
+    /// timeout (100 ms by default). Tied to the election timeouts, not to
+    /// the heartbeat interval, so a slower heartbeat leaves elections as
+    /// they were.
+    pub fn campaign_retry(&self) -> Duration {
+        self.election_min / 3
+    }
+
+    /// How soon to look again at something that may change any moment (a
+    /// transfer under way, a candidate about to run): 25 ms by default.
+    pub fn recheck(&self) -> Duration {
+        self.election_min / 12
     }
 }
 
@@ -479,9 +504,20 @@ pub fn book_entries(
     crate::members::entries_of(membership.get_joint_config(), &nodes)
 }
 
-/// Follows openraft's metrics and the recorded acknowledgements, and
-/// publishes this node's lease and leadership. Ends, closing the
+/// Follows openraft's server metrics and the recorded acknowledgements,
+/// and publishes this node's lease and leadership. Ends, closing the
 /// observation stream, when Raft stops.
+///
+/// It wakes only when something it reads changed: openraft's server
+/// metrics (vote, state, leader, membership; sent only when one of them
+/// changed, unlike the full metrics, which openraft sends again at every
+/// turn of its loop), an acknowledgement, or the lease deadline. The
+/// group's member book is set again only when the membership changed.
+/// The term is the stored vote's (a leader's vote is stored before it
+/// leads, so for the lease it is the term it leads; a follower reports a
+/// newer vote once it is flushed, a moment after openraft adopts it, and
+/// its `is_self` is false either way). It also keeps openraft's tick on
+/// exactly while it is needed (see [`RaftTiming::raft_config`]).
 async fn watch_leadership(
     raft: Raft,
     peers: Arc<Peers>,
@@ -490,23 +526,27 @@ async fn watch_leadership(
     tx: watch::Sender<Leadership>,
 ) {
     let id = peers.self_member();
-    let mut metrics = raft.metrics();
+    let mut metrics = raft.server_metrics();
+    let mut booked: Option<Arc<openraft::StoredMembership<MemberId, super::MemberNode>>> = None;
+    let mut ticking = false;
     loop {
         let now = Instant::now();
-        let (lease, leadership) = {
+        let (lease, leadership, tick) = {
             let m = metrics.borrow_and_update();
-            // The group's book; group 0's is the node's (S8 admission for
-            // every group), as its membership is the node list.
-            peers
-                .book()
-                .set(book_entries(m.membership_config.membership()));
-            let term = Term(m.current_term);
+            let membership = m.membership_config.membership();
+            if booked.as_ref() != Some(&m.membership_config) {
+                // The group's book; group 0's is the node's (S8 admission
+                // for every group), as its membership is the node list.
+                peers.book().set(book_entries(membership));
+                booked = Some(Arc::clone(&m.membership_config));
+            }
+            let term = Term(m.vote.leader_id().get_term());
             let leads = m.state == ServerState::Leader && m.current_leader == Some(id);
             let lease = if leads {
                 lease_from_acks(
                     id,
                     term,
-                    m.membership_config.membership().get_joint_config(),
+                    membership.get_joint_config(),
                     &peers.acks_in(term),
                     timing.lease(),
                     now,
@@ -519,8 +559,13 @@ async fn watch_leadership(
                 is_self: lease.is_some_and(|l| l.covers(term, now)),
                 term,
             };
-            (lease, leadership)
+            let tick = m.state == ServerState::Leader && !membership.voter_ids().any(|v| v == id);
+            (lease, leadership, tick)
         };
+        if tick != ticking {
+            raft.runtime_config().tick(tick);
+            ticking = tick;
+        }
         *lock(&lease_cell) = lease;
         tx.send_if_modified(|current| {
             let changed = *current != leadership;

@@ -13,8 +13,8 @@
 //! [`POLL`]) and decides anew at every look from the last leader contact,
 //! so it notices at most [`POLL`] late, while an idle group wakes only a
 //! few times a second (a node runs a detector per group). A candidate that does not
-//! win tries again after two heartbeat intervals plus a fresh jitter (there
-//! is no leader lease left to wait out) — but never sooner than
+//! win tries again after a third of `election_min` plus a fresh jitter
+//! (there is no leader lease left to wait out) — but never sooner than
 //! `election_max` after it last heard a leader or granted a vote: a node
 //! that grants a vote resets its clock, so it does not disturb the candidate
 //! it voted for, and a node that heard a leader since its last attempt waits
@@ -130,7 +130,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         let now = Instant::now();
         if peers.transfer_elsewhere() {
             // Leadership is being handed to another node: let it.
-            pause = POLL.max(timing.heartbeat / 2);
+            pause = POLL.max(timing.recheck());
             continue;
         }
         if peers
@@ -138,7 +138,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             .is_some_and(|at| now.duration_since(at) < timing.election_max)
         {
             // A peer's log is ahead of ours: let it win instead.
-            pause = POLL.max(timing.heartbeat / 2);
+            pause = POLL.max(timing.recheck());
             continue;
         }
         let heard = peers.last_leader_contact();
@@ -151,7 +151,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         if peers.granted_pre_vote_since(recently) {
             // Another node is about to campaign with our pre-vote: look
             // again soon, in case it does not.
-            pause = POLL.max(timing.heartbeat / 2);
+            pause = POLL.max(timing.recheck());
             continue;
         }
         let next_index = metrics.borrow().last_log_index.map_or(0, |i| i + 1);
@@ -162,7 +162,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         if granted && peers.granted_pre_vote_since(asked) {
             tracing::info!(node = %peers.self_id(), "granted a lower id's pre-vote meanwhile; letting it run");
             last_attempt = Instant::now();
-            retry_after = timing.heartbeat * 2 + jitter.below(spread);
+            retry_after = timing.campaign_retry() + jitter.below(spread);
             continue;
         }
         if !granted {
@@ -170,7 +170,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
             // the term now would only disturb it. Look again later.
             tracing::info!(node = %peers.self_id(), "pre-vote refused; not campaigning");
             last_attempt = Instant::now();
-            retry_after = timing.heartbeat * 2 + jitter.below(spread);
+            retry_after = timing.campaign_retry() + jitter.below(spread);
             continue;
         }
         tracing::info!(node = %peers.self_id(), quiet = ?now.duration_since(heard), "no leader heard; campaigning");
@@ -181,7 +181,7 @@ pub async fn run(raft: Raft, peers: Arc<Peers>, timing: RaftTiming) {
         last_attempt = Instant::now();
         // After our own attempt there is no leader's lease left to wait
         // out; retry soon, with fresh jitter against another split vote.
-        retry_after = timing.heartbeat * 2 + jitter.below(spread);
+        retry_after = timing.campaign_retry() + jitter.below(spread);
         leader_quiet = timing.election_max + jitter.below(spread);
     }
 }

@@ -39,6 +39,14 @@
 //! is no "reading delay" to cover, since no reported age is ever added to
 //! the reader's clock.
 //!
+//! The heartbeat interval appears nowhere in this bound: heartbeats only
+//! give the quorum something to acknowledge, so their rate sets how often
+//! the deadline can move forward (and so how late an answer may come
+//! before the lease runs out between two), never how far. Likewise the
+//! coordinator recomputing the lease on every acknowledgement, vote,
+//! state or membership change and at the deadline, rather than at every
+//! turn of openraft's loop, changes when it looks, not what it computes.
+//!
 //! A node forgets when it last heard a leader when it restarts, so a node
 //! neither votes nor campaigns during its first `election_timeout_max`
 //! (see [`network`]). A node whose persisted vote made it leader is

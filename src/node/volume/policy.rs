@@ -103,8 +103,8 @@ fn new_uuid() -> String {
     )
 }
 
-/// While no leader has been heard for [`PREDIGEST_AFTER_HEARTBEATS`]
-/// heartbeat intervals, keeps the digests of this node's marked extents
+/// While no leader has been heard for [`predigest_after`] (150 ms by
+/// default), keeps the digests of this node's marked extents
 /// hashed ahead (see [`crate::replica::disk::predigest`]): a failover is likely
 /// coming, and its convergence then reads them instead of hashing. The
 /// failure detector waits `election_max` before it campaigns, so this runs
@@ -115,9 +115,9 @@ pub(super) async fn predigest_when_leader_silent(
     peers: Arc<Peers>,
     timing: crate::raft::RaftTiming,
 ) {
-    let silent_for = timing.heartbeat * PREDIGEST_AFTER_HEARTBEATS;
+    let silent_for = predigest_after(timing);
     let metrics = raft.metrics();
-    let mut pause = timing.heartbeat / 2;
+    let mut pause = timing.recheck();
     loop {
         tokio::time::sleep(pause).await;
         // Look again when the leader could first count as silent (a node
@@ -128,7 +128,7 @@ pub(super) async fn predigest_when_leader_silent(
             true => silent_for,
             false => silent_for
                 .saturating_sub(quiet)
-                .clamp(timing.heartbeat / 2, silent_for),
+                .clamp(timing.recheck(), silent_for),
         };
         if leads || quiet < silent_for {
             continue;
@@ -141,6 +141,10 @@ pub(super) async fn predigest_when_leader_silent(
     }
 }
 
-/// How many heartbeat intervals without a leader make a node hash its
-/// marked extents ahead of a failover.
-const PREDIGEST_AFTER_HEARTBEATS: u32 = 3;
+/// How long without a leader makes a node hash its marked extents ahead
+/// of a failover: half the shortest election timeout, so that the hashing
+/// has the rest of the detector's wait (`election_max` and jitter) however
+/// often heartbeats come.
+fn predigest_after(timing: crate::raft::RaftTiming) -> std::time::Duration {
+    timing.election_min / 2
+}

@@ -356,6 +356,10 @@ impl Resyncer {
         loop {
             tokio::time::sleep(self.config.interval).await;
             let Some(term) = self.engine.term() else {
+                // Only the writer rebuilds: on a node that does not write
+                // this volume, wait until it does instead of waking every
+                // interval; the first look then comes an interval later.
+                self.engine.until_active().await;
                 continue;
             };
             self.close_maps_of_former_members(term, &mut sweep).await;

@@ -218,6 +218,10 @@ impl Engine {
         loop {
             tokio::time::sleep(interval).await;
             if self.term().is_none() {
+                // Nothing to retire until this node writes: wait for that
+                // rather than waking every interval; the first pass then
+                // comes an interval after it, as before.
+                self.until_active().await;
                 continue;
             }
             if let Err(err) = self.repair_unsure().await {

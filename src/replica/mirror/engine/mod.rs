@@ -150,6 +150,9 @@ pub struct Engine {
     size: std::sync::atomic::AtomicU64,
     /// Wakes [`Engine::run_mark_ahead`] when marks ahead are due.
     ahead_due: tokio::sync::Notify,
+    /// Whether a term is active, for tasks that have nothing to do until
+    /// one is (see [`Engine::until_active`]); set with `term` only.
+    active: tokio::sync::watch::Sender<bool>,
 }
 
 /// How many stripes the extents map onto.
@@ -370,6 +373,7 @@ impl Engine {
             floors: Arc::default(),
             size: std::sync::atomic::AtomicU64::new(config.volume.size),
             ahead_due: tokio::sync::Notify::new(),
+            active: tokio::sync::watch::channel(false).0,
             config,
         })
     }
@@ -388,6 +392,22 @@ impl Engine {
     /// The active term, if any.
     pub fn term(&self) -> Option<Term> {
         self.lock().term
+    }
+
+    /// Resolves once a term is active (at once if one is): the writer's
+    /// background passes wait here on a node that does not write, instead
+    /// of waking every interval to find nothing to do (a node holds many
+    /// volumes and writes only some).
+    pub async fn until_active(&self) {
+        let mut active = self.active.subscribe();
+        let _ = active.wait_for(|active| *active).await;
+    }
+
+    /// Sets the active term in `state` (held) and tells the waiters of
+    /// [`Engine::until_active`].
+    fn set_term(&self, state: &mut EngineState, term: Option<Term>) {
+        state.term = term;
+        self.active.send_replace(term.is_some());
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, EngineState> {
@@ -788,7 +808,7 @@ impl Engine {
     fn deactivate_term(&self, term: Term) {
         let mut state = self.lock();
         if state.term.is_some_and(|active| active <= term) {
-            state.term = None;
+            self.set_term(&mut state, None);
         }
     }
 
@@ -944,14 +964,14 @@ impl WriterEngine for Engine {
         };
         state.activations += 1;
         state.orphan_copies.clear();
-        state.term = Some(term);
+        self.set_term(&mut state, Some(term));
         tracing::info!(%term, in_sync = ?state.in_sync, "engine active");
         Ok(())
     }
 
     fn deactivate(&self) {
         let mut state = self.lock();
-        state.term = None;
+        self.set_term(&mut state, None);
         state.rebuilding.clear();
     }
 
