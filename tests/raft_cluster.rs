@@ -499,6 +499,28 @@ async fn a_writer_whose_lease_lapses_never_reopens_the_same_term() {
     }
 }
 
+/// A sole voter's lease, which no acknowledgement renews, is renewed in
+/// time all the same: at rest it never runs out, so its writer is never
+/// demoted and promoted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sole_voter_at_rest_keeps_its_lease_and_its_one_promotion() {
+    let _serial = common::cluster::one_cluster_at_a_time().await;
+    let cluster = Cluster::start(1).await;
+    let (writer, term) = cluster.wait_for_writer(&[1], ELECTION).await;
+    let first = cluster.status(writer).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let now = cluster.status(writer).await.unwrap();
+    assert_eq!((now.term, now.promotions), (term, first.promotions));
+    assert!(
+        !cluster.log(writer).contains("the lease ran out"),
+        "{}",
+        cluster.log(writer)
+    );
+}
+
 /// A sole voter whose lease lapses and returns at the same term has no one
 /// to hand over to: it promotes again at that term (its replica is the only
 /// one) and keeps taking writes, with no stuck fence.

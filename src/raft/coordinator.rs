@@ -575,7 +575,15 @@ async fn watch_leadership(
             }
             changed
         });
-        let wake = lease.filter(|l| l.deadline > now).map(|l| l.deadline);
+        // A lease this node decides alone (it is the only voter: no
+        // acknowledgement wakes it) is renewed every heartbeat, long
+        // before it would run out; any other is looked at again when an
+        // acknowledgement comes, or at its deadline.
+        let alone = lease.is_some_and(|l| l.deadline == now + timing.lease());
+        let wake = match alone {
+            true => Some(now + timing.heartbeat),
+            false => lease.filter(|l| l.deadline > now).map(|l| l.deadline),
+        };
         tokio::select! {
             changed = metrics.changed() => if changed.is_err() { break },
             _ = peers.next_ack() => {}
