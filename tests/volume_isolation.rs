@@ -621,10 +621,25 @@ async fn a_moved_copy_is_rebuilt_before_the_old_one_leaves_even_from_the_writers
         if left_seen && !old.exists() {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "node {from}'s copy of m is still there"
-        );
+        if Instant::now() >= deadline {
+            let said: Vec<String> = (1..=4)
+                .flat_map(|id| {
+                    let log = cluster.log(id);
+                    log.lines()
+                        .filter(|l| {
+                            l.contains("placement")
+                                || l.contains("not done")
+                                || l.contains("volume=m")
+                        })
+                        .map(|l| format!("node {id}: {l}"))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            panic!(
+                "node {from}'s copy of m is still there:\n{}",
+                said.join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let image = copy_image(&cluster, to, "m", group, len).await;

@@ -320,8 +320,10 @@ async fn follow(
                 .iter()
                 .filter(|(id, hosted)| {
                     let group = Some(hosted.group.id);
-                    let placed = wanted.get(*id).map(|entry| entry.group) == group;
-                    let moving = table.get(id).map(|entry| entry.group) == group;
+                    let me = parts.member.node();
+                    let entry = table.get(id).filter(|entry| Some(entry.group) == group);
+                    let placed = entry.is_some_and(|entry| entry.placement.contains(&me));
+                    let moving = entry.is_some();
                     let kept = placed || (moving && still_needed(hosted));
                     !kept
                 })
@@ -395,7 +397,11 @@ async fn sweep_leftovers(
         else {
             continue;
         };
-        let kept = running.contains(&group) || wanted.values().any(|entry| entry.group == group);
+        // A volume the table still has is never swept: its copy here is
+        // placed, or moving away and runs until it left the group.
+        let kept = running.contains(&group)
+            || wanted.values().any(|entry| entry.group == group)
+            || table.volumes().any(|entry| entry.group == group);
         if kept || !table.has_given(group) {
             continue;
         }
@@ -582,19 +588,22 @@ fn spawn_placement(
     };
     tokio::spawn(super::placement::follow(
         entry.id.clone(),
-        Arc::clone(&parts.cluster),
-        Arc::clone(&group.coordinator),
+        (Arc::clone(&parts.cluster), Arc::clone(&group.coordinator)),
         membership,
+        (parts.transport.clone(), parts.config.cluster_id.clone()),
         addresses,
     ))
 }
 
 /// Whether this node, whose copy of `hosted` the table no longer places
-/// here, must keep it running: while it is a member of the volume's group
-/// and its copy may count (in the in-sync set, or the group's leader heard
-/// within [`LEAVING_GRACE`]), the group may still need it (a move adds the
-/// new copy before the old one leaves; see `node::placement`). A node
-/// removed from a group may never apply its own removal, hence the grace.
+/// here, must keep it running: while the volume's group, as this node
+/// applied it, names it a member and its copy may count (in the applied
+/// in-sync set), or the group's leader was heard within [`LEAVING_GRACE`]
+/// (a move adds the new copy before the old one leaves; see
+/// `node::placement`). A removed node does not apply its own removal
+/// (openraft stops replicating to it), hence the grace: by then its copy
+/// counts nowhere, and its vote, in the old half of the joint
+/// configuration that removed it, is needed by no majority.
 fn still_needed(hosted: &Hosted) -> bool {
     let coordinator = &hosted.group.coordinator;
     let me = coordinator.member();
@@ -610,7 +619,7 @@ fn still_needed(hosted: &Hosted) -> bool {
 }
 
 /// How long a node whose copy was moved away keeps it after it last heard
-/// the group's leader, while its copy no longer counts (see
+/// the group's leader, once its copy no longer counts (see
 /// [`still_needed`]).
 const LEAVING_GRACE: Duration = Duration::from_secs(10);
 

@@ -32,7 +32,12 @@ use super::membership::Membership;
 use crate::api::admin::MembershipError;
 use crate::ha::Coordinator;
 use crate::ids::{MemberId, NodeId, VolumeId};
+use crate::net::Transport;
 use crate::raft::RaftCoordinator;
+use crate::replica::peer::channels::hello;
+
+/// How long a node may take to say which incarnation it runs.
+const HELLO: Duration = Duration::from_secs(2);
 
 /// How long after a failed step, or without any change, the writer looks
 /// again.
@@ -57,19 +62,28 @@ pub fn next_step(
     placement: &BTreeSet<NodeId>,
     cluster: &BTreeMap<NodeId, MemberId>,
     group: &BTreeMap<NodeId, (MemberId, bool)>,
+    in_sync: &BTreeSet<NodeId>,
 ) -> Option<Step> {
     for node in placement {
         let Some(named) = cluster.get(node) else {
             continue;
         };
         match group.get(node) {
-            Some((member, true)) if member != named => {
+            // Replaced only once the cluster names no such incarnation any
+            // more (a writer whose cluster state lags must not swap an old
+            // one back in).
+            Some((member, true)) if member != named && !cluster.values().any(|m| m == member) => {
                 return Some(Step::Replace {
                     node: *node,
                     new: *named,
                 });
             }
             Some((_, true)) => {}
+            // A learner of another incarnation (its disk replaced during its
+            // rebuild) goes first, then the named one is added.
+            Some((member, false)) if member != named => {
+                return Some(Step::Remove { node: *node });
+            }
             _ => {
                 return Some(Step::Add {
                     node: *node,
@@ -79,9 +93,12 @@ pub fn next_step(
         }
     }
     // Nothing leaves while a placed node is not a voter of the named
-    // incarnation (one the cluster does not name, say).
+    // incarnation (one the cluster does not name, say), or its copy is
+    // not in the committed in-sync set: a move never leaves the volume
+    // with fewer in-sync copies than it had.
     let complete = placement.iter().all(|node| {
-        matches!((group.get(node), cluster.get(node)), (Some((member, true)), Some(named)) if member == named)
+        let voting = matches!((group.get(node), cluster.get(node)), (Some((member, true)), Some(named)) if member == named);
+        voting && in_sync.contains(node)
     });
     group
         .keys()
@@ -121,13 +138,15 @@ fn members(coordinator: &RaftCoordinator) -> BTreeMap<NodeId, (MemberId, bool)> 
 /// until the task is stopped.
 pub async fn follow(
     id: VolumeId,
-    cluster: Arc<RaftCoordinator>,
-    group: Arc<RaftCoordinator>,
+    (cluster, group): (Arc<RaftCoordinator>, Arc<RaftCoordinator>),
     membership: Membership,
+    (transport, cluster_id): (Transport, String),
     addresses: impl Fn() -> BTreeMap<NodeId, String> + Send,
 ) {
     let mut table = cluster.state_machine().subscribe();
-    let mut metrics = group.raft().metrics();
+    // Server metrics: sent when leadership or membership change, not on
+    // every turn of openraft's loop.
+    let mut metrics = group.raft().server_metrics();
     loop {
         let entry = cluster
             .state_machine()
@@ -136,9 +155,17 @@ pub async fn follow(
             .volumes
             .get(&id)
             .cloned();
+        let in_sync = group.state_machine().current().control.in_sync;
         let step = entry
             .filter(|entry| entry.group == group.group())
-            .and_then(|entry| next_step(&entry.placement, &voters(&cluster), &members(&group)));
+            .and_then(|entry| {
+                next_step(
+                    &entry.placement,
+                    &voters(&cluster),
+                    &members(&group),
+                    &in_sync,
+                )
+            });
         let writing = group.observe().borrow().is_self;
         let mut wait = RETRY;
         if let (Some(step), true) = (step, writing) {
@@ -146,7 +173,21 @@ pub async fn follow(
             tracing::info!(volume = %id, ?step, "the volume's group follows its placement");
             let outcome = match step {
                 Step::Replace { node, new } => {
-                    membership.follow_replacement(node, new, addr(node)).await
+                    // Only the incarnation the node runs now is swapped in:
+                    // a writer whose cluster state lags names an old one.
+                    let me = group.member().node();
+                    let asked = hello(&transport, &cluster_id, me, node, &addr(node), HELLO).await;
+                    match asked.map(|reply| MemberId(reply.member)) {
+                        Ok(running) if running == new => {
+                            membership.follow_replacement(node, new, addr(node)).await
+                        }
+                        Ok(running) => Err(MembershipError::Refused(format!(
+                            "node {node} runs as {running}, not as {new} the cluster names here"
+                        ))),
+                        Err(err) => Err(MembershipError::Refused(format!(
+                            "node {node} does not say which incarnation it runs: {err}"
+                        ))),
+                    }
                 }
                 Step::Add { node, member } => {
                     membership.follow_placement(node, member, addr(node)).await
@@ -161,7 +202,11 @@ pub async fn follow(
                 Err(MembershipError::Moved { to, .. }) => {
                     tracing::info!(volume = %id, %to, "handed the writer over to leave the group");
                 }
-                Err(err) => tracing::warn!(volume = %id, ?step, %err, "not done yet"),
+                Err(err) => {
+                    tracing::warn!(volume = %id, ?step, %err, "not done yet; trying again later");
+                    // Whatever changes meanwhile, not before RETRY.
+                    tokio::time::sleep(RETRY).await;
+                }
             }
         }
         if wait.is_zero() {
@@ -204,7 +249,10 @@ mod tests {
     fn a_group_that_matches_its_placement_needs_nothing() {
         let settled = group(&[(1, 1, true), (2, 1, true), (3, 1, true)]);
         let names = cluster(&[(1, 1), (2, 1), (3, 1), (4, 1)]);
-        assert_eq!(next_step(&nodes(&[1, 2, 3]), &names, &settled), None);
+        assert_eq!(
+            next_step(&nodes(&[1, 2, 3]), &names, &settled, &nodes(&[1, 2, 3])),
+            None
+        );
     }
 
     #[test]
@@ -216,13 +264,19 @@ mod tests {
             node: NodeId(4),
             member: member(4, 1),
         };
-        assert_eq!(next_step(&placement, &names, &before), Some(add));
+        let old = nodes(&[1, 2, 3]);
+        assert_eq!(next_step(&placement, &names, &before, &old), Some(add));
         // Still a learner (its rebuild runs): adding it goes on first.
         let learning = group(&[(1, 1, true), (2, 1, true), (3, 1, true), (4, 1, false)]);
-        assert_eq!(next_step(&placement, &names, &learning), Some(add));
+        assert_eq!(next_step(&placement, &names, &learning, &old), Some(add));
+        // A voter whose copy is not in sync yet (or fell out): nothing leaves.
         let voting = group(&[(1, 1, true), (2, 1, true), (3, 1, true), (4, 1, true)]);
+        assert_eq!(next_step(&placement, &names, &voting, &old), None);
+        let degraded = nodes(&[1, 3, 4]);
+        assert_eq!(next_step(&placement, &names, &voting, &degraded), None);
         let remove = Step::Remove { node: NodeId(1) };
-        assert_eq!(next_step(&placement, &names, &voting), Some(remove));
+        let all = nodes(&[1, 2, 3, 4]);
+        assert_eq!(next_step(&placement, &names, &voting, &all), Some(remove));
     }
 
     #[test]
@@ -233,13 +287,32 @@ mod tests {
             node: NodeId(2),
             new: member(2, 9),
         };
-        assert_eq!(next_step(&nodes(&[1, 2, 3]), &names, &stale), Some(replace));
+        let all = nodes(&[1, 2, 3]);
+        assert_eq!(
+            next_step(&nodes(&[1, 2, 3]), &names, &stale, &all),
+            Some(replace)
+        );
+    }
+
+    #[test]
+    fn a_learner_of_a_replaced_incarnation_leaves_before_the_new_one_joins() {
+        let names = cluster(&[(1, 1), (2, 1), (4, 7)]);
+        let stale = group(&[(1, 1, true), (2, 1, true), (3, 1, true), (4, 1, false)]);
+        let all = nodes(&[1, 2, 3]);
+        let remove = Step::Remove { node: NodeId(4) };
+        assert_eq!(
+            next_step(&nodes(&[1, 2, 4]), &names, &stale, &all),
+            Some(remove)
+        );
     }
 
     #[test]
     fn a_node_the_cluster_does_not_name_is_not_added_and_nothing_leaves_meanwhile() {
         let names = cluster(&[(1, 1), (2, 1), (4, 1)]);
         let short = group(&[(1, 1, true), (2, 1, true), (4, 1, true)]);
-        assert_eq!(next_step(&nodes(&[1, 2, 3]), &names, &short), None);
+        assert_eq!(
+            next_step(&nodes(&[1, 2, 3]), &names, &short, &nodes(&[1, 2, 4])),
+            None
+        );
     }
 }

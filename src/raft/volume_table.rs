@@ -411,6 +411,9 @@ impl VolumeTable {
         }
         entry.placement.remove(&from);
         entry.placement.insert(to);
+        // A node that held a copy must never form the group again (its
+        // copy may be gone, and the group lives on without it).
+        entry.founders.retain(|member| member.node() != from);
         if entry.preferred == Some(from) {
             entry.preferred = Some(to);
         }
@@ -750,10 +753,14 @@ mod tests {
             .unwrap();
         assert_eq!(moved.placement, [NodeId(2), NodeId(3), NodeId(4)].into());
         assert_eq!(moved.preferred, Some(NodeId(4)));
-        assert_eq!(
-            (moved.group, moved.founders.clone()),
-            (before.group, before.founders)
-        );
+        assert_eq!(moved.group, before.group);
+        let left: BTreeSet<_> = before
+            .founders
+            .iter()
+            .filter(|m| m.node() != NodeId(1))
+            .copied()
+            .collect();
+        assert_eq!(moved.founders, left);
         // Asked again: done already.
         let again = table.move_copy(&db, NodeId(1), NodeId(4), None).unwrap();
         assert_eq!(again.placement, [NodeId(2), NodeId(3), NodeId(4)].into());
