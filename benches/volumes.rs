@@ -35,6 +35,8 @@
 //!    every 20 ms, so each figure is late by up to about 20 ms plus its
 //!    delivery. The node is then restarted, and the balancer settles again
 //!    before the next run.
+//!    A fio that fails (the writer dropped its connection) is reported
+//!    with its error and counts as 0 IOPS.
 //! 7. That cluster is stopped, and step 1's fio job runs again on a fresh
 //!    one-volume cluster: how far the machine drifted meanwhile.
 //!
@@ -342,7 +344,15 @@ async fn fio_on(cluster: &Cluster, name: &str, fio_secs: u64, label: &str) -> Fi
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let uri = volume_uri(cluster.nbd_addrs[&writer], name);
-    let figures = fio_randwrite_qd32(&uri, &size.to_string(), fio_secs).await;
+    let figures = match fio_randwrite_qd32(&uri, &size.to_string(), fio_secs).await {
+        Ok(figures) => figures,
+        Err(err) => {
+            // A client error is a finding, not the end of the run: the
+            // job counts as 0 IOPS, and the nodes' logs say why.
+            println!("{label}: fio on {name} (writer node {writer}) FAILED: {err}");
+            return FioFigures::default();
+        }
+    };
     println!(
         "{label}: fio 4k randwrite QD32 on {name} (writer node {writer}): {:.0} IOPS, p50 {:.0} µs, p99 {:.0} µs",
         figures.iops, figures.p50_us, figures.p99_us

@@ -38,7 +38,9 @@ async fn measure(bin: &std::path::Path, span: &str, seconds: u64) -> Figures {
     let (writer, _) = cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(30))
         .await;
-    let figures = fio_randwrite_qd32(&uri(cluster.nbd_addrs[&writer]), span, seconds).await;
+    let figures = fio_randwrite_qd32(&uri(cluster.nbd_addrs[&writer]), span, seconds)
+        .await
+        .unwrap_or_else(|err| panic!("fio failed: {err}"));
     for id in cluster.ids.clone() {
         cluster.kill(id);
     }

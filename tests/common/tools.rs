@@ -71,9 +71,10 @@ pub struct FioFigures {
 
 /// fio's 4 KiB random writes at queue depth 32 (one job, its `nbd`
 /// engine) over the first `span` (fio's `--size`, e.g. `1g`, or bytes) of
-/// the export at `uri`, for `seconds` after a 1 s ramp; panics when fio
-/// fails.
-pub async fn fio_randwrite_qd32(uri: &str, span: &str, seconds: u64) -> FioFigures {
+/// the export at `uri`, for `seconds` after a 1 s ramp; a fio that fails
+/// (an I/O error) is an error with its first line of stderr. Panics when
+/// fio cannot run.
+pub async fn fio_randwrite_qd32(uri: &str, span: &str, seconds: u64) -> Result<FioFigures, String> {
     let args = [
         "--name=randwrite".to_string(),
         "--ioengine=nbd".into(),
@@ -89,11 +90,10 @@ pub async fn fio_randwrite_qd32(uri: &str, span: &str, seconds: u64) -> FioFigur
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let output = run_within("fio", &args, Duration::from_secs(seconds + 60)).await;
-    assert!(
-        output.status.success(),
-        "fio failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        return Err(stderr.lines().next().unwrap_or("no message").to_string());
+    }
     // fio may print notes before the JSON document.
     let stdout = String::from_utf8_lossy(&output.stdout);
     let json: serde_json::Value = stdout
@@ -102,11 +102,11 @@ pub async fn fio_randwrite_qd32(uri: &str, span: &str, seconds: u64) -> FioFigur
         .unwrap_or_else(|| panic!("fio printed no JSON: {stdout}"));
     let write = &json["jobs"][0]["write"];
     let percentile = |p: &str| write["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
-    FioFigures {
+    Ok(FioFigures {
         iops: write["iops"].as_f64().unwrap_or(0.0),
         p50_us: percentile("50.000000"),
         p99_us: percentile("99.000000"),
-    }
+    })
 }
 
 /// A plain HTTP/1.0 GET of `path` on `addr`: the status code and the body.
