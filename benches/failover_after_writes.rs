@@ -21,6 +21,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::cluster::Cluster;
+use common::percentile;
 use tokio::time::Instant;
 
 fn env_list(name: &str, default: &[u64]) -> Vec<u64> {
@@ -28,14 +29,6 @@ fn env_list(name: &str, default: &[u64]) -> Vec<u64> {
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
         .unwrap_or_else(|| default.to_vec())
-}
-
-/// The nearest-rank `p`th percentile of sorted `samples`: the smallest
-/// sample that at least `p`% of the samples do not exceed. With fewer than
-/// 100 samples the 99th is the maximum, which is what it should say.
-fn percentile(samples: &[Duration], p: usize) -> Duration {
-    let rank = (samples.len() * p).div_ceil(100).max(1);
-    samples[rank - 1]
 }
 
 /// Writes `mib` MiB from offset 0 into `url` with fio; panics on failure.

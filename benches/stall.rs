@@ -21,6 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::cluster::Cluster;
+use common::percentile;
 use common::stack::{Stack, Via, writer};
 
 fn now() -> f64 {
@@ -52,11 +53,6 @@ fn stall(times: &[f64], from: f64, to: f64) -> Duration {
         last = *t;
     }
     Duration::from_secs_f64(longest)
-}
-
-fn percentile(sorted: &[Duration], p: usize) -> Duration {
-    let rank = (sorted.len() * p).div_ceil(100).max(1);
-    sorted[rank - 1]
 }
 
 #[derive(Clone, Copy, Debug)]

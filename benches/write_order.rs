@@ -25,15 +25,7 @@ use std::time::Duration;
 
 use common::cluster::{BIN, Cluster};
 use common::env_u64;
-use common::tools::{run_within, uri};
-
-/// One fio run's figures.
-#[derive(Debug, Clone, Copy, Default)]
-struct Figures {
-    iops: f64,
-    p50_us: f64,
-    p99_us: f64,
-}
+use common::tools::{FioFigures as Figures, fio_randwrite_qd32, uri};
 
 /// A fresh cluster of `bin`, fio `span` bytes at QD32 for `seconds`.
 async fn measure(bin: &std::path::Path, span: &str, seconds: u64) -> Figures {
@@ -46,39 +38,9 @@ async fn measure(bin: &std::path::Path, span: &str, seconds: u64) -> Figures {
     let (writer, _) = cluster
         .wait_for_writer(&[1, 2, 3], Duration::from_secs(30))
         .await;
-    let args = [
-        "--name=order".to_string(),
-        "--ioengine=nbd".into(),
-        format!("--uri={}", uri(cluster.nbd_addrs[&writer])),
-        "--rw=randwrite".into(),
-        "--bs=4k".into(),
-        format!("--size={span}"),
-        "--iodepth=32".into(),
-        "--time_based".into(),
-        format!("--runtime={seconds}"),
-        "--ramp_time=1".into(),
-        "--output-format=json".into(),
-    ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let output = run_within("fio", &args, Duration::from_secs(seconds + 60)).await;
-    assert!(
-        output.status.success(),
-        "fio failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    // fio may print notes before the JSON document.
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let json: serde_json::Value = stdout
-        .find('{')
-        .and_then(|start| serde_json::from_str(&stdout[start..]).ok())
-        .unwrap_or_else(|| panic!("fio printed no JSON: {stdout}"));
-    let write = &json["jobs"][0]["write"];
-    let percentile = |p: &str| write["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
-    let figures = Figures {
-        iops: write["iops"].as_f64().unwrap_or(0.0),
-        p50_us: percentile("50.000000"),
-        p99_us: percentile("99.000000"),
-    };
+    let figures = fio_randwrite_qd32(&uri(cluster.nbd_addrs[&writer]), span, seconds)
+        .await
+        .unwrap_or_else(|err| panic!("fio failed: {err}"));
     for id in cluster.ids.clone() {
         cluster.kill(id);
     }

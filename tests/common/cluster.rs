@@ -802,18 +802,23 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            // The failing test's evidence: every node's log, on stderr.
-            for id in &self.ids {
-                eprintln!("===== node {id} log =====\n{}", self.log(*id));
-            }
-        }
+        // The nodes go first: whatever happens below, none outlives us.
         for (_, mut child) in std::mem::take(&mut self.children) {
             let _ = Command::new("kill")
                 .args(["-CONT", &child.id().to_string()])
                 .status();
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            // The failing test's evidence: every node's log, on stderr. A
+            // stderr that is gone (a closed pipe) must not panic here: a
+            // panic while unwinding aborts, and the data dir would stay.
+            use std::io::Write;
+            let mut stderr = std::io::stderr();
+            for id in &self.ids {
+                let _ = writeln!(stderr, "===== node {id} log =====\n{}", self.log(*id));
+            }
         }
     }
 }

@@ -457,3 +457,11 @@ pub fn env_u64(name: &str, default: u64) -> u64 {
         Err(_) => default,
     }
 }
+
+/// The nearest-rank `p`th percentile of `sorted` (ascending, not empty):
+/// the smallest sample that at least `p`% of the samples do not exceed.
+/// With fewer than 100 samples the 99th is the maximum.
+pub fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    let rank = (sorted.len() * p).div_ceil(100).max(1);
+    sorted[rank.min(sorted.len()) - 1]
+}

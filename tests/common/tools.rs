@@ -52,7 +52,61 @@ pub async fn write_and_read_back(uri: &str, offset: u64, limit: Duration) {
 
 /// The NBD URI of the volume at `addr`.
 pub fn uri(addr: SocketAddr) -> String {
-    format!("nbd://{addr}/vol0")
+    volume_uri(addr, "vol0")
+}
+
+/// The NBD URI of volume `name` (its export name) at `addr`.
+pub fn volume_uri(addr: SocketAddr, name: &str) -> String {
+    format!("nbd://{addr}/{name}")
+}
+
+/// What one fio job measured: its write IOPS and the median and 99th
+/// percentile of its completion latency.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FioFigures {
+    pub iops: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// fio's 4 KiB random writes at queue depth 32 (one job, its `nbd`
+/// engine) over the first `span` (fio's `--size`, e.g. `1g`, or bytes) of
+/// the export at `uri`, for `seconds` after a 1 s ramp; a fio that fails
+/// (an I/O error) is an error with its first line of stderr. Panics when
+/// fio cannot run.
+pub async fn fio_randwrite_qd32(uri: &str, span: &str, seconds: u64) -> Result<FioFigures, String> {
+    let args = [
+        "--name=randwrite".to_string(),
+        "--ioengine=nbd".into(),
+        format!("--uri={uri}"),
+        "--rw=randwrite".into(),
+        "--bs=4k".into(),
+        format!("--size={span}"),
+        "--iodepth=32".into(),
+        "--time_based".into(),
+        format!("--runtime={seconds}"),
+        "--ramp_time=1".into(),
+        "--output-format=json".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let output = run_within("fio", &args, Duration::from_secs(seconds + 60)).await;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        return Err(stderr.lines().next().unwrap_or("no message").to_string());
+    }
+    // fio may print notes before the JSON document.
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let json: serde_json::Value = stdout
+        .find('{')
+        .and_then(|start| serde_json::from_str(&stdout[start..]).ok())
+        .unwrap_or_else(|| panic!("fio printed no JSON: {stdout}"));
+    let write = &json["jobs"][0]["write"];
+    let percentile = |p: &str| write["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
+    Ok(FioFigures {
+        iops: write["iops"].as_f64().unwrap_or(0.0),
+        p50_us: percentile("50.000000"),
+        p99_us: percentile("99.000000"),
+    })
 }
 
 /// A plain HTTP/1.0 GET of `path` on `addr`: the status code and the body.
