@@ -68,7 +68,16 @@ async fn a_paused_writer_that_resumes_cannot_write_after_the_new_writer_fenced()
     let mut attempts = 0;
     while Instant::now() < until {
         let outcome = cluster.write(old, 0, block(3)).await;
-        assert!(outcome.is_err(), "the old writer's write was acknowledged");
+        if outcome.is_ok() {
+            // Which term took it: a fenced old term would break S1; the
+            // old node elected again in a later term would not.
+            let status = cluster.status(old).await;
+            let seen = status.map(|s| (s.term, s.role, s.gate_open));
+            panic!(
+                "the old writer's write was acknowledged (old term {old_term}, new {new_term}; \
+                 node {old} now: (term, role, gate open) {seen:?})"
+            );
+        }
         attempts += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
