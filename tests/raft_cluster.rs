@@ -508,12 +508,15 @@ async fn a_sole_voter_at_rest_keeps_its_lease_and_its_one_promotion() {
     let cluster = Cluster::start(1).await;
     let (writer, term) = cluster.wait_for_writer(&[1], ELECTION).await;
     let first = cluster.status(writer).await.unwrap();
+    // Looked at again and again over two seconds (eight leases): the same
+    // term, the same promotion, the gate open every time.
     let until = tokio::time::Instant::now() + Duration::from_secs(2);
     while tokio::time::Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = cluster.status(writer).await.unwrap();
+        assert_eq!((now.term, now.promotions), (term, first.promotions));
+        assert!(now.gate_open, "the gate closed at rest");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let now = cluster.status(writer).await.unwrap();
-    assert_eq!((now.term, now.promotions), (term, first.promotions));
     assert!(
         !cluster.log(writer).contains("the lease ran out"),
         "{}",
